@@ -1,0 +1,101 @@
+"""Issue 2: every backend gives the 1-rank losses; accumulation, clipping, AC, bytes per rank.
+
+All 2-rank runs share one gloo process group (one launch), then the tests read metrics.jsonl.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import case, on_ranks, records, train_cases
+from trainer.config import Sharding, StrategyName
+from trainer.memory import fsdp_shard_count, per_rank_bytes
+
+# Measured on this machine (fp32, 8 steps, tiny model): the largest relative loss difference to
+# the 1-rank baseline was 3e-7 (ZeRO-3: different reduction order); DDP/FSDP/ZeRO-1/2 were equal.
+LOSS_RTOL = 2e-6
+NORM_RTOL = 1e-5
+TINY_PARAMS = 136_960
+
+BACKENDS = {
+    "ddp": case("ddp"),
+    "fsdp": case("fsdp"),
+    "fsdp_grad_op": case("fsdp", strategy__sharding="SHARD_GRAD_OP"),
+    "fsdp_no_shard": case("fsdp", strategy__sharding="NO_SHARD"),
+    "fsdp_hybrid": case("fsdp", strategy__sharding="HYBRID_SHARD"),
+    "zero1": case("zero1"),
+    "zero2": case("zero2"),
+    "zero3": case("zero3"),
+}
+MICRO = {"train__micro_batch_size": 2, "train__grad_accum_steps": 4}
+
+
+def with_overrides(base: dict, **overrides) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in overrides.items():
+        group, leaf = key.split("__")
+        out.setdefault(group, {})[leaf] = value
+    return out
+
+
+# Global batch 16 everywhere: 1 rank x 16, 2 ranks x 8, 2 ranks x 2 x accum 4.
+CASES = {name: with_overrides(c, train__micro_batch_size=8) for name, c in BACKENDS.items()}
+CASES.update({f"{name}_accum": with_overrides(c, **MICRO) for name, c in BACKENDS.items()})
+CASES.update({f"{name}_ac": with_overrides(CASES[name], train__activation_checkpointing=True)
+              for name in ("ddp", "fsdp", "zero1", "zero3")})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity")
+    on_ranks(1, train_cases, {"baseline": with_overrides(case("ddp"), train__micro_batch_size=16)}, str(out))
+    on_ranks(2, train_cases, CASES, str(out))
+    return {name: records(out / name) for name in ["baseline", *CASES]}
+
+
+def assert_close_seq(actual, expected, rtol, what):
+    assert len(actual) == len(expected) == 8, what
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rtol * abs(e), f"{what}: step {i + 1}: {a} vs {e} (rtol {rtol})"
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_losses_match_one_rank_baseline(runs, name):
+    base = [r["loss"] for r in runs["baseline"]]
+    assert base[-1] < base[0] - 0.5, "the baseline must learn"
+    assert_close_seq([r["loss"] for r in runs[name]], base, LOSS_RTOL, name)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_accumulation_matches_one_big_micro_batch(runs, name):
+    assert_close_seq([r["loss"] for r in runs[f"{name}_accum"]], [r["loss"] for r in runs[name]], LOSS_RTOL, name)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_reported_grad_norm_agrees_across_backends(runs, name):
+    base = [r["grad_norm"] for r in runs["baseline"]]
+    assert max(base) > 1.0, "grad_clip=1.0 must actually clip in this run"
+    assert_close_seq([r["grad_norm"] for r in runs[name]], base, NORM_RTOL, name)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero1", "zero3"])
+def test_activation_checkpointing_keeps_losses(runs, name):
+    assert_close_seq([r["loss"] for r in runs[f"{name}_ac"]], [r["loss"] for r in runs[name]], LOSS_RTOL, name)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_bytes_per_rank_follow_the_table(runs, name):
+    cfg = BACKENDS[name]["strategy"]
+    strategy = StrategyName(cfg["name"])
+    shards = fsdp_shard_count(Sharding(cfg.get("sharding", "FULL_SHARD")), world_size=2, local_world_size=2)
+    expected = per_rank_bytes(strategy, TINY_PARAMS, world_size=2, fsdp_shards=shards)
+    mem = runs[name][-1]["mem"]
+    for key in ("params", "grads", "optim"):
+        assert mem[key] == pytest.approx(expected[key], rel=0.04), f"{name} {key}: {mem[key]} vs {expected[key]}"
+
+
+def test_sharding_shrinks_memory_in_the_documented_order(runs):
+    mem = {name: runs[name][-1]["mem"] for name in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
+    assert mem["zero1"]["optim"] < mem["ddp"]["optim"] and mem["zero1"]["grads"] == mem["ddp"]["grads"]
+    assert mem["zero2"]["grads"] < 0.6 * mem["zero1"]["grads"] and mem["zero2"]["params"] == mem["ddp"]["params"]
+    assert mem["zero3"]["params"] < 0.6 * mem["ddp"]["params"]
+    assert mem["fsdp"]["params"] < 0.6 * mem["ddp"]["params"]

@@ -1,0 +1,113 @@
+"""Process group from the launcher's environment, the device, seeding. Device choice lives here only."""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Launchers that set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT themselves: torchrun,
+# accelerate launch, the deepspeed launcher. Under plain `srun`, SLURM's own variables are mapped.
+SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK",
+                  "SLURM_NTASKS_PER_NODE": "LOCAL_WORLD_SIZE"}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launcher_env(environ: dict[str, str] = os.environ) -> dict[str, str]:
+    """RANK/WORLD_SIZE/LOCAL_RANK/... as a launcher gave them; empty when no launcher started us."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return {k: environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                        "MASTER_ADDR", "MASTER_PORT") if k in environ}
+    if int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in environ:
+        env = {torch_key: environ[slurm_key].split("(")[0] for slurm_key, torch_key in SLURM_TO_TORCH.items()
+               if slurm_key in environ}
+        env["MASTER_ADDR"] = environ.get("MASTER_ADDR") or environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+        env["MASTER_PORT"] = environ.get("MASTER_PORT") or str(29500 + int(environ.get("SLURM_JOB_ID", "0")) % 1000)
+        return env
+    return {}
+
+
+def launched_externally() -> bool:
+    return bool(launcher_env())
+
+
+def launcher_rank() -> int:
+    return int(launcher_env().get("RANK", "0"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init() -> DistEnv:
+    """Join (or, alone, create) the process group. Every run has one, world size 1 included,
+    so DDP, FSDP2 and DeepSpeed all see the same kind of world."""
+    env = launcher_env()
+    if not env:
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    os.environ.update(env)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank = int(env.get("LOCAL_RANK", rank))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    device = pick_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(minutes=10))
+    return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def broadcast_object(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_dir_resolver(default: str) -> str:
+    """`hydra.run.dir`: TRAINER_RUN_DIR when the launching side already chose it; under an
+    external launcher, ranks other than 0 get a scratch dir (rank 0's dir reaches them after
+    the process group is up), so no rank invents a `${now:}` dir of its own."""
+    if os.environ.get("TRAINER_RUN_DIR"):
+        return os.environ["TRAINER_RUN_DIR"]
+    if launched_externally() and launcher_rank() != 0:
+        return tempfile.mkdtemp(prefix="trainer-rank-")
+    return default

@@ -1,0 +1,128 @@
+"""Reference decoder-only transformer (GPT / Llama shapes) with a `TransformerBlock` class."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelShape:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    mlp: str = "gelu"  # gelu (GPT-2) | swiglu (Llama)
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    bias: bool = True
+
+
+def residual_std(shape: ModelShape) -> float:
+    """GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * n_layers)."""
+    return 0.02 / math.sqrt(2 * shape.n_layers)
+
+
+def make_norm(shape: ModelShape) -> nn.Module:
+    if shape.norm == "rmsnorm":
+        return nn.RMSNorm(shape.d_model, eps=1e-5)
+    return nn.LayerNorm(shape.d_model, bias=shape.bias)
+
+
+# Each layer initialises itself in its own __init__ (GPT-2 init), so the weights are the same
+# whether the model is built plainly or under DeepSpeed's zero.Init, which partitions every
+# module's parameters as soon as that module's __init__ returns.
+class Linear(nn.Linear):
+    def __init__(self, d_in: int, d_out: int, bias: bool, std: float = 0.02):
+        self.std = std
+        super().__init__(d_in, d_out, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.n_heads = shape.n_heads
+        self.qkv = Linear(shape.d_model, 3 * shape.d_model, shape.bias)
+        self.proj = Linear(shape.d_model, shape.d_model, shape.bias, std=residual_std(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.gated = shape.mlp == "swiglu"
+        self.up = Linear(shape.d_model, shape.d_ff * (2 if self.gated else 1), shape.bias)
+        self.down = Linear(shape.d_ff, shape.d_model, shape.bias, std=residual_std(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(self.up(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.attn_norm = make_norm(shape)
+        self.attn = CausalSelfAttention(shape)
+        self.mlp_norm = make_norm(shape)
+        self.mlp = MLP(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    # Read by blocks.py when `strategy.wrap` is not given (the Hugging Face convention).
+    _no_split_modules = ["TransformerBlock"]
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.shape = shape
+        self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
+        self.pos_emb = Embedding(shape.seq_len, shape.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
+        self.norm = make_norm(shape)
+        self.lm_head = Linear(shape.d_model, shape.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean token cross-entropy (computed in fp32) when `targets` is given."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 * params (matmuls) + 12 * L * d * T (attention), as in PaLM."""
+        s = self.shape
+        n = sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
+        return 6 * n + 12 * s.n_layers * s.d_model * s.seq_len
+
+
+def build_model(shape: ModelShape) -> Transformer:
+    return Transformer(shape)

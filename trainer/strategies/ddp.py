@@ -1,0 +1,26 @@
+"""DDP: every rank holds everything; gradients are all-reduced in buckets during backward."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import Precision
+from trainer.strategies.base import DTYPES, TorchStrategy
+
+
+class DDPStrategy(TorchStrategy):
+    def wrap(self, model):
+        model = model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+    def autocast(self):
+        # DDP keeps fp32 parameters; bf16/fp16 compute comes from autocast.
+        if self.precision is Precision.fp32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def no_sync(self, enabled):
+        return self.model.no_sync() if enabled else nullcontext()

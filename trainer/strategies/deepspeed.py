@@ -1,0 +1,139 @@
+"""DeepSpeed ZeRO-1/2/3: `deepspeed.initialize` with a config built from ours.
+
+The loop owns accumulation (as for DDP/FSDP): DeepSpeed sees gradient_accumulation_steps=1,
+`backward` does not divide the loss again, and `no_sync` holds all micro-steps of a step in
+one `coalesce_grad_reduction` block, so gradients are reduced once, after the final backward.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from trainer.config import ConfigError, Precision, StrategyName
+from trainer.strategies.base import Strategy, optimizer_state_tensors, peak_device_bytes, tensor_bytes
+
+ZERO_STAGE = {StrategyName.zero1: 1, StrategyName.zero2: 2, StrategyName.zero3: 3}
+# Keys the loop owns: a user's ds_config may leave them "auto" or repeat our value, nothing else.
+OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+              "gradient_clipping", "zero_optimization.stage", "bf16.enabled", "fp16.enabled")
+
+
+def _merge(ours: dict, theirs: dict, path: str = "") -> dict:
+    """`theirs` over `ours`; their "auto" takes our value; owned keys must agree with ours."""
+    merged = dict(ours)
+    for key, value in theirs.items():
+        full = f"{path}{key}"
+        if isinstance(value, dict) and isinstance(ours.get(key), dict):
+            merged[key] = _merge(ours[key], value, f"{full}.")
+        elif value == "auto":
+            if key not in ours:
+                raise ConfigError(f"strategy.deepspeed_config: no value of ours can fill {full}='auto'")
+        elif full in OWNED_KEYS and key in ours and value != ours[key]:
+            raise ConfigError(f"strategy.deepspeed_config: {full}={value!r} disagrees with the trainer's "
+                              f"{ours[key]!r}; set it through the trainer's config or write \"auto\"")
+        elif full in ("optimizer", "scheduler"):
+            raise ConfigError(f"strategy.deepspeed_config: '{full}' comes from optim.* here; remove it")
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_ds_config(cfg, world_size: int) -> dict:
+    s, t = cfg.strategy, cfg.train
+    precision = Precision(t.precision)
+    zero: dict = {"stage": ZERO_STAGE[StrategyName(s.name)]}
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if s.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    ours = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": t.micro_batch_size * world_size,
+        "gradient_clipping": float(t.grad_clip),
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision is Precision.bf16},
+        "fp16": {"enabled": precision is Precision.fp16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2 ** 31,
+        "wall_clock_breakdown": False,
+    }
+    if not s.deepspeed_config:
+        return ours
+    path = Path(s.deepspeed_config)
+    if not path.is_file():
+        raise ConfigError(f"strategy.deepspeed_config: no file {path}")
+    return _merge(ours, json.loads(path.read_text()))
+
+
+class DeepSpeedStrategy(Strategy):
+    def __init__(self, cfg, env):
+        super().__init__(cfg, env)
+        deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
+        self.ds_config = build_ds_config(cfg, env.world_size)
+        self.stage = self.ds_config["zero_optimization"]["stage"]
+        self.engine = None
+        self._coalescing = None
+
+    def model_init_context(self):
+        if self.stage == 3:  # parameters are partitioned as each module is built
+            return deepspeed.zero.Init(config_dict_or_path=self.ds_config)
+        return super().model_init_context()
+
+    def setup(self, model, optimizer_factory):
+        optimizer = optimizer_factory(model)
+        if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            d = optimizer.defaults
+            optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                                         weight_decay=d["weight_decay"], adamw_mode=True)
+        self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                               config=self.ds_config)
+        return self.engine, ds_optimizer
+
+    @contextmanager
+    def no_sync(self, enabled):
+        # One coalesce block spans every micro-step of the step: it opens on the first
+        # non-final micro-step and its exit, after the final backward, reduces once.
+        if enabled and self._coalescing is None:
+            self._coalescing = self.engine.coalesce_grad_reduction()
+            self._coalescing.__enter__()
+        yield
+        if not enabled and self._coalescing is not None:
+            coalescing, self._coalescing = self._coalescing, None
+            coalescing.__exit__(None, None, None)
+
+    def backward(self, loss):
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, max_grad_norm):
+        # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+    def memory_bytes(self):
+        zero = self.engine.optimizer
+        # fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently.
+        masters = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+        model_params = list(self.engine.module.parameters())
+        grads = [p.grad for p in model_params] + [m.grad for m in masters]
+        grads += [g for gs in getattr(zero, "averaged_gradients", {}).values() for g in (gs or [])]  # ZeRO-1/2
+        grads.append(getattr(zero, "grads_in_partition", None))  # ZeRO-2
+        grads.append(getattr(zero, "grad_partitions_flat_buffer", None))  # ZeRO-3
+        grad_bytes = tensor_bytes(grads)
+        if self.stage == 1:  # it holds every full gradient in backward, then reduces them into partitions
+            grad_bytes = max(grad_bytes, sum(p.numel() * p.element_size() for p in model_params))
+        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in model_params),
+                "grads": grad_bytes,
+                "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(zero.optimizer)),
+                "peak": peak_device_bytes(self.device)}
+
+    def teardown(self):
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None

@@ -1,0 +1,44 @@
+"""FSDP2: `fully_shard` on every block, then on the root (torchtitan's parallelize recipe)."""
+from __future__ import annotations
+
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from trainer.blocks import find_blocks
+from trainer.config import Precision, Sharding
+from trainer.strategies.base import DTYPES, TorchStrategy, toggled
+
+
+class FSDPStrategy(TorchStrategy):
+    def make_grad_scaler(self):
+        return ShardedGradScaler(self.device.type)  # agrees on inf/nan across shards
+
+    def mesh(self):
+        sharding = Sharding(self.cfg.strategy.sharding)
+        world, local = self.world_size, self.env.local_world_size
+        if sharding is Sharding.FULL_SHARD or sharding is Sharding.SHARD_GRAD_OP:
+            return init_device_mesh(self.device.type, (world,))
+        # HSDP: replicate across groups, shard inside one. NO_SHARD is HSDP with shards of size 1.
+        shard = 1 if sharding is Sharding.NO_SHARD else local
+        return init_device_mesh(self.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+    def wrap(self, model):
+        s = self.cfg.strategy
+        kwargs = dict(
+            mesh=self.mesh(),
+            # Sharded parameters stay fp32 (the master weights); compute in bf16/fp16, reduce in fp32.
+            mp_policy=MixedPrecisionPolicy() if self.precision is Precision.fp32 else
+            MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=DTYPES[Precision.fp32]),
+            # FSDP2 offloads params, grads and the optimizer step together.
+            offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+            if s.offload_params or s.offload_optimizer else OffloadPolicy(),
+            reshard_after_forward=Sharding(s.sharding) is not Sharding.SHARD_GRAD_OP,
+        )
+        for block in find_blocks(model, s.wrap):
+            fully_shard(block, **kwargs)
+        return fully_shard(model, **kwargs)
+
+    def no_sync(self, enabled):
+        # Unsharded gradients accumulate locally; reduce-scatter happens on the final micro-step.
+        return toggled(self.model.set_requires_gradient_sync, not enabled)
