@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from pathlib import Path
 
 import hydra
@@ -18,6 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.blocks import find_blocks
 from trainer.config import ConfigError, register_configs, to_config, validate
+from trainer.run import worker
+from trainer.strategies import preflight
 
 
 def check_before_work(cfg) -> None:
@@ -26,29 +27,9 @@ def check_before_work(cfg) -> None:
     from trainer.model import build_model
 
     validate(cfg)
+    preflight(cfg)
     with torch.device("meta"):
         find_blocks(build_model(model_shape(cfg)), cfg.strategy.wrap)
-
-
-def worker(cfg_dict: dict, run_dir: str) -> dict:
-    """One rank: join the group, take rank 0's run dir, train."""
-    from trainer.loop import train
-
-    env = distributed.init()
-    try:
-        run_dir = distributed.broadcast_object(run_dir)
-        return train(to_config(cfg_dict), env, Path(run_dir))
-    finally:
-        distributed.shutdown()
-
-
-def spawn(cfg_dict: dict, run_dir: str, nproc: int) -> dict:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{distributed.free_port()}",
-                          rdzv_configs={"rank": 0, "timeout": 120}, max_restarts=0, monitor_interval=0.1)
-    return elastic_launch(config, worker)(cfg_dict, run_dir)[0]
 
 
 OmegaConf.register_new_resolver("trainer_run_dir", distributed.run_dir_resolver, replace=True)
@@ -75,7 +56,7 @@ def app(cfg: DictConfig):
             sys.stdout.flush(); sys.stderr.flush()
             os._exit(0)
         return result
-    return spawn(cfg_dict, run_dir, typed.nproc)
+    return distributed.launch_local(typed.nproc, worker, cfg_dict, run_dir)[0]
 
 
 def main() -> None:

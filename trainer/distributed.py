@@ -5,12 +5,18 @@ import os
 import random
 import socket
 import tempfile
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+# DeepSpeed picks its accelerator when first imported; without CUDA it is the CPU (it would guess
+# so too, with a warning). Set here, before any strategy imports deepspeed.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # Launchers that set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT themselves: torchrun,
 # accelerate launch, the deepspeed launcher. Under plain `srun`, SLURM's own variables are mapped.
@@ -59,8 +65,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def pick_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -78,6 +88,8 @@ def init() -> DistEnv:
     local_rank = int(env.get("LOCAL_RANK", rank))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     device = pick_device(local_rank)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # ranks share the cores
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=10))
@@ -88,6 +100,18 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def launch_local(nproc: int, fn, *args) -> dict:
+    """fn(*args) in `nproc` fresh local processes under torch's elastic launcher, which sets the
+    rank variables for `init`. A static rendezvous on a fresh free port: back-to-back launches
+    (a Hydra sweep, a test suite) never clash. `fn` must be importable (not from __main__)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                          rdzv_configs={"rank": 0, "timeout": 120}, max_restarts=0, monitor_interval=0.1)
+    return elastic_launch(config, fn)(*args)
 
 
 def shutdown() -> None:

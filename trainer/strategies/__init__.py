@@ -15,3 +15,11 @@ def build_strategy(cfg: Config, env: DistEnv) -> Strategy:
     else:
         from trainer.strategies.deepspeed import DeepSpeedStrategy as cls
     return cls(cfg, env)
+
+
+def preflight(cfg: Config) -> None:
+    """Backend-specific checks of the settings, run once before any rank starts."""
+    if StrategyName(cfg.strategy.name).value.startswith("zero"):
+        from trainer.strategies.deepspeed import build_ds_config
+
+        build_ds_config(cfg, world_size=1)

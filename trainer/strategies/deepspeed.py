@@ -14,6 +14,7 @@ import deepspeed
 import torch
 
 from trainer.config import ConfigError, Precision, StrategyName
+from trainer.distributed import device_type
 from trainer.strategies.base import Strategy, optimizer_state_tensors, peak_device_bytes, tensor_bytes
 
 ZERO_STAGE = {StrategyName.zero1: 1, StrategyName.zero2: 2, StrategyName.zero3: 3}
@@ -43,8 +44,11 @@ def _merge(ours: dict, theirs: dict, path: str = "") -> dict:
 
 
 def build_ds_config(cfg, world_size: int) -> dict:
+    """Our settings as a ds_config (a user's file merged in); raises ConfigError before any work."""
     s, t = cfg.strategy, cfg.train
     precision = Precision(t.precision)
+    if precision is Precision.fp16 and device_type() == "cpu":
+        raise ConfigError("train.precision: DeepSpeed on CPU supports bf16 and fp32, not fp16")
     zero: dict = {"stage": ZERO_STAGE[StrategyName(s.name)]}
     if s.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}

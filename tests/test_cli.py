@@ -1,0 +1,70 @@
+"""Issue 2: the CLI trains under every strategy, spawned or under torchrun; bad input fails early."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.harness import records, run_cli
+
+
+def test_default_run_learns_and_says_where_metrics_went(tmp_path):
+    result = run_cli(f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert str(tmp_path / "metrics.jsonl") in result.stdout
+    rows = records(tmp_path)
+    assert rows[-1]["step"] == 60 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1]) == {"event": "end", "step": 60}
+    assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mem"}
+    assert set(rows[0]["mem"]) == {"params", "grads", "optim", "peak"}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_nproc_2_spawns_two_ranks(tmp_path, strategy):
+    result = run_cli(f"strategy={strategy}", "nproc=2", "train.max_steps=4", "train.log_every=2",
+                     f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"strategy={strategy} world_size=2" in result.stdout
+    assert [r["step"] for r in records(tmp_path)] == [2, 4]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_torchrun_starts_the_same_program_with_one_run_dir(tmp_path, strategy):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "trainer"]
+    result = run_cli(f"strategy={strategy}", "train.max_steps=4", "train.log_every=2", launcher=torchrun,
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"strategy={strategy} world_size=2" in result.stdout
+    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 1, f"every rank must share rank 0's run dir: {run_dirs}"
+    assert [r["step"] for r in records(run_dirs[0])] == [2, 4]
+
+
+BAD_INPUT = {
+    "strategy=zero4": ["zero4", "ddp", "fsdp", "zero1", "zero2", "zero3"],
+    "train.precision=fp8": ["train.precision", "bf16", "fp16", "fp32"],
+    "strategy.sharding=HALF": ["strategy.sharding", "FULL_SHARD", "SHARD_GRAD_OP"],
+    "strategy=zero1 strategy.offload_params=true": ["strategy.offload_params", "zero1"],
+    "strategy.offload_optimizer=true": ["strategy.offload_optimizer", "ddp"],
+    "train.micro_batch_size=0": ["train.micro_batch_size", ">= 1"],
+    "train.grad_accum_steps=0": ["train.grad_accum_steps"],
+    "strategy=fsdp strategy.wrap=[Block]": ["strategy.wrap", "Block", "TransformerBlock"],
+    "strategy.bogus=1": ["bogus"],
+    "model=llama2_7b": ["shape-only", "trainer.plan"],
+    "strategy=zero3 train.precision=fp16": ["train.precision", "fp16"],
+    "strategy=zero2 strategy.deepspeed_config=/nonexistent.json": ["strategy.deepspeed_config", "/nonexistent.json"],
+}
+
+
+@pytest.mark.parametrize("overrides", list(BAD_INPUT))
+def test_bad_input_fails_before_any_work_with_a_message(tmp_path, overrides):
+    result = run_cli(*overrides.split(), "nproc=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    message = result.stderr + result.stdout
+    for fragment in BAD_INPUT[overrides]:
+        assert fragment in message, f"{fragment!r} not in:\n{message[-2000:]}"
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert "world_size=" not in result.stdout  # no rank started
