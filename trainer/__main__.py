@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
 from trainer.blocks import find_blocks
+from trainer.checkpoint import check_fingerprint, read_manifest, resolve_resume
 from trainer.config import ConfigError, register_configs, to_config, validate
 from trainer.run import worker
 from trainer.strategies import preflight
@@ -29,7 +30,12 @@ def check_before_work(cfg) -> None:
     validate(cfg)
     preflight(cfg)
     with torch.device("meta"):
-        find_blocks(build_model(model_shape(cfg)), cfg.strategy.wrap)
+        model = build_model(model_shape(cfg))
+    find_blocks(model, cfg.strategy.wrap)
+    resume_from = resolve_resume(cfg.checkpoint)
+    if resume_from:
+        check_fingerprint(read_manifest(resume_from), {n: tuple(p.shape) for n, p in model.named_parameters()},
+                          resume_from)
 
 
 OmegaConf.register_new_resolver("trainer_run_dir", distributed.run_dir_resolver, replace=True)

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.blocks import apply_checkpointing, find_blocks
+from trainer.checkpoint import CheckpointManager, resolve_resume
 from trainer.config import Config, OptimConfig
 from trainer.data import BatchStream, build_dataset
 from trainer.distributed import DistEnv, seed_everything
@@ -71,13 +72,23 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         apply_checkpointing(model, find_blocks(model, cfg.strategy.wrap))
     model, optimizer = strategy.setup(model, adamw_factory(cfg.optim))
 
+    checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value)
+    step = 0
+    resume_from = resolve_resume(cfg.checkpoint)
+    if resume_from:
+        state = checkpoints.load(resume_from)
+        step = state["step"]
+        stream.load_state_dict(state["data"])
+
     metrics = MetricsLog(run_dir / "metrics.jsonl") if env.is_main else None
     if metrics:
         print(f"[trainer] strategy={cfg.strategy.name.value} world_size={env.world_size} device={env.device} "
               f"model={cfg.model.name} steps={total_steps}; metrics: {metrics.path}", flush=True)
+        if resume_from:
+            print(f"[trainer] resumed from {resume_from} at step {step}", flush=True)
     tokens_per_step = t.micro_batch_size * t.grad_accum_steps * env.world_size * cfg.model.seq_len
-    progress = tqdm(total=total_steps, disable=not env.is_main, desc="train", dynamic_ncols=True)
-    step, last = 0, {}
+    progress = tqdm(total=total_steps, initial=step, disable=not env.is_main, desc="train", dynamic_ncols=True)
+    last = {}
     since, steps_since = time.perf_counter(), 0
     while step < total_steps:
         lr = lr_at(step, total_steps, cfg.optim)
@@ -97,6 +108,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         grad_norm = strategy.step(t.grad_clip)
         steps_since += 1
         progress.update()
+        if checkpoints.due(step, total_steps):
+            checkpoints.save(step, {"step": step, "epoch": stream.epoch, "data": stream.state_dict()})
         if not log_now:
             continue
         mean_loss = strategy.all_reduce(loss_sum / t.grad_accum_steps).item() / env.world_size

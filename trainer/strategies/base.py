@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,47 @@ from trainer.distributed import DistEnv
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
+
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod"}  # activation checkpointing, torch.compile
+
+
+class Piece(NamedTuple):
+    """A contiguous range [start, start + numel) of a flattened tensor, as a 1-D tensor."""
+    start: int
+    tensor: torch.Tensor
+
+
+def canonical_name(name: str) -> str:
+    """The parameter's name in the plain model, whatever wraps its modules."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def state_keys(name: str) -> dict[str, str]:
+    """Portable keys (DESIGN §5) of one parameter: its fp32 value and its Adam moments."""
+    return {"param": f"model.{name}", **{k: f"optim.{name}.{k}" for k in ADAM_KEYS}}
+
+
+STEP_KEY = "optim.step"  # Adam's step count, one value
+
+
+def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> Piece:
+    """Of a range held identically by `replicas` ranks, the part replica `index` saves."""
+    chunk = -(-flat.numel() // replicas)
+    return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk])
+
+
+@contextmanager
+def zero_lr(optimizer) -> Iterator[None]:
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -81,6 +122,25 @@ class Strategy(ABC):
     def memory_bytes(self) -> dict[str, int | None]:
         """Bytes this rank holds: {"params", "grads", "optim", "peak"} (DESIGN §4)."""
 
+    # Portable state (DESIGN §5): keys from `state_keys` and STEP_KEY, values as flat ranges,
+    # so a checkpoint is independent of how a backend splits tensors.
+
+    @abstractmethod
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical parameter name -> full shape."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Piece]:
+        """The ranges this rank saves; together the ranks' pieces cover every key once."""
+
+    @abstractmethod
+    def state_layout(self) -> dict[str, tuple[int, int]]:
+        """key -> (start, numel): the ranges this rank needs to resume."""
+
+    @abstractmethod
+    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        """Take the fp32 ranges of `state_layout` (parameters, moments, step)."""
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         dist.all_reduce(tensor, op=op)
         return tensor
@@ -130,6 +190,58 @@ class TorchStrategy(Strategy):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.item()
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The model without the DDP wrapper."""
+
+    @abstractmethod
+    def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int]:
+        """(start, this rank's flat range, replicas holding the same range, our replica index)."""
+
+    def param_shapes(self):
+        return {canonical_name(n): tuple(p.shape) for n, p in self.module.named_parameters()}
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.module.named_parameters():
+            state = self.optimizer.state[p]
+            for what, key in state_keys(canonical_name(name)).items():
+                yield key, p if what == "param" else state[what]
+
+    def _adam_step(self) -> float:
+        return float(next(iter(self.optimizer.state.values()))["step"])
+
+    def state_dict(self):
+        pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors()}
+        if self.is_main:
+            pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
+        return pieces
+
+    def state_layout(self):
+        self._create_optimizer_state()
+        layout = {key: (start, flat.numel()) for key, t in self._tensors()
+                  for start, flat, _, _ in [self.local_range(t)]}
+        return {**layout, STEP_KEY: (0, 1)}
+
+    @torch.no_grad()
+    def load_state_dict(self, values):
+        for key, t in self._tensors():
+            self.local_range(t)[1].copy_(values[key])
+        for state in self.optimizer.state.values():
+            state["step"].fill_(values[STEP_KEY].item())
+
+    @torch.no_grad()
+    def _create_optimizer_state(self) -> None:
+        """Adam creates its moments at the first step: take one with zero gradients and lr 0
+        (which leaves the parameters as they are), so a checkpoint has somewhere to go."""
+        if self.optimizer.state:
+            return
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        with zero_lr(self.optimizer):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def memory_bytes(self):
         params = list(self.model.parameters())

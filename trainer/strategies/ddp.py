@@ -22,5 +22,13 @@ class DDPStrategy(TorchStrategy):
             return nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
+    @property
+    def module(self):
+        return self.model.module
+
+    def local_range(self, tensor):
+        # Every rank holds everything: each saves 1/N of it and loads all of it.
+        return 0, tensor.detach().view(-1), self.world_size, self.rank
+
     def no_sync(self, enabled):
         return self.model.no_sync() if enabled else nullcontext()

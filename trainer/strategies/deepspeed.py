@@ -15,7 +15,18 @@ import torch
 
 from trainer.config import ConfigError, Precision, StrategyName
 from trainer.distributed import device_type
-from trainer.strategies.base import Strategy, optimizer_state_tensors, peak_device_bytes, tensor_bytes
+from trainer.strategies.base import (
+    ADAM_KEYS,
+    STEP_KEY,
+    Piece,
+    Strategy,
+    canonical_name,
+    optimizer_state_tensors,
+    peak_device_bytes,
+    state_keys,
+    tensor_bytes,
+    zero_lr,
+)
 
 ZERO_STAGE = {StrategyName.zero1: 1, StrategyName.zero2: 2, StrategyName.zero3: 3}
 # Keys the loop owns: a user's ds_config may leave them "auto" or repeat our value, nothing else.
@@ -137,7 +148,121 @@ class DeepSpeedStrategy(Strategy):
                 "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(zero.optimizer)),
                 "peak": peak_device_bytes(self.device)}
 
+    # Portable state. DeepSpeed keeps fp32 masters and Adam moments in flat partitions; its
+    # fragment APIs tell which range of each parameter this rank owns. ZeRO-1/2: the
+    # `_hp_mapping` fragment (any range, or none); ZeRO-3: partition `rank` of the flat parameter.
+
+    def _params(self):
+        return [(canonical_name(n), p) for n, p in self.engine.module.named_parameters()]
+
+    def param_shapes(self):
+        return {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._params()}
+
+    def _z3_range(self, p) -> tuple[int, int]:
+        size = p.ds_tensor.numel()  # partition size, padded on the last ranks
+        start = self.rank * size
+        return start, max(0, min(size, p.ds_numel - start))
+
+    def _fragments(self):
+        """(name, start, numel, {"param"|moment: this rank's fp32 range}) per owned parameter."""
+        from deepspeed.utils import (
+            lazy_init_hp_params_optimizer_state,
+            safe_get_local_fp32_param,
+            safe_get_local_optimizer_state,
+        )
+
+        zero = self.engine.optimizer
+        if self.stage < 3:
+            # Link every parameter's moment fragments. DeepSpeed links once, after stepping the
+            # first param group only, so with two groups the second stays unlinked.
+            for group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+                lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
+        for name, p in self._params():
+            if self.stage == 3:
+                start, numel = self._z3_range(p)
+                local = {"param": safe_get_local_fp32_param(p)}
+                local.update({k: safe_get_local_optimizer_state(p, k) for k in ADAM_KEYS})
+                yield name, start, numel, {k: v.view(-1)[:numel] for k, v in local.items()}
+            elif p._hp_mapping is not None:
+                m = p._hp_mapping
+                local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in ADAM_KEYS}}
+                yield name, m.lp_fragment_address.start, m.lp_fragment_address.numel, local
+
+    def _adam_step(self) -> float:
+        return float(next(iter(self.engine.optimizer.optimizer.state.values()))["step"])
+
+    def state_dict(self):
+        pieces = {state_keys(name)[what]: Piece(start, t) for name, start, numel, local in self._fragments()
+                  for what, t in local.items() if numel}
+        if self.is_main:
+            pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
+        return pieces
+
+    def state_layout(self):
+        self._create_optimizer_state()
+        layout = {state_keys(name)[what]: (start, numel) for name, start, numel, local in self._fragments()
+                  for what in local if numel}
+        if self.stage < 3:  # the full (low-precision) parameters live on every rank: load them whole
+            layout.update({state_keys(name)["param"]: (0, p.numel()) for name, p in self._params()})
+        return {**layout, STEP_KEY: (0, 1)}
+
+    @torch.no_grad()
+    def load_state_dict(self, values):
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        for name, p in self._params():
+            keys = state_keys(name)
+            if self.stage == 3:
+                start, numel = self._z3_range(p)
+                if not numel:
+                    continue
+                padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
+                for what, key in keys.items():
+                    padded[:numel].copy_(values[key])
+                    if what == "param":
+                        safe_set_local_fp32_param(p, padded)
+                        p.ds_tensor.data.view(-1)[:numel].copy_(values[key])
+                    else:
+                        safe_set_local_optimizer_state(p, padded, what)
+                continue
+            full = values[keys["param"]]
+            p.data.view(-1).copy_(full)
+            m = p._hp_mapping
+            if m is not None:
+                start, numel = m.lp_fragment_address.start, m.lp_fragment_address.numel
+                m.get_hp_fragment().copy_(full[start:start + numel])
+                for k in ADAM_KEYS:
+                    m.get_hp_fragment(k).copy_(values[keys[k]])
+        step = values[STEP_KEY].item()
+        for state in self.engine.optimizer.optimizer.state.values():
+            state["step"] = torch.tensor(step) if isinstance(state["step"], torch.Tensor) else int(step)
+
+    @torch.no_grad()
+    def _create_optimizer_state(self) -> None:
+        """Adam state appears at the first step; take one on zero gradients with lr 0, the way
+        DeepSpeed steps its partitions, so that a checkpoint has somewhere to go."""
+        zero, inner = self.engine.optimizer, self.engine.optimizer.optimizer
+        if inner.state:
+            return
+        flats = zero.fp32_partitioned_groups_flat if self.stage == 3 else zero.single_partition_of_fp32_groups
+        missing = [f for f in flats if f.grad is None]
+        for f in missing:
+            f.grad = torch.zeros_like(f)
+        with zero_lr(inner):
+            if self.stage == 3:
+                for i in range(len(flats)):
+                    zero._optimizer_step(i)
+            else:
+                inner.step()
+        for f in missing:
+            f.grad = None
+
     def teardown(self):
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
+        # zero.Init swaps in its own F.linear for the whole process and leaves it ("persists
+        # unless manually reset"): put torch's back, so later work in this process is unaffected.
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+        if hasattr(patcher, "linear_bk"):
+            torch.nn.functional.linear = patcher.linear_bk

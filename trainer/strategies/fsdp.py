@@ -1,7 +1,10 @@
 """FSDP2: `fully_shard` on every block, then on the root (torchtitan's parallelize recipe)."""
 from __future__ import annotations
 
+import math
+
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -38,6 +41,18 @@ class FSDPStrategy(TorchStrategy):
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
         return fully_shard(model, **kwargs)
+
+    @property
+    def module(self):
+        return self.model
+
+    def local_range(self, tensor):
+        # Shard(0) rows [r0, r1) of a parameter are the flat range [r0 * row, r1 * row).
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        start = offset[0] * math.prod(tensor.shape[1:])
+        mesh = tensor.device_mesh
+        replicas, index = (mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (1, 0)  # HSDP
+        return start, tensor.to_local().detach().view(-1), replicas, index
 
     def no_sync(self, enabled):
         # Unsharded gradients accumulate locally; reduce-scatter happens on the final micro-step.

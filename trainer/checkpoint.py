@@ -1,0 +1,252 @@
+"""CheckpointManager: step dirs, atomic commit, keep_last, auto-resume (DESIGN §5).
+
+Layout of one checkpoint, the same whichever strategy and world size wrote it:
+
+    step_00000100/
+      manifest.json           format, step, strategy, world size, model fingerprint, trainer
+                              state, and for every tensor key its shape and pieces
+      rank_00000.safetensors  what rank 0 saved: flat ranges named "<key>@<start>", its RNG
+      ...
+
+Keys are `model.<param>`, `optim.<param>.exp_avg|exp_avg_sq` (fp32) and `optim.step`. Each
+rank writes only the ranges it owns; a loading rank reads, from any files, only the ranges it
+needs, so any strategy at any world size resumes any checkpoint. (torch.distributed.checkpoint
+would need DTensor's even chunks; DeepSpeed's flat partitions cut parameters anywhere.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from trainer.config import CheckpointConfig, ConfigError
+from trainer.strategies.base import STEP_KEY, Strategy, state_keys
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp-"  # a step dir being written: never resumed from, removed by the next save
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used or written; nothing on disk was changed."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Step dirs with a manifest, oldest first (a manifest is written last, before the rename)."""
+    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / MANIFEST).is_file())
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    latest = root / LATEST
+    if latest.is_file():
+        path = root / latest.read_text().strip()
+        if (path / MANIFEST).is_file():
+            return path
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def read_manifest(path: Path) -> dict:
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {path} does not exist")
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"checkpoint: {path} has no {MANIFEST}: not a checkpoint, or one whose save "
+                              "did not finish")
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint: {path} has format {manifest.get('format')!r}; this trainer reads "
+                              f"format {FORMAT_VERSION}")
+    return manifest
+
+
+def resolve_resume(cfg: CheckpointConfig) -> Path | None:
+    """The step dir to resume from, or None to start fresh. Raises before any work starts."""
+    if cfg.resume not in ("auto", "none"):
+        path = Path(cfg.resume)
+        if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).exists():
+            path = latest_checkpoint(path)  # a checkpoint root: its newest
+        read_manifest(path)
+        return path
+    root = Path(cfg.dir) if cfg.dir else None
+    found = latest_checkpoint(root) if root and root.is_dir() else None
+    if cfg.resume == "none" and found:
+        raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {found.name}); "
+                              "checkpoint.resume=auto continues from it, another checkpoint.dir starts over")
+    return found if cfg.resume == "auto" else None
+
+
+def check_fingerprint(manifest: dict, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    saved = {name: tuple(spec["shape"]) for name, spec in manifest["model"].items()}
+    missing = sorted(set(shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(shapes))
+    differ = sorted(n for n in set(saved) & set(shapes) if saved[n] != shapes[n])
+    if missing or unexpected or differ:
+        problems = [f"{n}: checkpoint {list(saved[n])}, model {list(shapes[n])}" for n in differ[:10]]
+        problems += [f"{n}: not in the checkpoint" for n in missing[:10]]
+        problems += [f"{n}: not in the model" for n in unexpected[:10]]
+        raise CheckpointError(f"checkpoint: {path} holds another model ({len(differ)} shapes differ, "
+                              f"{len(missing)} missing, {len(unexpected)} unexpected):\n  " + "\n  ".join(problems))
+
+
+class PieceReader:
+    """Reads ranges of flat tensors from the pieces of a checkpoint, touching only what overlaps."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path, self.tensors, self.files = path, manifest["tensors"], {}
+
+    def _file(self, name: str):
+        if name not in self.files:
+            self.files[name] = safe_open(str(self.path / name), framework="pt")
+        return self.files[name]
+
+    def read(self, key: str, start: int, numel: int) -> torch.Tensor:
+        if key not in self.tensors:
+            raise CheckpointError(f"checkpoint: {self.path} has no {key}")
+        out = torch.empty(numel, dtype=torch.float32)
+        covered = 0
+        for file, piece_start, piece_numel in self.tensors[key]["pieces"]:
+            lo, hi = max(start, piece_start), min(start + numel, piece_start + piece_numel)
+            if lo < hi:
+                part = self._file(file).get_slice(f"{key}@{piece_start}")[lo - piece_start:hi - piece_start]
+                out[lo - start:hi - start] = part
+                covered += hi - lo
+        if covered != numel:
+            raise CheckpointError(f"checkpoint: {self.path} covers {covered} of the {numel} values of {key} "
+                                  f"from {start}")
+        return out
+
+    def read_full(self, key: str) -> torch.Tensor:
+        shape = self.tensors[key]["shape"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self.read(key, 0, numel).reshape(shape)
+
+
+class CheckpointManager:
+    """Used by the loop with any strategy: saves and loads the strategy's portable state plus
+    the trainer's state (step, data position, RNG). Every method is called on all ranks."""
+
+    def __init__(self, cfg: CheckpointConfig, strategy: Strategy, strategy_name: str):
+        self.cfg, self.strategy, self.strategy_name = cfg, strategy, strategy_name
+        self.root = Path(cfg.dir) if cfg.dir else None
+
+    def due(self, step: int, total_steps: int) -> bool:
+        every = self.cfg.every_steps
+        return self.root is not None and every > 0 and (step % every == 0 or step == total_steps)
+
+    def save(self, step: int, trainer_state: dict) -> Path:
+        s = self.strategy
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{TMP_PREFIX}{final.name}"
+        if s.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a save that died
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        s.barrier()
+        outcome = self._write_rank_file(tmp)
+        outcomes = [None] * s.world_size
+        dist.all_gather_object(outcomes, outcome)
+        failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if "error" in o]
+        if not failed and s.is_main:
+            try:
+                self._commit(tmp, final, step, trainer_state, outcomes)
+            except OSError as e:
+                failed.append(f"rank 0: {e}")
+        failed = self._broadcast(failed)
+        if failed:
+            if s.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint: saving step {step} failed, previous checkpoints untouched: "
+                                  + "; ".join(failed))
+        return final
+
+    def _broadcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _write_rank_file(self, tmp: Path) -> dict:
+        s = self.strategy
+        try:
+            pieces = s.state_dict()
+            tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu().clone() for key, p in pieces.items()}
+            tensors["rng.torch"] = torch.get_rng_state()
+            if torch.cuda.is_available():
+                tensors["rng.cuda"] = torch.cuda.get_rng_state()
+            path = tmp / rank_file(s.rank)
+            save_file(tensors, str(path))
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            return {"pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}}
+        except Exception as e:  # reported to all ranks, so that none waits forever
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _commit(self, tmp: Path, final: Path, step: int, trainer_state: dict, outcomes: list[dict]) -> None:
+        shapes = self.strategy.param_shapes()
+        tensors: dict[str, dict] = {}
+        for rank, outcome in enumerate(outcomes):
+            for key, (start, numel) in outcome["pieces"].items():
+                tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), start, numel])
+        key_shapes = {key: shape for name, shape in shapes.items() for key in state_keys(name).values()}
+        key_shapes[STEP_KEY] = (1,)
+        for key, spec in tensors.items():
+            spec["shape"] = list(key_shapes[key])
+        manifest = {
+            "format": FORMAT_VERSION, "step": step, "epoch": trainer_state["epoch"], "strategy": self.strategy_name,
+            "world_size": self.strategy.world_size, "trainer": trainer_state,
+            "model": {name: {"shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()},
+            "files": [rank_file(r) for r in range(len(outcomes))], "tensors": tensors,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        old = None
+        if final.exists():  # the same step saved again (a resume from an older one): keep it until replaced
+            old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+            final.rename(old)
+        tmp.rename(final)
+        latest_tmp = self.root / f"{TMP_PREFIX}{LATEST}"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, self.root / LATEST)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune(keep=final)
+
+    def _prune(self, keep: Path) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        done = complete_checkpoints(self.root)
+        for path in done[:-self.cfg.keep_last]:
+            if path != keep:
+                shutil.rmtree(path)
+
+    def load(self, path: Path) -> dict:
+        """Load model and optimizer state into the strategy; return the trainer's state."""
+        s = self.strategy
+        manifest = read_manifest(path)
+        check_fingerprint(manifest, s.param_shapes(), path)
+        reader = PieceReader(path, manifest)
+        s.load_state_dict({key: reader.read(key, start, numel) for key, (start, numel) in s.state_layout().items()})
+        rng_rank = s.rank if s.rank < manifest["world_size"] else 0
+        with safe_open(str(path / rank_file(rng_rank)), framework="pt") as f:
+            torch.set_rng_state(f.get_tensor("rng.torch"))
+            if torch.cuda.is_available() and "rng.cuda" in f.keys():
+                torch.cuda.set_rng_state(f.get_tensor("rng.cuda"))
+        s.barrier()
+        return manifest["trainer"]
