@@ -18,6 +18,7 @@ from trainer import distributed
 from trainer.blocks import find_blocks
 from trainer.checkpoint import check_fingerprint, read_manifest, resolve_resume
 from trainer.config import ConfigError, register_configs, to_config, validate
+from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.run import worker
 from trainer.strategies import preflight
 
@@ -55,17 +56,24 @@ def app(cfg: DictConfig):
     run_dir = HydraConfig.get().runtime.output_dir
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if distributed.launched_externally() or typed.nproc == 1:
+        # torchrun, accelerate and the deepspeed launcher set RANK (srun and submitit do not).
+        torch_launcher = "RANK" in os.environ
         result = worker(cfg_dict, run_dir)
-        if distributed.launched_externally():
+        if torch_launcher:
             # gloo can abort at interpreter exit after backward (FACTS.md); the work is done and
             # flushed, so leave without running the interpreter's teardown.
-            sys.stdout.flush(); sys.stderr.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(0)
         return result
     return distributed.launch_local(typed.nproc, worker, cfg_dict, run_dir)[0]
 
 
 def main() -> None:
+    try:
+        sys.argv[1:] = with_accelerate_choice(take_local_rank(sys.argv[1:]))
+    except ConfigError as e:
+        sys.exit(f"trainer: error: {e}")
     app()
 
 

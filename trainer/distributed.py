@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import tempfile
 import uuid
@@ -45,10 +46,16 @@ def launcher_env(environ: dict[str, str] = os.environ) -> dict[str, str]:
     if int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in environ:
         env = {torch_key: environ[slurm_key].split("(")[0] for slurm_key, torch_key in SLURM_TO_TORCH.items()
                if slurm_key in environ}
-        env["MASTER_ADDR"] = environ.get("MASTER_ADDR") or environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+        env["MASTER_ADDR"] = environ.get("MASTER_ADDR") or first_host(environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         env["MASTER_PORT"] = environ.get("MASTER_PORT") or str(29500 + int(environ.get("SLURM_JOB_ID", "0")) % 1000)
         return env
     return {}
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    match = re.match(r"([^,\[]+)(?:\[([^,\]-]+))?", nodelist)
+    return match.group(1) + (match.group(2) or "")
 
 
 def launched_externally() -> bool:
