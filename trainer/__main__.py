@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.blocks import find_blocks
 from trainer.checkpoint import check_fingerprint, read_manifest, resolve_resume
-from trainer.config import ConfigError, register_configs, to_config, validate
+from trainer.config import ConfigError, StrategyName, register_configs, to_config, validate
 from trainer.launchers import take_local_rank, with_accelerate_choice
+from trainer.plan import resolve_auto
 from trainer.run import worker
 from trainer.strategies import preflight
 
@@ -48,8 +49,11 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def app(cfg: DictConfig):
-    typed = to_config(cfg)
     try:
+        if cfg.strategy.name == StrategyName.auto:
+            world = int(distributed.launcher_env().get("WORLD_SIZE", cfg.nproc))
+            resolve_auto(cfg, cfg.plan.world_size or world, announce=distributed.launcher_rank() == 0)
+        typed = to_config(cfg)
         check_before_work(typed)
     except ConfigError as e:
         sys.exit(f"trainer: error: {e}")

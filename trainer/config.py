@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 
 class StrategyName(str, Enum):
+    auto = "auto"  # the planner picks (trainer/plan.py)
     ddp = "ddp"
     fsdp = "fsdp"
     zero1 = "zero1"
@@ -104,6 +105,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class PlanConfig:
+    world_size: Optional[int] = None  # None: the run's (nproc, or the launcher's WORLD_SIZE)
+    gpu_memory_gb: float = 80.0  # the budget per device where no GPU reports one (CPU)
+    master_weights: bool = True  # False: pure bf16 training, no fp32 copy of the weights
+    json: bool = False
+
+
+@dataclass
 class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -111,6 +120,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     nproc: int = 1  # local ranks to spawn when no launcher started this process
 
 

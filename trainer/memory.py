@@ -1,16 +1,24 @@
-"""Bytes per rank that each strategy holds, in theory: the table of DESIGN and the ZeRO paper.
+"""Bytes per rank that each strategy holds, in theory: DESIGN's table and the ZeRO paper.
 
-`per_rank_bytes` is what the runtime metrics (DESIGN §4) are checked against and what the
-planner builds on. Bytes per parameter: params and grads in the training dtype, except
-FSDP2 (sharded fp32 params are the masters; gradients reduced in fp32); Adam keeps two fp32
-moments; DeepSpeed ZeRO also keeps an fp32 master partition (even in fp32 training) that
-we count as optimizer state, as the ZeRO paper does (K = 12 bytes per parameter).
+The runtime metrics (DESIGN §4) are checked against `per_rank_bytes`, and the planner is
+built on it. Bytes per parameter, by what each backend keeps (`master_weights=True`, ours):
+- DDP: fp32 parameters and gradients (bf16/fp16 come from autocast), two fp32 Adam moments.
+- FSDP2: the same, sharded: its fp32 sharded parameters are the masters, gradients reduce in fp32.
+- DeepSpeed ZeRO: parameters and gradients in the training dtype, plus an fp32 master
+  partition (even in fp32 training), counted as optimizer state as the ZeRO paper does: K=12.
+`master_weights=False` is pure low-precision training (bf16 params/grads, fp32 moments, no
+fp32 copy: K=8), the "14 + 14 + 56 GB for 7B" textbook case.
 """
 from __future__ import annotations
 
 from trainer.config import Precision, Sharding, StrategyName
 
 DTYPE_BYTES = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}
+ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4
+# Activation elements a transformer layer saves per token and hidden unit for backward, with
+# fused (flash / memory-efficient) attention: 34 bytes at 16 bits (Korthikanti et al. 2022).
+ACTIVATION_ELEMENTS_PER_LAYER = 17
 
 
 def fsdp_shard_count(sharding: Sharding, world_size: int, local_world_size: int) -> int:
@@ -18,18 +26,34 @@ def fsdp_shard_count(sharding: Sharding, world_size: int, local_world_size: int)
     return {Sharding.NO_SHARD: 1, Sharding.HYBRID_SHARD: local_world_size}.get(sharding, world_size)
 
 
-def per_rank_bytes(strategy: StrategyName, n_params: int, world_size: int,
-                   precision: Precision = Precision.fp32, fsdp_shards: int | None = None) -> dict[str, int]:
-    n, p = world_size, n_params
-    if strategy is StrategyName.fsdp:
-        shards = fsdp_shards or n
-        return {"params": 4 * p // shards, "grads": 4 * p // shards, "optim": 8 * p // shards}
-    if strategy is StrategyName.ddp:  # fp32 parameters; bf16/fp16 come from autocast
-        return {"params": 4 * p, "grads": 4 * p, "optim": 8 * p}
+def bytes_per_param(strategy: StrategyName, precision: Precision, master_weights: bool = True) -> dict[str, int]:
+    """Unsharded bytes per parameter: {"params", "grads", "optim"}."""
     b = DTYPE_BYTES[precision]
-    optim = 12 * p // n
-    if strategy is StrategyName.zero1:
-        return {"params": b * p, "grads": b * p, "optim": optim}
-    if strategy is StrategyName.zero2:
-        return {"params": b * p, "grads": b * p // n, "optim": optim}
-    return {"params": b * p // n, "grads": b * p // n, "optim": optim}
+    if not master_weights:
+        return {"params": b, "grads": b, "optim": ADAM_MOMENT_BYTES}
+    if strategy in (StrategyName.ddp, StrategyName.fsdp):
+        return {"params": 4, "grads": 4, "optim": ADAM_MOMENT_BYTES}
+    return {"params": b, "grads": b, "optim": ADAM_MOMENT_BYTES + MASTER_BYTES}
+
+
+# Which of params / grads / optim each strategy splits over the ranks.
+SHARDED = {StrategyName.ddp: (), StrategyName.zero1: ("optim",), StrategyName.zero2: ("grads", "optim"),
+           StrategyName.zero3: ("params", "grads", "optim"), StrategyName.fsdp: ("params", "grads", "optim")}
+
+
+def per_rank_bytes(strategy: StrategyName, n_params: int, world_size: int, precision: Precision = Precision.fp32,
+                   fsdp_shards: int | None = None, master_weights: bool = True) -> dict[str, int]:
+    shards = (fsdp_shards or world_size) if strategy is StrategyName.fsdp else world_size
+    per_param = bytes_per_param(strategy, precision, master_weights)
+    return {k: per_param[k] * n_params // (shards if k in SHARDED[strategy] else 1) for k in per_param}
+
+
+def activation_bytes(seq_len: int, d_model: int, n_layers: int, vocab_size: int, micro_batch_size: int,
+                     precision: Precision, checkpointing: bool) -> int:
+    """Estimated activation memory of one micro-batch: saved layer activations (only block
+    inputs plus one block being recomputed with checkpointing) and the logits (+ fp32 copy for the loss)."""
+    act = DTYPE_BYTES[precision]
+    tokens = seq_len * micro_batch_size
+    one_layer = tokens * d_model * ACTIVATION_ELEMENTS_PER_LAYER * act
+    layers = n_layers * tokens * d_model * act + one_layer if checkpointing else n_layers * one_layer
+    return layers + tokens * vocab_size * (act + 4)

@@ -1,0 +1,115 @@
+"""Issue 5: the memory planner against the textbook, the real model, the runtime, and strategy=auto."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.harness import case, on_ranks, records, run_cli, train_cases
+from trainer.config import Precision, StrategyName, to_config
+from trainer.memory import per_rank_bytes
+from trainer.plan import count_params, make_plan
+
+GB = 1e9
+
+
+def totals(plan) -> dict[str, float]:
+    """GB per GPU of params + grads + optimizer state, per strategy (no AC, no offload)."""
+    return {o.name: (o.per_gpu_bytes["params"] + o.per_gpu_bytes["grads"] + o.per_gpu_bytes["optim"]) / GB
+            for o in plan.options if not o.activation_checkpointing and not o.offload}
+
+
+def test_seven_billion_in_bf16_with_fp32_adam_moments():
+    cfg = to_config({"model": {"name": "llama2_7b"}, "train": {"precision": "bf16"}, "plan": {"master_weights": False}})
+    n = 8
+    plan = make_plan(cfg, world_size=n, gpu_memory_bytes=int(80 * GB), n_params=7_000_000_000)
+    rows = {o.name: {k: v / GB for k, v in o.per_gpu_bytes.items()} for o in plan.options
+            if not o.activation_checkpointing and not o.offload}
+    assert (rows["ddp"]["params"], rows["ddp"]["grads"], rows["ddp"]["optim"]) == (14, 14, 56)
+    assert (rows["zero1"]["params"], rows["zero1"]["grads"], rows["zero1"]["optim"]) == (14, 14, 56 / n)
+    assert rows["zero2"]["params"] == 14 and rows["zero2"]["grads"] + rows["zero2"]["optim"] == 70 / n
+    assert sum(rows["zero3"][k] for k in ("params", "grads", "optim")) == 84 / n
+
+
+def test_zero_paper_7_5b_on_64_gpus_with_k_12():
+    cfg = to_config({"train": {"precision": "fp16"}})
+    got = totals(make_plan(cfg, world_size=64, gpu_memory_bytes=int(80 * GB), n_params=7_500_000_000))
+    expected = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+    for name, gb in expected.items():
+        assert round(got[name], 1) == gb, (name, got[name])
+
+
+def test_parameter_counts_come_from_the_model_built_on_meta():
+    assert count_params(to_config({"model": {"name": "llama2_7b", "vocab_size": 32000, "seq_len": 4096,
+                                             "d_model": 4096, "n_layers": 32, "n_heads": 32, "d_ff": 11008,
+                                             "mlp": "swiglu", "norm": "rmsnorm", "bias": False}})) == 6_755_192_832
+    assert count_params(to_config({})) == 136_960  # tiny
+
+
+def test_json_is_all_that_is_printed_and_marks_the_first_fit():
+    result = run_cli("model=llama2_7b", "plan.world_size=64", "plan.gpu_memory_gb=80", "train.precision=bf16",
+                     "train.micro_batch_size=1", "plan.json=true", launcher=[sys.executable, "-m", "trainer.plan"])
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["params"] == 6_755_192_832 and plan["world_size"] == 64
+    names = {(o["name"], o["activation_checkpointing"], o["offload"]) for o in plan["options"]}
+    assert ("ddp", False, False) in names and ("zero3", True, True) in names and len(names) == 14
+    for o in plan["options"]:
+        assert set(o["per_gpu_bytes"]) == {"params", "grads", "optim", "activations", "total"}
+        assert o["per_gpu_bytes"]["total"] == sum(v for k, v in o["per_gpu_bytes"].items() if k != "total")
+        assert o["fits"] == (o["per_gpu_bytes"]["total"] <= 80 * GB)
+    chosen = [o for o in plan["options"] if o["chosen"]]
+    assert len(chosen) == 1 and chosen[0] == next(o for o in plan["options"] if o["fits"])
+    assert chosen[0]["name"] == "zero1"  # DDP needs 127 GB per GPU at this size
+
+
+def test_table_names_the_choice():
+    result = run_cli("model=gpt_1b", "plan.world_size=8", "plan.gpu_memory_gb=24", launcher=[sys.executable, "-m", "trainer.plan"])
+    assert result.returncode == 0, result.stderr
+    assert "<- chosen" in result.stdout and "activ." in result.stdout
+
+
+STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+# Many small parameters: ZeRO-1/2 also hold the whole gradient of the one or two parameters
+# that straddle a partition's edges (seen: +7% at 4 ranks for the 2-layer tiny model), which
+# a model of many small parameters makes negligible, as in real models of many layers.
+RUNTIME_MODEL = {"model__vocab_size": 64, "model__d_model": 32, "model__n_layers": 32, "model__n_heads": 4,
+                 "model__d_ff": 128, "model__seq_len": 32, "data__name": "synthetic"}
+
+
+@pytest.fixture(scope="module")
+def runtime_bytes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    got = {}
+    for world in (1, 2, 4):
+        cases = {f"{s}@{world}": case(s, steps=2, train__micro_batch_size=2, **RUNTIME_MODEL) for s in STRATEGIES}
+        on_ranks(world, train_cases, cases, str(out))
+        got.update({name: records(out / name)[-1]["mem"] for name in cases})
+    return got
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_runtime_bytes_agree_with_the_plan(runtime_bytes, strategy, world):
+    cfg = to_config(case(strategy, **RUNTIME_MODEL))
+    n_params = count_params(cfg)
+    if strategy == "fsdp":  # the plan's zero3 row is DeepSpeed's (fp32 masters); FSDP2 keeps none apart
+        expected = per_rank_bytes(StrategyName.fsdp, n_params, world, Precision.fp32)
+    else:
+        plan = make_plan(cfg, world, gpu_memory_bytes=int(80 * GB), n_params=n_params)
+        expected = next(o.per_gpu_bytes for o in plan.options
+                        if o.name == strategy and not o.activation_checkpointing and not o.offload)
+    got = runtime_bytes[f"{strategy}@{world}"]
+    for key in ("params", "grads", "optim"):
+        assert got[key] == pytest.approx(expected[key], rel=0.05), (key, got[key], expected[key])
+        print(f"{strategy}@{world} {key}: runtime/plan = {got[key] / expected[key]:.4f}")
+
+
+def test_strategy_auto_plans_logs_and_trains_with_its_choice(tmp_path):
+    result = run_cli("strategy=auto", "plan.gpu_memory_gb=0.005", "nproc=2", "train.max_steps=2", "train.log_every=1",
+                     f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "strategy=auto chose zero3 + activation checkpointing" in result.stdout
+    assert "strategy=zero3 world_size=2" in result.stdout
+    assert [r["step"] for r in records(tmp_path)] == [1, 2]

@@ -1,0 +1,155 @@
+"""`python -m trainer.plan [overrides]`: what each memory strategy costs per GPU, and the first
+one in the decision order (DDP -> activation checkpointing -> ZeRO-1/2 -> ZeRO-3/FSDP ->
+CPU offload) that fits. Same configs as the trainer; `plan.json=true` prints JSON only.
+
+The parameter count comes from the real model built on the meta device. Bytes per parameter
+follow trainer/memory.py (what our backends keep; `plan.master_weights=false` for pure bf16).
+Rows zero1/zero2/zero3 are DeepSpeed's accounting; FSDP2 FULL_SHARD holds the same total.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.config import Config, Precision, StrategyName
+
+GB = 1e9
+STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.zero3)
+# What CPU offload moves to host memory, per stage (DDP cannot offload).
+OFFLOADED = {StrategyName.zero1: ("optim",), StrategyName.zero2: ("optim",), StrategyName.zero3: ("params", "optim")}
+
+
+@dataclass
+class Option:
+    name: str
+    activation_checkpointing: bool
+    offload: bool
+    per_gpu_bytes: dict[str, int]
+    host_bytes: int
+    fits: bool = False
+    chosen: bool = False
+
+
+@dataclass
+class Plan:
+    params: int
+    world_size: int
+    gpu_memory_bytes: int
+    precision: str
+    master_weights: bool
+    options: list[Option] = field(default_factory=list)
+
+    @property
+    def choice(self) -> Option | None:
+        return next((o for o in self.options if o.chosen), None)
+
+
+def count_params(cfg: Config) -> int:
+    from trainer.loop import model_shape
+    from trainer.model import build_model
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(model_shape(cfg)).parameters())
+
+
+def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int | None = None) -> Plan:
+    from trainer.memory import activation_bytes, per_rank_bytes
+
+    m, t = cfg.model, cfg.train
+    precision = Precision(t.precision)
+    n_params = count_params(cfg) if n_params is None else n_params
+    plan = Plan(n_params, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights)
+    # The decision order: cheaper in speed first; offload last of all.
+    for offload in (False, True):
+        for stage in STAGES:
+            if offload and stage not in OFFLOADED:
+                continue
+            for checkpointing in (False, True):
+                held = per_rank_bytes(stage, n_params, world_size, precision, master_weights=cfg.plan.master_weights)
+                moved = OFFLOADED[stage] if offload else ()
+                gpu = {k: 0 if k in moved else v for k, v in held.items()}
+                gpu["activations"] = activation_bytes(m.seq_len, m.d_model, m.n_layers, m.vocab_size,
+                                                      t.micro_batch_size, precision, checkpointing)
+                gpu["total"] = sum(gpu.values())
+                option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved))
+                option.fits = gpu["total"] <= gpu_memory_bytes
+                plan.options.append(option)
+    first = next((o for o in plan.options if o.fits), None)
+    if first:
+        first.chosen = True
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    unit, size = ("GB", GB) if plan.gpu_memory_bytes >= GB else ("MB", 1e6)
+    lines = [f"{plan.params:,} parameters, world size {plan.world_size}, {plan.gpu_memory_bytes / size:.1f} {unit} "
+             f"per GPU, {plan.precision}"
+             f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
+             f"  {'strategy':<8}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
+             f"{'total':>9}{'host':>9}  fits"]
+    for o in plan.options:
+        g = {k: v / size for k, v in o.per_gpu_bytes.items()}
+        lines.append(f"  {o.name:<8}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
+                     f"{g['params']:>9.2f}{g['grads']:>9.2f}{g['optim']:>9.2f}{g['activations']:>9.2f}"
+                     f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}  {'yes' if o.fits else 'no':<3}"
+                     + ("  <- chosen" if o.chosen else ""))
+    if not plan.choice:
+        lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
+    return "\n".join(lines)
+
+
+def plan_as_json(plan: Plan) -> dict:
+    return {"params": plan.params, "world_size": plan.world_size,
+            "options": [{"name": o.name, "activation_checkpointing": o.activation_checkpointing, "offload": o.offload,
+                         "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "fits": o.fits,
+                         "chosen": o.chosen} for o in plan.options]}
+
+
+def device_memory_bytes(cfg: Config) -> int:
+    """The real device's memory where there is one; the configured budget on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return int(cfg.plan.gpu_memory_gb * GB)
+
+
+def resolve_auto(cfg, world_size: int, announce: bool) -> None:
+    """strategy=auto: plan against this run's world size and device, then set the choice in `cfg`
+    (a DictConfig) so that everything downstream sees a concrete strategy."""
+    from trainer.config import ConfigError, to_config
+
+    plan = make_plan(to_config(cfg), world_size, device_memory_bytes(to_config(cfg)))
+    if announce:
+        print(f"[trainer] strategy=auto:\n{format_plan(plan)}", flush=True)
+    if not plan.choice:
+        raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
+                          "(plan.gpu_memory_gb on CPU)")
+    cfg.strategy.name = plan.choice.name
+    cfg.train.activation_checkpointing = plan.choice.activation_checkpointing
+    cfg.strategy.offload_optimizer = plan.choice.offload
+    cfg.strategy.offload_params = plan.choice.offload and plan.choice.name == "zero3"
+    if announce:
+        print(f"[trainer] strategy=auto chose {plan.choice.name}"
+              f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
+              f"{' + CPU offload' if plan.choice.offload else ''}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from trainer.__main__ import CONF_DIR
+    from trainer.config import to_config
+
+    overrides = sys.argv[1:] if argv is None else argv
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = to_config(compose(config_name="config", overrides=overrides))
+    world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
+    plan = make_plan(cfg, world, device_memory_bytes(cfg))
+    print(json.dumps(plan_as_json(plan), indent=1) if cfg.plan.json else format_plan(plan))
+
+
+if __name__ == "__main__":
+    main()
