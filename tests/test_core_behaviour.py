@@ -53,25 +53,28 @@ def test_no_sync_issues_no_gradient_collective_before_the_final_micro_step(strat
         assert per_step[3] > 0, f"rank {rank}: the final micro-step must reduce gradients {per_step}"
 
 
-def block_forwards_per_step(env, strategy_name: str, checkpointing: bool) -> int:
-    strategy, model, blocks = build(env, case(strategy_name, train__activation_checkpointing=checkpointing))
-    calls = []
-    for block in blocks:
-        # A pre-hook: recomputation stops early, once the saved tensors are rebuilt.
-        block.register_forward_pre_hook(lambda *_: calls.append(1))
-    x = torch.randint(0, 256, (2, 64))
-    strategy.backward(model(x, x))
-    strategy.step(1.0)
-    strategy.teardown()
-    return len(calls)
+def block_forwards_per_step(env, strategy_name: str) -> dict[bool, int]:
+    """Block forward calls in one training step, without and with activation checkpointing."""
+    calls = {}
+    for checkpointing in (False, True):
+        strategy, model, blocks = build(env, case(strategy_name, train__activation_checkpointing=checkpointing))
+        seen = []
+        for block in blocks:
+            # A pre-hook: recomputation stops early, once the saved tensors are rebuilt.
+            block.register_forward_pre_hook(lambda *_: seen.append(1))
+        x = torch.randint(0, 256, (2, 64))
+        strategy.backward(model(x, x))
+        strategy.step(1.0)
+        strategy.teardown()
+        calls[checkpointing] = len(seen)
+    return calls
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_activation_checkpointing_recomputes_every_block(strategy):
-    plain = on_ranks(2, block_forwards_per_step, strategy, False)[0]
-    checkpointed = on_ranks(2, block_forwards_per_step, strategy, True)[0]
-    assert plain == 2  # tiny: 2 blocks, one forward each
-    assert checkpointed == 2 * plain  # each block's forward runs again in backward
+    calls = on_ranks(2, block_forwards_per_step, strategy)[0]
+    assert calls[False] == 2  # tiny: 2 blocks, one forward each
+    assert calls[True] == 2 * calls[False]  # each block's forward runs again in backward
 
 
 def fsdp_units(env) -> tuple[int, int]:
