@@ -6,12 +6,14 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.harness import case, on_ranks, records, run_cli, train_cases
 from trainer.checkpoint import PieceReader, read_manifest
+from trainer.config import to_config
 
 LOSS_RTOL = 2e-6  # the parity tolerance of tests/test_core_parity.py
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
@@ -90,13 +92,12 @@ def test_writes_only_complete_step_dirs_and_latest(runs):
 def reload_and_save(env, source: str, strategy: str, dest: str) -> None:
     """Load a checkpoint under `strategy` and save it again at once, untouched."""
     from trainer.checkpoint import CheckpointManager
-    from trainer.config import to_config
     from tests.test_core_behaviour import build
 
     cfg = case(strategy, checkpoint__dir=dest)
     strategy_obj, _, _ = build(env, cfg)
     manager = CheckpointManager(to_config(cfg).checkpoint, strategy_obj, strategy)
-    state = manager.load(__import__("pathlib").Path(source))
+    state = manager.load(Path(source))
     manager.save(state["step"], state)
     strategy_obj.teardown()
 
@@ -121,7 +122,6 @@ def fingerprint_of(path):
 
 def save_with_a_failing_rank(env, ckpt_dir: str) -> str:
     import trainer.checkpoint as checkpoint
-    from trainer.config import to_config
     from tests.test_core_behaviour import build
 
     cfg = case("ddp", checkpoint__dir=ckpt_dir)
@@ -217,12 +217,38 @@ def test_export_loads_into_the_plain_model_and_reproduces_its_outputs(runs, tmp_
 
 def logits_under_strategy(env, step: str):
     from trainer.checkpoint import CheckpointManager
-    from trainer.config import to_config
     from tests.test_core_behaviour import build
 
     strategy, model, _ = build(env, case("ddp"))
-    CheckpointManager(to_config(case("ddp")).checkpoint, strategy, "ddp").load(__import__("pathlib").Path(step))
+    CheckpointManager(to_config(case("ddp")).checkpoint, strategy, "ddp").load(Path(step))
     with torch.no_grad():
         logits = model(torch.arange(64).remainder(256).view(1, 64))
     strategy.teardown()
     return logits.cpu()
+
+
+def full_weights(env, step: str):
+    from trainer.checkpoint import CheckpointManager
+    from tests.test_core_behaviour import build
+
+    strategy, _, _ = build(env, case("zero3"))
+    CheckpointManager(to_config(case("zero3")).checkpoint, strategy, "zero3").load(Path(step))
+    weights = strategy.full_state_dict()
+    strategy.teardown()
+    return weights
+
+
+def test_full_state_dict_gives_rank_0_the_exported_weights(runs):
+    from safetensors.torch import load_file
+
+    from trainer.export import export
+
+    root, _ = runs
+    step = root / "fsdp@2" / "step_00000012"
+    weights = on_ranks(2, full_weights, str(step))
+    assert weights[1] == {}
+    exported = root / "fsdp.safetensors"
+    export(step, exported)
+    expected = load_file(str(exported))
+    assert weights[0].keys() == expected.keys()
+    assert all(torch.equal(weights[0][k], expected[k]) for k in expected)

@@ -68,3 +68,26 @@ def test_bad_input_fails_before_any_work_with_a_message(tmp_path, overrides):
         assert fragment in message, f"{fragment!r} not in:\n{message[-2000:]}"
     assert not (tmp_path / "metrics.jsonl").exists()
     assert "world_size=" not in result.stdout  # no rank started
+
+
+def test_epochs_mode_runs_whole_epochs_and_counts_them(tmp_path):
+    # synthetic: 64 samples / (8 per step) = 8 steps per epoch
+    result = run_cli("data=synthetic", "data.num_samples=64", "train.max_steps=0", "train.epochs=2",
+                     "train.log_every=4", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [(r["step"], r["epoch"]) for r in records(tmp_path)] == [(4, 0), (8, 0), (12, 1), (16, 1)]
+
+
+def test_a_users_deepspeed_config_is_merged_with_auto_values_filled(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                              "zero_optimization": {"stage": "auto", "reduce_bucket_size": 100000},
+                              "gradient_clipping": "auto"}))
+    result = run_cli("strategy=zero2", f"strategy.deepspeed_config={ds}", "nproc=2", "train.max_steps=2",
+                     "train.log_every=1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(records(tmp_path / "run")) == 2
+    ds.write_text(json.dumps({"gradient_accumulation_steps": 4}))
+    clash = run_cli("strategy=zero2", f"strategy.deepspeed_config={ds}", f"hydra.run.dir={tmp_path / 'clash'}")
+    assert clash.returncode != 0
+    assert "gradient_accumulation_steps=4 disagrees" in clash.stderr

@@ -24,13 +24,13 @@ from trainer.run import worker
 from trainer.strategies import preflight
 
 
-def check_before_work(cfg) -> None:
+def check_before_work(cfg, world_size: int) -> None:
     """Everything that can be wrong with the settings, found before a rank is started."""
     from trainer.loop import model_shape
     from trainer.model import build_model
 
     validate(cfg)
-    preflight(cfg)
+    preflight(cfg, world_size)
     with torch.device("meta"):
         model = build_model(model_shape(cfg))
     find_blocks(model, cfg.strategy.wrap)
@@ -49,12 +49,12 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def app(cfg: DictConfig):
+    world = int(distributed.launcher_env().get("WORLD_SIZE", cfg.nproc))
     try:
         if cfg.strategy.name == StrategyName.auto:
-            world = int(distributed.launcher_env().get("WORLD_SIZE", cfg.nproc))
             resolve_auto(cfg, cfg.plan.world_size or world, announce=distributed.launcher_rank() == 0)
         typed = to_config(cfg)
-        check_before_work(typed)
+        check_before_work(typed, world)
     except ConfigError as e:
         sys.exit(f"trainer: error: {e}")
     run_dir = HydraConfig.get().runtime.output_dir

@@ -17,9 +17,9 @@ def build_strategy(cfg: Config, env: DistEnv) -> Strategy:
     return cls(cfg, env)
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, world_size: int) -> None:
     """Backend-specific checks of the settings, run once before any rank starts."""
     if StrategyName(cfg.strategy.name).value.startswith("zero"):
         from trainer.strategies.deepspeed import build_ds_config
 
-        build_ds_config(cfg, world_size=1)
+        build_ds_config(cfg, world_size)

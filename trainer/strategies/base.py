@@ -141,6 +141,20 @@ class Strategy(ABC):
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Take the fp32 ranges of `state_layout` (parameters, moments, step)."""
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on rank 0 ({} elsewhere), for export: the ranks' pieces, joined."""
+        pieces = {k[len("model."):]: (p.start, p.tensor.detach().float().cpu())
+                  for k, p in self.state_dict().items() if k.startswith("model.")}
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(pieces, gathered, dst=0)
+        if not self.is_main:
+            return {}
+        full = {name: torch.empty(shape).view(-1) for name, shape in self.param_shapes().items()}
+        for rank_pieces in gathered:
+            for name, (start, values) in rank_pieces.items():
+                full[name][start:start + values.numel()] = values
+        return {name: flat.view(self.param_shapes()[name]) for name, flat in full.items()}
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         dist.all_reduce(tensor, op=op)
         return tensor
