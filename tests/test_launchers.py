@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.harness import REPO, records, run_cli
 from trainer import distributed
 from trainer.launchers import accelerate_choice, take_local_rank
 
-BIN = REPO / ".venv" / "bin"
+BIN = Path(sys.executable).parent  # the venv running the tests
 SHORT = ["train.max_steps=4", "train.log_every=2"]
 
 

@@ -60,12 +60,12 @@ def app(cfg: DictConfig):
     run_dir = HydraConfig.get().runtime.output_dir
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if distributed.launched_externally() or typed.nproc == 1:
-        # torchrun, accelerate and the deepspeed launcher set RANK (srun and submitit do not).
-        torch_launcher = "RANK" in os.environ
+        # A rank of an external launcher leaves without the interpreter's teardown, where gloo
+        # can abort after backward (FACTS.md); its work is done and flushed. Not under submitit,
+        # which collects the return value (hydra/launcher=slurm).
+        hard_exit = distributed.launched_externally() and "SUBMITIT_FOLDER" not in os.environ
         result = worker(cfg_dict, run_dir)
-        if torch_launcher:
-            # gloo can abort at interpreter exit after backward (FACTS.md); the work is done and
-            # flushed, so leave without running the interpreter's teardown.
+        if hard_exit:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
