@@ -109,7 +109,9 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         steps_since += 1
         progress.update()
         if checkpoints.due(step, total_steps):
+            saving = time.perf_counter()
             checkpoints.save(step, {"step": step, "epoch": stream.epoch, "data": stream.state_dict()})
+            since += time.perf_counter() - saving  # step times leave the save out
         if not log_now:
             continue
         mean_loss = strategy.all_reduce(loss_sum / t.grad_accum_steps).item() / env.world_size
