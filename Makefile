@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: setup
-	$(PY) bench/strategies.py $(ARGS)
+	$(PY) bench/strategies.py --threads 1 $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
