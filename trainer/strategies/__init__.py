@@ -8,6 +8,8 @@ from trainer.strategies.base import Strategy
 
 def build_strategy(cfg: Config, env: DistEnv) -> Strategy:
     name = StrategyName(cfg.strategy.name)
+    if name is StrategyName.auto:
+        raise ValueError("strategy=auto must be resolved by the planner before a strategy is built")
     if name is StrategyName.ddp:
         from trainer.strategies.ddp import DDPStrategy as cls
     elif name is StrategyName.fsdp:
