@@ -11,7 +11,6 @@ from trainer import distributed
 from trainer.run import in_group
 from trainer.run import train_configs as train_cases  # noqa: F401 (used by the tests)
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parent.parent
 
 
