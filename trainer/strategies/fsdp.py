@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -26,6 +27,10 @@ class FSDPStrategy(TorchStrategy):
         shard = 1 if sharding is Sharding.NO_SHARD else local
         return init_device_mesh(self.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
+    def model_init_context(self):
+        # Built without memory; each rank materialises only its shards (`_materialize`).
+        return torch.device("meta")
+
     def wrap(self, model):
         s = self.cfg.strategy
         kwargs = dict(
@@ -40,7 +45,27 @@ class FSDPStrategy(TorchStrategy):
         )
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
-        return fully_shard(model, **kwargs)
+        model = fully_shard(model, **kwargs)
+        self._materialize(model, torch.device("cpu") if s.offload_params or s.offload_optimizer else self.device)
+        return model
+
+    @torch.no_grad()
+    def _materialize(self, model, device) -> None:
+        """Allocate the local shards, then give them exactly the values a plain build would:
+        each module's `reset_parameters` runs, in build order, on one full-size CPU tensor at a
+        time (same RNG stream), and this rank keeps its rows."""
+        model.to_empty(device=device)
+        for module in model.modules():
+            if not hasattr(module, "reset_parameters"):
+                continue
+            sharded = dict(module.named_parameters(recurse=False))
+            plain = {name: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for name, p in sharded.items()}
+            module._parameters.update(plain)
+            module.reset_parameters()
+            module._parameters.update(sharded)
+            for name, p in sharded.items():
+                start, local, _, _ = self.local_range(p)
+                local.copy_(plain[name].view(-1)[start:start + local.numel()])
 
     @property
     def module(self):
