@@ -25,14 +25,20 @@ def records(run_dir: Path) -> list[dict]:
             if "event" not in r]
 
 
-def case(strategy: str, steps: int = 8, **overrides) -> dict:
-    """A config dict: the tiny model, fp32, every step logged."""
-    cfg = {"strategy": {"name": strategy}, "train": {"max_steps": steps, "log_every": 1, "micro_batch_size": 4},
-           "optim": {"warmup_steps": 2}}
+def with_overrides(base: dict, **overrides) -> dict:
+    """A copy of a config dict with `group__leaf=value` overrides applied."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for key, value in overrides.items():
         group, leaf = key.split("__")
-        cfg.setdefault(group, {})[leaf] = value
-    return cfg
+        out.setdefault(group, {})[leaf] = value
+    return out
+
+
+def case(strategy: str, steps: int = 8, **overrides) -> dict:
+    """A config dict: the tiny model, fp32, every step logged."""
+    base = {"strategy": {"name": strategy}, "train": {"max_steps": steps, "log_every": 1, "micro_batch_size": 4},
+            "optim": {"warmup_steps": 2}}
+    return with_overrides(base, **overrides)
 
 
 def run_cli(*overrides: str, launcher: list[str] | None = None, timeout: int = 600, env: dict | None = None,

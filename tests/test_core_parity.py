@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import case, on_ranks, records, train_cases
+from tests.harness import case, on_ranks, records, train_cases, with_overrides
 from trainer.config import Sharding, StrategyName
 from trainer.memory import fsdp_shard_count, per_rank_bytes
 
@@ -27,14 +27,6 @@ BACKENDS = {
     "zero3": case("zero3"),
 }
 MICRO = {"train__micro_batch_size": 2, "train__grad_accum_steps": 4}
-
-
-def with_overrides(base: dict, **overrides) -> dict:
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    for key, value in overrides.items():
-        group, leaf = key.split("__")
-        out.setdefault(group, {})[leaf] = value
-    return out
 
 
 # Global batch 16 everywhere: 1 rank x 16, 2 ranks x 8, 2 ranks x 2 x accum 4.

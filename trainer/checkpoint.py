@@ -16,6 +16,7 @@ would need DTensor's even chunks; DeepSpeed's flat partitions cut parameters any
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainer.config import CheckpointConfig, ConfigError
+from trainer.distributed import broadcast_object
 from trainer.strategies.base import STEP_KEY, Strategy, state_keys
 
 FORMAT_VERSION = 1
@@ -133,10 +135,7 @@ class PieceReader:
 
     def read_full(self, key: str) -> torch.Tensor:
         shape = self.tensors[key]["shape"]
-        numel = 1
-        for d in shape:
-            numel *= d
-        return self.read(key, 0, numel).reshape(shape)
+        return self.read(key, 0, math.prod(shape)).reshape(shape)
 
 
 class CheckpointManager:
@@ -170,18 +169,13 @@ class CheckpointManager:
                 self._commit(tmp, final, step, trainer_state, outcomes)
             except OSError as e:
                 failed.append(f"rank 0: {e}")
-        failed = self._broadcast(failed)
+        failed = broadcast_object(failed)
         if failed:
             if s.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"checkpoint: saving step {step} failed, previous checkpoints untouched: "
                                   + "; ".join(failed))
         return final
-
-    def _broadcast(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def _write_rank_file(self, tmp: Path) -> dict:
         s = self.strategy

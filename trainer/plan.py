@@ -121,7 +121,8 @@ def resolve_auto(cfg, world_size: int, announce: bool) -> None:
     (a DictConfig) so that everything downstream sees a concrete strategy."""
     from trainer.config import ConfigError, to_config
 
-    plan = make_plan(to_config(cfg), world_size, device_memory_bytes(to_config(cfg)))
+    typed = to_config(cfg)
+    plan = make_plan(typed, world_size, device_memory_bytes(typed))
     if announce:
         print(f"[trainer] strategy=auto:\n{format_plan(plan)}", flush=True)
     if not plan.choice:
