@@ -12,32 +12,33 @@ GRADIENT_COLLECTIVES = ("allreduce", "reduce_scatter", "reduce_")
 
 
 def build(env, overrides: dict):
-    from trainer.blocks import apply_checkpointing, find_blocks
     from trainer.distributed import seed_everything
-    from trainer.loop import adamw_factory, model_shape
-    from trainer.model import build_model
+    from trainer.loop import setup_model
     from trainer.strategies import build_strategy
 
     cfg = to_config(overrides)
     seed_everything(0)
     strategy = build_strategy(cfg, env)
-    with strategy.model_init_context():
-        model = build_model(model_shape(cfg))
-    blocks = find_blocks(model, None)
-    if cfg.train.activation_checkpointing:
-        apply_checkpointing(model, blocks)
-    model, optimizer = strategy.setup(model, adamw_factory(cfg.optim))
+    model, _, blocks, _ = setup_model(cfg, strategy)
     return strategy, model, blocks
+
+
+def loss_of(model, x):
+    """The trainer's loss of next-token targets x[1:] (the loop's normalisation, one micro-batch)."""
+    from trainer.loop import token_loss_sum
+    from trainer.models import logits_of
+
+    return token_loss_sum(logits_of(model(x[:, :-1])), x[:, 1:]) / x[:, 1:].numel()
 
 
 def gradient_collectives_per_micro_step(env, strategy_name: str) -> list[int]:
     strategy, model, _ = build(env, case(strategy_name))
     counts = []
     for i in range(4):
-        x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(i))
+        x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(i))
         with CommDebugMode() as comm:
             with strategy.no_sync(i < 3):
-                strategy.backward(model(x, x) / 4)
+                strategy.backward(loss_of(model, x) / 4)
         counts.append(sum(n for op, n in comm.get_comm_counts().items()
                           if any(name in str(op) for name in GRADIENT_COLLECTIVES)))
     strategy.step(1.0)
@@ -62,8 +63,8 @@ def block_forwards_per_step(env, strategy_name: str) -> dict[bool, int]:
         for block in blocks:
             # A pre-hook: recomputation stops early, once the saved tensors are rebuilt.
             block.register_forward_pre_hook(lambda *_: seen.append(1))
-        x = torch.randint(0, 256, (2, 64))
-        strategy.backward(model(x, x))
+        x = torch.randint(0, 256, (2, 65))
+        strategy.backward(loss_of(model, x))
         strategy.step(1.0)
         strategy.teardown()
         calls[checkpointing] = len(seen)

@@ -1,12 +1,12 @@
 """Issue 2: the data stream calls set_epoch itself; shards are disjoint and cover the data."""
 from __future__ import annotations
 
-from trainer.config import DataConfig
-from trainer.data import BatchStream, build_dataset
+from trainer.data import BatchStream
+from trainer.data.sources import TokenWindows, text_tokens
 
 
 def stream(rank: int, world: int, seed: int = 7, mbs: int = 4, accum: int = 2) -> BatchStream:
-    dataset = build_dataset(DataConfig(), seq_len=64, vocab_size=256, seed=0)
+    dataset = TokenWindows(text_tokens(None), seq_len=64, vocab_size=256)
     return BatchStream(dataset, mbs, accum, rank, world, seed)
 
 

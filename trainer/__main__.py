@@ -17,27 +17,36 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.blocks import find_blocks
 from trainer.checkpoint import check_fingerprint, read_manifest, resolve_resume
-from trainer.config import ConfigError, StrategyName, register_configs, to_config, validate
+from trainer.config import Config, ConfigError, StrategyName, register_configs, to_config, validate
+from trainer.data import check_data
 from trainer.launchers import take_local_rank, with_accelerate_choice
+from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
 from trainer.run import worker
 from trainer.strategies import preflight
 
 
-def check_before_work(cfg, world_size: int) -> None:
+def check_before_work(cfg: Config, world_size: int) -> None:
     """Everything that can be wrong with the settings, found before a rank is started."""
-    from trainer.loop import model_shape
-    from trainer.model import build_model
-
     validate(cfg)
     preflight(cfg, world_size)
-    with torch.device("meta"):
-        model = build_model(model_shape(cfg))
+    model = build_model(cfg.model, torch.device("meta"))
     find_blocks(model, cfg.strategy.wrap)
+    initial_weights(cfg.model, model, cfg.train.seed)  # pretrained files must fit the model
+    check_data(cfg)
     resume_from = resolve_resume(cfg.checkpoint)
     if resume_from:
-        check_fingerprint(read_manifest(resume_from), {n: tuple(p.shape) for n, p in model.named_parameters()},
-                          resume_from)
+        check_fingerprint(read_manifest(resume_from), param_shapes(model), resume_from)
+
+
+def resolve_settings(cfg: DictConfig, world_size: int) -> Config:
+    """Fill in what the settings leave to the trainer (the model's vocabulary and context, the
+    planner's choice for strategy=auto) in `cfg` itself, which the ranks receive; the typed copy."""
+    model = resolve_model(to_config(cfg).model)
+    cfg.model.seq_len, cfg.model.vocab_size = model.seq_len, model.vocab_size
+    if cfg.strategy.name == StrategyName.auto:
+        resolve_auto(cfg, cfg.plan.world_size or world_size, announce=distributed.launcher_rank() == 0)
+    return to_config(cfg)
 
 
 OmegaConf.register_new_resolver("trainer_run_dir", distributed.run_dir_resolver, replace=True)
@@ -51,9 +60,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def app(cfg: DictConfig):
     world = int(distributed.launcher_env().get("WORLD_SIZE", cfg.nproc))
     try:
-        if cfg.strategy.name == StrategyName.auto:
-            resolve_auto(cfg, cfg.plan.world_size or world, announce=distributed.launcher_rank() == 0)
-        typed = to_config(cfg)
+        typed = resolve_settings(cfg, world)
         check_before_work(typed, world)
     except ConfigError as e:
         sys.exit(f"trainer: error: {e}")

@@ -142,8 +142,9 @@ class CheckpointManager:
     """Used by the loop with any strategy: saves and loads the strategy's portable state plus
     the trainer's state (step, data position, RNG). Every method is called on all ranks."""
 
-    def __init__(self, cfg: CheckpointConfig, strategy: Strategy, strategy_name: str):
+    def __init__(self, cfg: CheckpointConfig, strategy: Strategy, strategy_name: str, source: dict | None = None):
         self.cfg, self.strategy, self.strategy_name = cfg, strategy, strategy_name
+        self.source = source or {}  # where the model came from (trainer.models.description), for export
         self.root = Path(cfg.dir) if cfg.dir else None
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -207,6 +208,7 @@ class CheckpointManager:
             "format": FORMAT_VERSION, "step": step, "epoch": trainer_state["epoch"], "strategy": self.strategy_name,
             "world_size": self.strategy.world_size, "trainer": trainer_state,
             "model": {name: {"shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()},
+            "source": self.source,
             "files": [rank_file(r) for r in range(len(outcomes))], "tensors": tensors,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

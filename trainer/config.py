@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 class StrategyName(str, Enum):
@@ -37,8 +38,21 @@ class Precision(str, Enum):
 
 
 class DataName(str, Enum):
-    text = "text"
+    text = "text"  # byte-level text (vocabulary 256)
     synthetic = "synthetic"
+    tokens = "tokens"  # a flat file of token ids (nanoGPT / Megatron .bin)
+    hf = "hf"  # text read with `datasets`, tokenised with a Hugging Face tokenizer
+
+
+class TokenDtype(str, Enum):
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class ModelKind(str, Enum):
+    reference = "reference"  # trainer/models/reference.py: tiny, small, gpt_125m, ...
+    hf = "hf"  # a local Hugging Face causal-LM folder
+    custom = "custom"  # any nn.Module from a `_target_` factory
 
 
 @dataclass
@@ -53,9 +67,19 @@ class StrategyConfig:
 
 @dataclass
 class ModelConfig:
+    """One schema for every kind of model; the `model` node of the Hydra config is open (custom
+    models take their factory's arguments as keys) and is checked by `model_config`."""
     name: str = "tiny"
-    vocab_size: int = 256
-    seq_len: int = 64
+    kind: ModelKind = ModelKind.reference
+    vocab_size: Optional[int] = 256  # hf and custom: from the model
+    seq_len: Optional[int] = 64  # the training context; hf: min(max_position_embeddings, 2048) when null
+    # hf
+    path: Optional[str] = None
+    attn_implementation: str = "sdpa"
+    # custom: `_target_` in the config, and every other key is an argument of the factory
+    target: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
+    # reference
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -69,8 +93,22 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.text
-    path: Optional[str] = None  # a UTF-8 text file; None: the bundled corpus
+    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf: a file or folder
     num_samples: int = 2048  # synthetic only
+    dtype: TokenDtype = TokenDtype.uint16  # tokens only
+    text_field: str = "text"  # hf only
+    tokenizer: Optional[str] = None  # hf only: a tokenizer folder; None: model.path
+    packing: bool = True  # documents joined with EOS into seq_len windows; false: one padded row each (hf)
+    val_path: Optional[str] = None  # held-out data of the same kind as `path`
+    val_fraction: float = 0.0  # or: hold out this fraction of `path`
+    num_workers: int = 1  # background loader processes per rank (0: load in the training process)
+    cache_dir: Optional[str] = None  # tokenised data (hf); None: $XDG_CACHE_HOME/trainer or ~/.cache/trainer
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # 0: only after the last step (when there is validation data)
+    max_batches: int = 0  # micro-batches per rank and evaluation; 0: the whole validation set
 
 
 @dataclass
@@ -115,8 +153,10 @@ class PlanConfig:
 @dataclass
 class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # Open in the Hydra schema (a custom model's arguments are its keys); a ModelConfig after `to_config`.
+    model: Any = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -138,8 +178,8 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-def validate(cfg: Config | DictConfig) -> None:
-    s, t, m = cfg.strategy, cfg.train, cfg.model
+def validate(cfg: Config) -> None:
+    s, t, m, d = cfg.strategy, cfg.train, cfg.model, cfg.data
     name = StrategyName(s.name)
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
     _require(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
@@ -148,11 +188,22 @@ def validate(cfg: Config | DictConfig) -> None:
     _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}")
     _require(t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every}")
     _require(cfg.nproc >= 1, "nproc", f"must be >= 1, got {cfg.nproc}")
-    _require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}")
-    _require(m.mlp in ("gelu", "swiglu"), "model.mlp", f"allowed values: gelu, swiglu; got {m.mlp!r}")
-    _require(m.norm in ("layernorm", "rmsnorm"), "model.norm", f"allowed values: layernorm, rmsnorm; got {m.norm!r}")
-    _require(not m.shape_only, "model", f"model={m.name} is shape-only (for `python -m trainer.plan`); "
-             "train one of tiny, small, gpt_125m, gpt_1b")
+    if m.kind is ModelKind.reference:
+        _require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}")
+        _require(m.mlp in ("gelu", "swiglu"), "model.mlp", f"allowed values: gelu, swiglu; got {m.mlp!r}")
+        _require(m.norm in ("layernorm", "rmsnorm"), "model.norm",
+                 f"allowed values: layernorm, rmsnorm; got {m.norm!r}")
+        _require(not m.shape_only, "model", f"model={m.name} is shape-only (for `python -m trainer.plan`); "
+                 "train one of tiny, small, gpt_125m, gpt_1b")
+    _require(m.seq_len is None or m.seq_len >= 1, "model.seq_len", f"must be >= 1, got {m.seq_len}")
+    _require(0 <= d.val_fraction < 1, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    _require(not (d.val_fraction and d.val_path), "data.val_fraction",
+             "give data.val_path or data.val_fraction, not both")
+    _require(d.packing or DataName(d.name) is DataName.hf, "data.packing",
+             f"data={DataName(d.name).value} has no documents to keep apart; packing=false needs data=hf")
+    _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
+    _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
+    _require(cfg.eval.max_batches >= 0, "eval.max_batches", f"must be >= 0, got {cfg.eval.max_batches}")
     _require(not (s.offload_params and name not in (StrategyName.fsdp, StrategyName.zero3)),
              "strategy.offload_params", f"only fsdp and zero3 shard parameters; strategy={name.value} "
              "cannot offload them (use strategy=zero3 or strategy=fsdp)")
@@ -164,7 +215,46 @@ def validate(cfg: Config | DictConfig) -> None:
              "strategy.sharding", f"only read by strategy=fsdp, not strategy={name.value}")
 
 
+# Keys of the `model` node that belong to the trainer for each kind; a custom model's other keys
+# are its factory's arguments.
+MODEL_KEYS = {
+    ModelKind.reference: ("name", "kind", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "mlp",
+                          "norm", "bias", "shape_only"),
+    ModelKind.hf: ("name", "kind", "vocab_size", "seq_len", "path", "attn_implementation"),
+    ModelKind.custom: ("name", "kind", "vocab_size", "seq_len", "_target_"),
+}
+
+
+def model_config(node: dict | ModelConfig) -> ModelConfig:
+    """The typed model settings from the open `model` node; wrong keys and values name the key."""
+    if isinstance(node, ModelConfig):
+        return node
+    node = dict(node)
+    try:
+        kind = ModelKind(node.get("kind", ModelKind.reference.value))
+    except ValueError:
+        raise ConfigError(f"model.kind: allowed values: {', '.join(k.value for k in ModelKind)}; "
+                          f"got {node.get('kind')!r}") from None
+    allowed = MODEL_KEYS[kind]
+    if kind is ModelKind.custom:
+        args = {k: node.pop(k) for k in list(node) if k not in allowed}
+        node.update(target=node.pop("_target_", None), args=args)
+        _require(bool(node["target"]) and node["target"] != "???", "model._target_",
+                 "model=custom needs the factory that builds the model, e.g. model._target_=my_pkg.models.build")
+    else:
+        unknown = [k for k in node if k not in allowed]
+        _require(not unknown, f"model.{unknown[0] if unknown else ''}",
+                 f"not a setting of a {kind.value} model; settings: {', '.join(allowed)}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"model.{e.key}: {e.msg}") from None
+
+
 def to_config(cfg: DictConfig | dict) -> Config:
     """A typed Config (enums as enums) from Hydra's DictConfig or a plain dict sent to a worker."""
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    return OmegaConf.to_object(merged)
+    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    model = raw.pop("model", None) or {}
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    config.model = model_config(model)
+    return config

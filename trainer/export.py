@@ -1,5 +1,9 @@
-"""`python -m trainer.export CKPT_DIR OUT.safetensors`: full fp32 weights of a checkpoint, for
-inference; `load_state_dict(safetensors.torch.load_file(OUT))` into the plain model.
+"""`python -m trainer.export CKPT OUT`: the full fp32 weights of a checkpoint (CKPT: a step dir,
+or a checkpoint dir for its newest), for inference:
+- OUT.safetensors: one flat file; `load_state_dict(safetensors.torch.load_file(OUT))` into the
+  plain model;
+- OUT_DIR (model=hf): a Hugging Face folder (config.json, model.safetensors, sharded with an
+  index above 5 GB, and the tokenizer) that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads.
 
 A file operation: no process group, no strategy. The checkpoint may come from any strategy
 and world size; parameters are assembled one at a time from the ranks' pieces.
@@ -14,26 +18,43 @@ from safetensors.torch import save_file
 from trainer.checkpoint import CheckpointError, PieceReader, latest_checkpoint, read_manifest
 
 
-def export(checkpoint: Path, out: Path) -> int:
+def export(checkpoint: Path, out: Path) -> str:
+    """Write the weights of `checkpoint` to `out`; a line saying what was written."""
     if (checkpoint / "latest").is_file():
         checkpoint = latest_checkpoint(checkpoint) or checkpoint
     manifest = read_manifest(checkpoint)
+    source = manifest.get("source", {})
+    as_folder = out.suffix != ".safetensors"
+    if as_folder and source.get("kind") != "hf":
+        raise CheckpointError(f"{checkpoint} holds a {source.get('kind', 'reference')} model, which has no "
+                              "Hugging Face config: export it to a file, OUT.safetensors")
     reader = PieceReader(checkpoint, manifest)
     weights = {name: reader.read_full(f"model.{name}").contiguous() for name in manifest["model"]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"step": str(manifest["step"]), "strategy": manifest["strategy"]})
-    return sum(w.numel() for w in weights.values())
+    count = sum(w.numel() for w in weights.values())
+    what = (f"{count:,} fp32 parameters of step {manifest['step']} ({manifest['strategy']}, world size "
+            f"{manifest['world_size']}, {checkpoint})")
+    if not as_folder:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(out), metadata={"step": str(manifest["step"]), "strategy": manifest["strategy"]})
+        return f"wrote {what} to {out}"
+    from trainer.models.hf import export_folder
+
+    tokenizer = Path(source["tokenizer"]) if source.get("tokenizer") else None
+    note = ""
+    if tokenizer is not None and not tokenizer.is_dir():
+        tokenizer, note = None, f"; the tokenizer at {source['tokenizer']} is gone: none copied"
+    files = export_folder(weights, source, out, tokenizer)
+    return f"wrote {what} to {out}/ ({', '.join(files)}){note}"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        sys.exit("usage: python -m trainer.export CKPT_DIR OUT.safetensors")
+        sys.exit("usage: python -m trainer.export CKPT_DIR OUT.safetensors|OUT_DIR")
     try:
-        n = export(Path(argv[0]), Path(argv[1]))
+        print(export(Path(argv[0]), Path(argv[1])))
     except CheckpointError as e:
         sys.exit(f"trainer.export: error: {e}")
-    print(f"wrote {n:,} fp32 parameters to {argv[1]}")
 
 
 if __name__ == "__main__":

@@ -7,20 +7,17 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from trainer.blocks import apply_checkpointing, find_blocks
 from trainer.checkpoint import CheckpointManager, resolve_resume
 from trainer.config import Config, OptimConfig
-from trainer.data import BatchStream, build_dataset
+from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, seed_everything
-from trainer.model import ModelShape, build_model
-from trainer.strategies import build_strategy
-
-
-def model_shape(cfg: Config) -> ModelShape:
-    m = cfg.model
-    return ModelShape(m.vocab_size, m.seq_len, m.d_model, m.n_layers, m.n_heads, m.d_ff, m.mlp, m.norm, m.bias)
+from trainer.models import build_model, description, initial_weights, logits_of
+from trainer.strategies import Strategy, build_strategy
 
 
 def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
@@ -43,6 +40,44 @@ def adamw_factory(o: OptimConfig):
     return build
 
 
+def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim.Optimizer, list[nn.Module], str]:
+    """Build the model where the strategy wants it, find its blocks, wrap them for activation
+    checkpointing, then let the strategy shard it and give each rank its part of the first
+    weights (AC -> setup, as torchtitan). Returns (model, optimizer, blocks, where the weights came from)."""
+    model = build_model(cfg.model, strategy.model_init_context())
+    blocks = find_blocks(model, cfg.strategy.wrap)
+    weights = initial_weights(cfg.model, model, cfg.train.seed)
+    if cfg.train.activation_checkpointing:
+        apply_checkpointing(model, blocks)
+    model, optimizer = strategy.setup(model, adamw_factory(cfg.optim), weights)
+    return model, optimizer, blocks, weights.description
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The sum (not the mean) of the token cross-entropies, in fp32; padding is no target."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def target_count(targets: torch.Tensor) -> torch.Tensor:
+    return (targets != IGNORE_INDEX).sum()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, strategy: Strategy, batches, device: torch.device) -> float:
+    """The mean token loss over the validation batches of all ranks."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, targets
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with strategy.autocast():
+            totals[0] += token_loss_sum(logits_of(model(x)), y).double()
+        totals[1] += target_count(y)
+    model.train()
+    strategy.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
 class MetricsLog:
     """metrics.jsonl (DESIGN §4): one JSON object per line, flushed per line; rank 0 only."""
 
@@ -62,73 +97,95 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     t = cfg.train
     seed_everything(t.seed)
     strategy = build_strategy(cfg, env)
-    dataset = build_dataset(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, t.seed)
-    stream = BatchStream(dataset, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed)
+    train_set, val_set = load_data(cfg, env.local_rank, announce=env.is_main)
+    stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
+                         num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
     total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
+    model, optimizer, _, weights_from = setup_model(cfg, strategy)
 
-    with strategy.model_init_context():
-        model = build_model(model_shape(cfg))
-    if t.activation_checkpointing:
-        apply_checkpointing(model, find_blocks(model, cfg.strategy.wrap))
-    model, optimizer = strategy.setup(model, adamw_factory(cfg.optim))
-
-    checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value)
-    step = 0
+    checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value, description(cfg.model, cfg.data.tokenizer))
+    step, tokens = 0, 0
     resume_from = resolve_resume(cfg.checkpoint)
     if resume_from:
         state = checkpoints.load(resume_from)
-        step = state["step"]
+        step, tokens = state["step"], state.get("tokens", 0)
         stream.load_state_dict(state["data"])
 
     metrics = MetricsLog(run_dir / "metrics.jsonl") if env.is_main else None
     if metrics:
         print(f"[trainer] strategy={cfg.strategy.name.value} world_size={env.world_size} device={env.device} "
               f"model={cfg.model.name} steps={total_steps}; metrics: {metrics.path}", flush=True)
+        print(f"[trainer] model: {weights_from}", flush=True)
         if resume_from:
             print(f"[trainer] resumed from {resume_from} at step {step}", flush=True)
-    tokens_per_step = t.micro_batch_size * t.grad_accum_steps * env.world_size * cfg.model.seq_len
+    eval_every = cfg.eval.every_steps
+
+    def validate() -> float:
+        batches = eval_batches(val_set, t.micro_batch_size, env.rank, env.world_size, cfg.eval.max_batches)
+        val_loss = evaluate(model, strategy, batches, env.device)
+        if metrics:
+            metrics.write({"step": step, "split": "val", "loss": val_loss, "ppl": math.exp(min(val_loss, 700))})
+        return val_loss
+
     progress = tqdm(total=total_steps, initial=step, disable=not env.is_main, desc="train", dynamic_ncols=True)
-    last = {}
+    last, val_loss = {}, None
     since, steps_since = time.perf_counter(), 0
+    tokens_since = torch.zeros((), dtype=torch.long, device=env.device)  # read at log steps only
     while step < total_steps:
         lr = lr_at(step, total_steps, cfg.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro_batches = stream.next_step()
+        micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True))
+                         for x, y in stream.next_step()]
+        # The loss is the sum of token losses over the target tokens of the whole step, all
+        # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
+        targets = strategy.all_reduce(sum(target_count(y) for _, y in micro_batches))
+        scale = env.world_size / targets
         loss_sum = torch.zeros((), device=env.device)
         for i, (x, y) in enumerate(micro_batches):
             with strategy.no_sync(i < len(micro_batches) - 1):
                 with strategy.autocast():
-                    loss = model(x.to(env.device), y.to(env.device))
-                strategy.backward(loss / t.grad_accum_steps)
-            loss_sum += loss.detach().float()
+                    micro_loss = token_loss_sum(logits_of(model(x)), y)
+                strategy.backward(micro_loss * scale)
+            loss_sum += micro_loss.detach()
         step += 1
+        tokens_since += targets
         log_now = step % t.log_every == 0 or step == total_steps
         mem = strategy.memory_bytes() if log_now else None  # gradients are held right now
         grad_norm = strategy.step(t.grad_clip)
         steps_since += 1
         progress.update()
+        if val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
+            val_loss = validate()
         if checkpoints.due(step, total_steps):
             saving = time.perf_counter()
-            checkpoints.save(step, {"step": step, "epoch": stream.epoch, "data": stream.state_dict()})
+            checkpoints.save(step, {"step": step, "epoch": stream.epoch, "tokens": tokens + int(tokens_since.item()),
+                                    "data": stream.state_dict()})
             since += time.perf_counter() - saving  # step times leave the save out
         if not log_now:
             continue
-        mean_loss = strategy.all_reduce(loss_sum / t.grad_accum_steps).item() / env.world_size
+        mean_loss = (strategy.all_reduce(loss_sum) / targets).item()
         elapsed = time.perf_counter() - since
+        new_tokens = int(tokens_since.item())
+        tokens += new_tokens
+        tokens_since.zero_()
         last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": step * tokens_per_step, "tokens_per_s": steps_since * tokens_per_step / elapsed,
-                "step_time_s": elapsed / steps_since, "mem": mem}
+                "tokens": tokens, "tokens_per_s": new_tokens / elapsed, "step_time_s": elapsed / steps_since,
+                "mem": mem}
         if metrics:
             metrics.write(last)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
+            postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
+            if val_loss is not None:
+                postfix["val_loss"] = f"{val_loss:.4f}"
+            progress.set_postfix(postfix)
         since, steps_since = time.perf_counter(), 0
     progress.close()
     strategy.barrier()
     if metrics:
         metrics.write({"event": "end", "step": step})
         metrics.close()
-        print(f"[trainer] done: {step} steps, final loss {last.get('loss', float('nan')):.4f}; "
-              f"metrics: {metrics.path}", flush=True)
+        print(f"[trainer] done: {step} steps, final loss {last.get('loss', float('nan')):.4f}"
+              + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; metrics: {metrics.path}",
+              flush=True)
     strategy.teardown()
     return last

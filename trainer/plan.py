@@ -49,19 +49,19 @@ class Plan:
 
 
 def count_params(cfg: Config) -> int:
-    from trainer.loop import model_shape
-    from trainer.model import build_model
+    from trainer.models import model_facts
 
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_model(model_shape(cfg)).parameters())
+    return model_facts(cfg.model, cfg.strategy.wrap).params
 
 
 def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int | None = None) -> Plan:
     from trainer.memory import activation_bytes, per_rank_bytes
+    from trainer.models import model_facts
 
     m, t = cfg.model, cfg.train
     precision = Precision(t.precision)
-    n_params = count_params(cfg) if n_params is None else n_params
+    facts = model_facts(m, cfg.strategy.wrap)  # built on the meta device
+    n_params = facts.params if n_params is None else n_params
     plan = Plan(n_params, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights)
     # The decision order: cheaper in speed first; offload last of all.
     for offload in (False, True):
@@ -72,7 +72,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
                 held = per_rank_bytes(stage, n_params, world_size, precision, master_weights=cfg.plan.master_weights)
                 moved = OFFLOADED[stage] if offload else ()
                 gpu = {k: 0 if k in moved else v for k, v in held.items()}
-                gpu["activations"] = activation_bytes(m.seq_len, m.d_model, m.n_layers, m.vocab_size,
+                gpu["activations"] = activation_bytes(m.seq_len, facts.d_model, facts.n_layers, m.vocab_size,
                                                       t.micro_batch_size, precision, checkpointing)
                 gpu["total"] = sum(gpu.values())
                 option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved))
@@ -142,13 +142,18 @@ def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
     from trainer.__main__ import CONF_DIR
-    from trainer.config import to_config
+    from trainer.config import ConfigError, to_config
+    from trainer.models import resolve_model
 
     overrides = sys.argv[1:] if argv is None else argv
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = to_config(compose(config_name="config", overrides=overrides))
     world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
-    plan = make_plan(cfg, world, device_memory_bytes(cfg))
+    try:
+        cfg.model = resolve_model(cfg.model)
+        plan = make_plan(cfg, world, device_memory_bytes(cfg))
+    except ConfigError as e:
+        sys.exit(f"trainer.plan: error: {e}")
     print(json.dumps(plan_as_json(plan), indent=1) if cfg.plan.json else format_plan(plan))
 
 

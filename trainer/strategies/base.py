@@ -11,24 +11,19 @@ from torch import nn
 
 from trainer.config import Config, Precision
 from trainer.distributed import DistEnv
+from trainer.models.weights import WeightSource, canonical_name, params_on_meta
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod"}  # activation checkpointing, torch.compile
 
 
 class Piece(NamedTuple):
     """A contiguous range [start, start + numel) of a flattened tensor, as a 1-D tensor."""
     start: int
     tensor: torch.Tensor
-
-
-def canonical_name(name: str) -> str:
-    """The parameter's name in the plain model, whatever wraps its modules."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
 def state_keys(name: str) -> dict[str, str]:
@@ -96,11 +91,14 @@ class Strategy(ABC):
     is_main = property(lambda self: self.env.is_main)
 
     def model_init_context(self) -> AbstractContextManager:
-        return nullcontext()
+        """Where the model is built: parameters on the meta device, materialised by `setup`."""
+        return params_on_meta()
 
     @abstractmethod
-    def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Wrap/shard per block, then build the optimizer over the wrapped parameters."""
+    def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory,
+              weights: WeightSource) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Wrap/shard per block, give this rank's part of every parameter its values from
+        `weights`, then build the optimizer over the wrapped parameters."""
 
     def autocast(self) -> AbstractContextManager:
         """Around the forward; backends that cast parameters themselves need none."""
@@ -180,11 +178,11 @@ class TorchStrategy(Strategy):
         return torch.amp.GradScaler(self.device.type)
 
     @abstractmethod
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The model wrapped/sharded for this backend."""
+    def wrap(self, model: nn.Module, weights: WeightSource) -> nn.Module:
+        """The model wrapped/sharded for this backend, with this rank's values from `weights`."""
 
-    def setup(self, model, optimizer_factory):
-        self.model = self.wrap(model)
+    def setup(self, model, optimizer_factory, weights):
+        self.model = self.wrap(model, weights)
         self.optimizer = optimizer_factory(self.model)
         return self.model, self.optimizer
 

@@ -7,12 +7,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import Precision
+from trainer.models.weights import allocate, fill
 from trainer.strategies.base import DTYPES, TorchStrategy
 
 
 class DDPStrategy(TorchStrategy):
-    def wrap(self, model):
-        model = model.to(self.device)
+    def wrap(self, model, weights):
+        allocate(model, self.device)
+        fill(model, weights)
+        model = model.to(self.device)  # the buffers
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 

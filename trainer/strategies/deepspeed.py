@@ -15,6 +15,7 @@ import torch
 
 from trainer.config import ConfigError, Precision, StrategyName
 from trainer.distributed import device_type
+from trainer.models.weights import allocate, fill
 from trainer.strategies.base import (
     ADAM_KEYS,
     STEP_KEY,
@@ -99,7 +100,12 @@ class DeepSpeedStrategy(Strategy):
             return deepspeed.zero.Init(config_dict_or_path=self.ds_config)
         return super().model_init_context()
 
-    def setup(self, model, optimizer_factory):
+    def setup(self, model, optimizer_factory, weights):
+        if self.stage == 3:  # each rank fills its own partition of every parameter
+            fill(model, weights, self._z3_local)
+        else:
+            allocate(model, self.device)
+            fill(model, weights)
         optimizer = optimizer_factory(model)
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -162,6 +168,10 @@ class DeepSpeedStrategy(Strategy):
         size = p.ds_tensor.numel()  # partition size, padded on the last ranks
         start = self.rank * size
         return start, max(0, min(size, p.ds_numel - start))
+
+    def _z3_local(self, p) -> tuple[int, torch.Tensor]:
+        start, numel = self._z3_range(p)
+        return start, p.ds_tensor.data.view(-1)[:numel]
 
     def _fragments(self):
         """(name, start, numel, {"param"|moment: this rank's fp32 range}) per owned parameter."""

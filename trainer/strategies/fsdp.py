@@ -11,6 +11,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainer.blocks import find_blocks
 from trainer.config import Precision, Sharding
+from trainer.models.weights import allocate, fill
 from trainer.strategies.base import DTYPES, TorchStrategy, toggled
 
 
@@ -27,11 +28,7 @@ class FSDPStrategy(TorchStrategy):
         shard = 1 if sharding is Sharding.NO_SHARD else local
         return init_device_mesh(self.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
-    def model_init_context(self):
-        # Built without memory; each rank materialises only its shards (`_materialize`).
-        return torch.device("meta")
-
-    def wrap(self, model):
+    def wrap(self, model, weights):
         s = self.cfg.strategy
         kwargs = dict(
             mesh=self.mesh(),
@@ -46,26 +43,10 @@ class FSDPStrategy(TorchStrategy):
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
-        self._materialize(model, torch.device("cpu") if s.offload_params or s.offload_optimizer else self.device)
+        # Built on the meta device: each rank allocates and fills only its own shards.
+        allocate(model, torch.device("cpu") if s.offload_params or s.offload_optimizer else self.device)
+        fill(model, weights, lambda p: self.local_range(p)[:2])
         return model
-
-    @torch.no_grad()
-    def _materialize(self, model, device) -> None:
-        """Allocate the local shards, then give them exactly the values a plain build would:
-        each module's `reset_parameters` runs, in build order, on one full-size CPU tensor at a
-        time (same RNG stream), and this rank keeps its rows."""
-        model.to_empty(device=device)
-        for module in model.modules():
-            if not hasattr(module, "reset_parameters"):
-                continue
-            sharded = dict(module.named_parameters(recurse=False))
-            plain = {name: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for name, p in sharded.items()}
-            module._parameters.update(plain)
-            module.reset_parameters()
-            module._parameters.update(sharded)
-            for name, p in sharded.items():
-                start, local, _, _ = self.local_range(p)
-                local.copy_(plain[name].view(-1)[start:start + local.numel()])
 
     @property
     def module(self):

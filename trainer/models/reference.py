@@ -1,4 +1,5 @@
-"""Reference decoder-only transformer (GPT / Llama shapes) with a `TransformerBlock` class."""
+"""The reference decoder-only transformer (GPT / Llama shapes) with a `TransformerBlock` class:
+`model=tiny|small|gpt_125m|gpt_1b|llama2_7b`."""
 from __future__ import annotations
 
 import math
@@ -33,9 +34,8 @@ def make_norm(shape: ModelShape) -> nn.Module:
     return nn.LayerNorm(shape.d_model, bias=shape.bias)
 
 
-# Each layer initialises itself in its own __init__ (GPT-2 init), so the weights are the same
-# whether the model is built plainly or under DeepSpeed's zero.Init, which partitions every
-# module's parameters as soon as that module's __init__ returns.
+# Each layer's reset_parameters() holds its part of the GPT-2 init; trainer/models/weights.py
+# runs it module by module, so every strategy starts from the same weights.
 class Linear(nn.Linear):
     def __init__(self, d_in: int, d_out: int, bias: bool, std: float = 0.02):
         self.std = std
@@ -106,23 +106,16 @@ class Transformer(nn.Module):
         self.norm = make_norm(shape)
         self.lm_head = Linear(shape.d_model, shape.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or the mean token cross-entropy (computed in fp32) when `targets` is given."""
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits [b, t, vocab] of token ids [b, t]."""
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.norm(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 * params (matmuls) + 12 * L * d * T (attention), as in PaLM."""
-        s = self.shape
-        n = sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
-        return 6 * n + 12 * s.n_layers * s.d_model * s.seq_len
+        return self.lm_head(self.norm(x))
 
 
-def build_model(shape: ModelShape) -> Transformer:
-    return Transformer(shape)
+def shape_of(cfg) -> ModelShape:
+    """The shape from the `model` settings (a ModelConfig)."""
+    return ModelShape(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.mlp,
+                      cfg.norm, cfg.bias)

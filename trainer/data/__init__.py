@@ -1,0 +1,77 @@
+"""The data layer: token sources (`data=text|synthetic|tokens|hf`), rows cut from them (packed
+windows or padded documents), the held-out split, and the stream that owns `set_epoch`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from trainer.config import Config, ConfigError, DataName, ModelKind
+from trainer.data.sources import IGNORE_INDEX, Documents, Tokens, TokenWindows, synthetic_tokens, text_tokens, token_file
+from trainer.data.stream import BatchStream, eval_batches
+from trainer.data.tokenized import TokenizedText, default_cache_dir
+
+__all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "load_data"]
+
+
+def _tokenized(cfg: Config, path: str | None, key: str) -> TokenizedText:
+    d, m = cfg.data, cfg.model
+    tokenizer = d.tokenizer or (m.path if ModelKind(m.kind) is ModelKind.hf else None)
+    return TokenizedText(path, key, d.text_field, Path(tokenizer) if tokenizer else None,
+                         Path(d.cache_dir) if d.cache_dir else default_cache_dir())
+
+
+def _paths(cfg: Config) -> list[tuple[str, str | None]]:
+    d = cfg.data
+    return [("data.path", d.path)] + ([("data.val_path", d.val_path)] if d.val_path else [])
+
+
+def _tokens(cfg: Config, path: str | None, key: str) -> tuple[Tokens, int]:
+    """The tokens of one source and the id that pads its unpacked rows."""
+    d, m = cfg.data, cfg.model
+    name = DataName(d.name)
+    if name is DataName.hf:
+        return _tokenized(cfg, path, key).tokens()
+    if name is DataName.tokens:
+        return token_file(path, d.dtype.value, key), 0
+    if name is DataName.synthetic:
+        if key != "data.path":
+            raise ConfigError(f"{key}: data=synthetic reads no file; hold out with data.val_fraction")
+        return synthetic_tokens(d.num_samples, m.seq_len, m.vocab_size, cfg.train.seed), 0
+    if m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size: byte-level text needs >= 256, got {m.vocab_size}")
+    return text_tokens(path, key), 0
+
+
+def check_data(cfg: Config) -> None:
+    """What can be wrong with the data settings, found before any rank starts."""
+    if DataName(cfg.data.name) is not DataName.hf:
+        for key, path in _paths(cfg):
+            _tokens(cfg, path, key)  # memory maps and checks; reads nothing
+        return
+    for key, path in _paths(cfg):
+        _tokenized(cfg, path, key).check(cfg.model.vocab_size)
+
+
+def load_data(cfg: Config, local_rank: int, announce: bool) -> tuple[Dataset, Dataset | None]:
+    """(training rows, validation rows or None). Text to tokenise is tokenised once, by the
+    first process of each node, while the others wait."""
+    d = cfg.data
+    if DataName(d.name) is DataName.hf:
+        if local_rank == 0:
+            for key, path in _paths(cfg):
+                _tokenized(cfg, path, key).prepare(announce)
+        if dist.is_initialized():
+            dist.barrier()
+    train, pad_id = _tokens(cfg, d.path, "data.path")
+    val = _tokens(cfg, d.val_path, "data.val_path")[0] if d.val_path else None
+    if d.val_fraction:
+        train, val = train.split(d.val_fraction)
+    m = cfg.model
+
+    def rows(tokens: Tokens) -> Dataset:
+        if d.packing:
+            return TokenWindows(tokens, m.seq_len, m.vocab_size)
+        return Documents(tokens, m.seq_len, m.vocab_size, pad_id)
+    return rows(train), rows(val) if val is not None else None

@@ -1,0 +1,113 @@
+"""The per-rank stream of micro-batches, loaded in the background, and the evaluation batches.
+
+The stream owns its DistributedSampler and calls `set_epoch` itself at every epoch start, so
+no loop can forget it. Its position is kept as global samples consumed in the epoch, which
+does not depend on the world size: DistributedSampler hands rank r the elements r, r+N, r+2N,
+... of one seeded permutation, so after k samples per rank the ranks together have consumed
+exactly the first k*N elements of it, at any N. A torch DataLoader with worker processes
+reads the batches ahead of the step; which samples it reads follows from the position alone,
+so resuming (at any world size) needs nothing of the loader's own state.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from trainer.config import ConfigError
+from trainer.data.sources import IGNORE_INDEX
+
+
+class _EpochBatches(Sampler):
+    """This rank's micro-batches (index lists) from the stream's position to the epoch's end."""
+
+    def __init__(self, stream: BatchStream):
+        self.stream = stream
+
+    def __iter__(self):
+        s = self.stream
+        order = s.epoch_order()
+        start, end = s.samples_consumed // s.world_size, s.steps_per_epoch * s.per_step
+        return iter([order[i:i + s.micro_batch_size] for i in range(start, end, s.micro_batch_size)])
+
+    def __len__(self) -> int:
+        s = self.stream
+        return (s.steps_per_epoch * s.per_step - s.samples_consumed // s.world_size) // s.micro_batch_size
+
+
+class BatchStream:
+    """Yields, per optimizer step, this rank's `grad_accum_steps` micro-batches; a step never
+    spans two epochs (the tail that cannot fill a whole step is dropped, the same on all ranks)."""
+
+    def __init__(self, dataset: Dataset, micro_batch_size: int, grad_accum_steps: int, rank: int, world_size: int,
+                 seed: int, num_workers: int = 0, pin_memory: bool = False):
+        self.micro_batch_size, self.grad_accum_steps, self.world_size = micro_batch_size, grad_accum_steps, world_size
+        self.per_step = micro_batch_size * grad_accum_steps
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                          seed=seed, drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // self.per_step
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"train.micro_batch_size: {micro_batch_size} x grad_accum_steps {grad_accum_steps} x world size "
+                f"{world_size} exceeds the {len(dataset)} samples of one epoch")
+        self.epoch = 0
+        self.samples_consumed = 0  # global (all ranks), in this epoch
+        self.last_indices: list[list[int]] = []  # this rank's sample indices of the last step
+        self._order: tuple[int, list[int]] = (-1, [])
+        self.loader = DataLoader(dataset, batch_sampler=_EpochBatches(self), num_workers=num_workers,
+                                 pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                                 # Ranks started by the elastic launcher default to spawn, which
+                                 # imports torch again in every worker (seen: 2 s); fork is Linux's default.
+                                 multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None)
+        self._batches = None  # the loader's iterator over the rest of the current epoch
+
+    def epoch_order(self) -> list[int]:
+        if self._order[0] != self.epoch:
+            self.sampler.set_epoch(self.epoch)
+            self._order = (self.epoch, list(self.sampler))
+        return self._order[1]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        start = self.samples_consumed // self.world_size
+        if start + self.per_step > self.steps_per_epoch * self.per_step:
+            self.epoch, self.samples_consumed, start = self.epoch + 1, 0, 0
+            self._batches = None
+        if self._batches is None:
+            self._batches = iter(self.loader)  # reads ahead from the current position
+        order = self.epoch_order()[start:start + self.per_step]
+        mbs = self.micro_batch_size
+        self.last_indices = [order[i:i + mbs] for i in range(0, self.per_step, mbs)]
+        self.samples_consumed += self.per_step * self.world_size
+        return [next(self._batches) for _ in range(self.grad_accum_steps)]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "samples_consumed": self.samples_consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["samples_consumed"] % self.world_size:
+            raise ConfigError(f"checkpoint: {state['samples_consumed']} samples consumed in the epoch cannot be "
+                              f"split over world size {self.world_size}")
+        self.epoch, self.samples_consumed = state["epoch"], state["samples_consumed"]
+        self._batches = None
+
+
+def eval_batches(dataset: Dataset, micro_batch_size: int, rank: int, world_size: int,
+                 max_batches: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of the validation set (items rank, rank + N, ...) in micro-batches.
+    Every rank gets the same number of batches (sharded models run collectives in forward):
+    a slot past the end repeats item 0 with no targets, so it counts for nothing."""
+    per_rank = math.ceil(len(dataset) / world_size)
+    n_batches = math.ceil(per_rank / micro_batch_size)
+    if max_batches:
+        n_batches = min(n_batches, max_batches)
+    for b in range(n_batches):
+        xs, ys = [], []
+        for j in range(micro_batch_size):
+            i = rank + world_size * (b * micro_batch_size + j)
+            x, y = dataset[i] if i < len(dataset) else dataset[0]
+            xs.append(x)
+            ys.append(y if i < len(dataset) else torch.full_like(y, IGNORE_INDEX))
+        yield torch.stack(xs), torch.stack(ys)

@@ -1,0 +1,94 @@
+"""Every kind of model behind one `build_model`: the reference transformer (`model=tiny|small|...`),
+a Hugging Face causal-LM folder (`model=hf`), any nn.Module from a factory (`model=custom`).
+
+A model maps token ids [b, t] to logits [b, t, vocab] (`logits_of` also takes an output with
+`.logits`); the loop computes the loss. `resolve_model` fills what comes from the model itself
+(vocabulary; for hf, the default context length) once, before any rank starts.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from trainer.config import ModelConfig, ModelKind
+from trainer.models import custom, hf
+from trainer.models.reference import Transformer, shape_of
+from trainer.models.weights import InitWeights, WeightSource, canonical_name, full_shape
+
+
+def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
+    """A function that builds the model; everything it imports is imported now."""
+    kind = ModelKind(cfg.kind)
+    if kind is ModelKind.hf:
+        return hf.builder(cfg)
+    if kind is ModelKind.custom:
+        return custom.builder(cfg)
+    return lambda: Transformer(shape_of(cfg))
+
+
+def build_model(cfg: ModelConfig, context: AbstractContextManager) -> nn.Module:
+    """The model built inside `context`: the strategy's (parameters on meta, ZeRO-3's zero.Init),
+    or `torch.device("meta")` to count and check."""
+    make = builder(cfg)
+    with context:
+        return make()
+
+
+def resolve_model(cfg: ModelConfig) -> ModelConfig:
+    kind = ModelKind(cfg.kind)
+    if kind is ModelKind.hf:
+        return hf.resolve(cfg)
+    if kind is ModelKind.custom:
+        return custom.resolve(cfg)
+    return cfg
+
+
+def logits_of(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {canonical_name(n): full_shape(p) for n, p in model.named_parameters()}
+
+
+def initial_weights(cfg: ModelConfig, model: nn.Module, seed: int) -> WeightSource:
+    """Pretrained weights where a Hugging Face folder has them, else the model's own init."""
+    pretrained = hf.pretrained_weights(cfg, model, param_shapes(model)) if ModelKind(cfg.kind) is ModelKind.hf \
+        else None
+    return pretrained or InitWeights(model, seed)
+
+
+def description(cfg: ModelConfig, tokenizer: str | None = None) -> dict:
+    """What a checkpoint records about where the model came from (export needs it); `tokenizer`:
+    the data's tokenizer folder, when not the model's own."""
+    if ModelKind(cfg.kind) is ModelKind.hf:
+        return hf.description(cfg, tokenizer)
+    return {"kind": ModelKind(cfg.kind).value}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    params: int
+    n_layers: int  # the blocks found by strategy.wrap / _no_split_modules
+    d_model: int  # the width of the input embedding
+    flops_per_token: int
+
+
+def model_facts(cfg: ModelConfig, wrap: list[str] | None) -> ModelFacts:
+    """Counts from the model built on the meta device. Training FLOPs per token, as PaLM: 6 x the
+    parameters that multiply (embedding lookups do not; a tied output matrix does) + 12 x layers x
+    width x context for attention."""
+    from trainer.blocks import find_blocks
+
+    model = build_model(cfg, torch.device("meta"))
+    params = sum(p.numel() for p in model.parameters())
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookups = sum(e.weight.numel() for e in embeddings if id(e.weight) not in matmul_weights)
+    n_layers = len(find_blocks(model, wrap))
+    d_model = embeddings[0].embedding_dim if embeddings else 0
+    return ModelFacts(params, n_layers, d_model, 6 * (params - lookups) + 12 * n_layers * d_model * cfg.seq_len)

@@ -1,0 +1,139 @@
+"""model=hf: a local Hugging Face causal-LM folder (config.json, optional *.safetensors and
+tokenizer files). Any architecture that AutoModelForCausalLM knows; its blocks come from
+`_no_split_modules`. Export writes such a folder back (`python -m trainer.export CKPT DIR`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, ModelConfig
+from trainer.models.weights import SafetensorsWeights, safetensors_files
+
+DEFAULT_MAX_SEQ_LEN = 2048
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def read_config(cfg: ModelConfig):
+    from transformers import AutoConfig
+
+    if not cfg.path:
+        raise ConfigError("model.path: model=hf needs a Hugging Face model folder, e.g. model.path=/models/qwen2-0.5b")
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise ConfigError(f"model.path: {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model folder)")
+    config = AutoConfig.from_pretrained(str(path))
+    config.use_cache = False  # training: no key/value cache in the outputs
+    config._attn_implementation = cfg.attn_implementation
+    return config
+
+
+def model_class(config) -> type:
+    """The causal-LM class for this config, imported now: a lazy import inside DeepSpeed's
+    zero.Init fails (it patches tensor constructors while torch._dynamo loads)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ConfigError(f"model.path: a {config.model_type!r} model is not a causal LM (AutoModelForCausalLM "
+                          "has no class for it)") from None
+
+
+def resolve(cfg: ModelConfig) -> ModelConfig:
+    """The vocabulary from config.json; seq_len, when not given, the smaller of the model's
+    max_position_embeddings and 2048."""
+    config = read_config(cfg)
+    model_class(config)
+    cfg.vocab_size = config.vocab_size
+    if cfg.seq_len is None:
+        cfg.seq_len = min(getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
+    return cfg
+
+
+def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
+    config = read_config(cfg)
+    cls = model_class(config)
+    return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters
+
+
+def pretrained_weights(cfg: ModelConfig, model: nn.Module,
+                       shapes: dict[str, tuple[int, ...]]) -> SafetensorsWeights | None:
+    """The folder's safetensors weights, checked against the model; None when it has none."""
+    path = Path(cfg.path)
+    if safetensors_files(path):
+        return SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes))
+    if list(path.glob("*.bin")):
+        raise ConfigError(f"model.path: {path} holds *.bin weights; the trainer reads safetensors only "
+                          "(save_pretrained(..., safe_serialization=True) writes them)")
+    return None
+
+
+def checkpoint_key_renamer(model: nn.Module, shapes: dict) -> Callable[[str], str]:
+    """A checkpoint key -> the model's parameter name, as `from_pretrained` renames it: its
+    conversion mapping (GPT-NeoX's `embed_out` is the model's `lm_head`, ...) and the base model
+    prefix. Conversions that merge or split tensors (fused experts) cannot be read range by range
+    and are refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> str:
+        name, converted = rename_source_key(key, renamings, converters, prefix, shapes)
+        if converted is not None:
+            raise ConfigError(f"model.path: {key} needs transformers' conversion {converted!r}, which merges or "
+                              "splits tensors; the trainer reads weights as they are stored")
+        return name
+    return rename
+
+
+def description(cfg: ModelConfig, tokenizer: str | None) -> dict:
+    """What a checkpoint records to export a Hugging Face folder later: the config itself (the
+    source folder may be gone by then) and where the tokenizer's files are."""
+    config = read_config(cfg)
+    config.dtype = torch.float32  # the exported weights are the fp32 masters
+    config.use_cache = True  # for whoever loads the export to generate
+    found = next((Path(c).resolve() for c in (tokenizer, cfg.path)
+                  if c and any((Path(c) / f).is_file() for f in TOKENIZER_FILES)), None)
+    return {"kind": "hf", "config": config.to_dict(), "path": str(Path(cfg.path).resolve()),
+            "tokenizer": str(found) if found else None}
+
+
+def export_folder(weights: dict[str, torch.Tensor], source: dict, out: Path, tokenizer: Path | None,
+                  max_shard_size: str = "5GB") -> list[str]:
+    """A folder `AutoModelForCausalLM.from_pretrained(out)` loads: config.json, the weights in
+    safetensors (sharded, with an index, above `max_shard_size`) and the tokenizer's files."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers import CONFIG_MAPPING
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = CONFIG_MAPPING[source["config"]["model_type"]].from_dict(source["config"])
+    config.save_pretrained(str(out))
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    weights = revert_weight_conversion(model, weights)  # the keys transformers itself saves
+    split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: weights[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(w.numel() * w.element_size() for w in weights.values())},
+                 "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    written = sorted(split.filename_to_tensors)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(tokenizer)).save_pretrained(str(out))
+        written.append("tokenizer")
+    return written

@@ -1,0 +1,200 @@
+"""Where a model's first weights come from, and how each rank gets only its own part of them.
+
+A model is built with its parameters on the meta device (ZeRO-3: partitioned by `zero.Init`);
+the strategy allocates what the rank holds and asks a WeightSource for exactly those ranges:
+- `InitWeights`: the model's own initialisation, run per module on a full-size CPU tensor of
+  that module only, seeded by the module's name, so every strategy, world size and activation
+  checkpointing setting starts from the same values.
+- `SafetensorsWeights`: pretrained weights, read row range by row range from the safetensors
+  files, so no rank ever holds more than its shard plus one row.
+Both answer `read(name, start, numel)`: the fp32 values [start, start + numel) of a flattened
+parameter, named as in the plain model (`canonical_name`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError
+
+WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod"}  # activation checkpointing, torch.compile
+
+
+def canonical_name(name: str) -> str:
+    """The parameter's (or module's) name in the plain model, whatever wraps its modules."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's full shape: ZeRO-3 keeps it in ds_shape, a DTensor in its global shape."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+class WeightSource(Protocol):
+    description: str
+
+    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        """fp32 values [start, start + numel) of parameter `name`, flattened."""
+
+
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build a module with its parameters on the meta device and its buffers real: buffers that
+    __init__ computes (a rotary `inv_freq`) keep their values, which `to_empty` would turn into
+    garbage. A parameter registered again (tied embeddings) stays the same parameter, a tie that
+    accelerate's `init_empty_weights` breaks."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def whole(p: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The local range of a parameter every rank holds whole."""
+    return 0, p.detach().view(-1)
+
+
+@torch.no_grad()
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give meta parameters real, uninitialised storage on `device`; ties and buffers are kept."""
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    aliases = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) in owners:
+                    aliases.append((module, name, owners[id(p)]))
+                else:
+                    owners[id(p)] = (module, name)
+    buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None]
+    model.to_empty(device=device)  # one new tensor per module attribute: ties are broken here ...
+    for module, name, (owner, owner_name) in aliases:  # ... and restored here
+        module._parameters[name] = owner._parameters[owner_name]
+    for module, name, b in buffers:  # the values __init__ computed, where they were
+        module._buffers[name] = b
+
+
+@torch.no_grad()
+def fill(model: nn.Module, weights: WeightSource,
+         local_range: Callable[[torch.Tensor], tuple[int, torch.Tensor]] = whole) -> None:
+    """Copy into every parameter's local range (start, flat view) its values from `weights`."""
+    for name, p in model.named_parameters():  # a tied parameter once
+        start, local = local_range(p)
+        if local.numel():
+            local.copy_(weights.read(canonical_name(name), start, local.numel()))
+
+
+def module_seed(seed: int, module_name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(module_name.encode())) % (2 ** 63)
+
+
+class InitWeights:
+    """The model's own initialisation, module by module: `reset_parameters()` (torch's layers),
+    then the model's `_init_weights(module)` where it has one (Hugging Face, nanoGPT). Values
+    are made for one module at a time, on full-size CPU tensors swapped in for its parameters."""
+
+    description = "initialised from the model's config"
+
+    def __init__(self, model: nn.Module, seed: int):
+        self.seed = seed
+        self.owner: dict[str, tuple[str, nn.Module, str]] = {}  # param name -> (module name, module, attr)
+        self.init_fn: dict[str, Callable[[nn.Module], None] | None] = {}
+        seen = set()
+        for module_name, module in model.named_modules():
+            module_name = canonical_name(module_name)
+            parent = self.init_fn.get(module_name.rpartition(".")[0]) if module_name else None
+            # A Hugging Face sub-model (a PreTrainedModel inside) brings its own _init_weights.
+            self.init_fn[module_name] = getattr(module, "_init_weights", None) or parent
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    self.owner[f"{module_name}.{attr}" if module_name else attr] = (module_name, module, attr)
+        self.cached: tuple[str, dict[str, torch.Tensor]] = ("", {})
+
+    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        module_name, module, attr = self.owner[name]
+        if self.cached[0] != module_name or attr not in self.cached[1]:
+            self.cached = (module_name, self._initialise(module_name, module))
+        return self.cached[1][attr].view(-1)[start:start + numel]
+
+    def _initialise(self, module_name: str, module: nn.Module) -> dict[str, torch.Tensor]:
+        own = {attr: p for attr, p in module._parameters.items() if p is not None}
+        plain = {attr: nn.Parameter(torch.full(full_shape(p), math.nan)) for attr, p in own.items()}
+        module._parameters.update(plain)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(self.seed, module_name))
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+                if self.init_fn[module_name] is not None:
+                    self.init_fn[module_name](module)
+        finally:
+            module._parameters.update(own)
+        for attr, value in plain.items():
+            if torch.isnan(value).any():
+                where = f"{module_name}.{attr}" if module_name else attr
+                raise ConfigError(f"model: {where} ({type(module).__name__}) has no initialiser: neither "
+                                  "reset_parameters() nor the model's _init_weights(module) sets it; give its "
+                                  "module a reset_parameters(), or start from weights (model=hf with *.safetensors)")
+        return {attr: value.detach() for attr, value in plain.items()}
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder: the index's files, else every *.safetensors."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(directory.glob("*.safetensors"))
+
+
+class SafetensorsWeights:
+    """Pretrained weights from safetensors files, read by row ranges (never a whole file).
+    `rename` maps a key of the files to the model's parameter name."""
+
+    def __init__(self, directory: Path, shapes: dict[str, tuple[int, ...]], rename: Callable[[str], str] = str):
+        from safetensors import safe_open
+
+        self.files = safetensors_files(directory)
+        self.description = f"weights from {directory} ({len(self.files)} safetensors file(s))"
+        self.handles: dict[Path, object] = {}
+        stored: dict[str, tuple[Path, str, tuple[int, ...]]] = {}  # model name -> (file, key, shape)
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    stored[rename(key)] = (f, key, tuple(handle.get_slice(key).get_shape()))
+        problems = [f"{name}: not in the files" if name not in stored else
+                    f"{name}: files {list(stored[name][2])}, model {list(shape)}"
+                    for name, shape in shapes.items() if stored.get(name, (None, None, shape))[2] != shape]
+        if problems:
+            raise ConfigError(f"model.path: the weights in {directory} do not fit the model built from its "
+                              f"config.json ({len(problems)} parameters):\n  " + "\n  ".join(problems[:10]))
+        self.where = {name: stored[name][:2] for name in shapes}
+
+    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path, key = self.where[name]
+        if path not in self.handles:
+            self.handles[path] = safe_open(str(path), framework="pt")
+        stored = self.handles[path].get_slice(key)
+        shape = stored.get_shape()
+        if not shape:  # a scalar
+            return self.handles[path].get_tensor(key).view(1).float()
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-(start + numel) // row)  # the rows that hold the range
+        return stored[first:last].reshape(-1)[start - first * row:start - first * row + numel].float()
