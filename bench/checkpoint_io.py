@@ -36,18 +36,15 @@ def measure(env, model: dict, strategy: str, root: str) -> dict:
 
     from trainer.checkpoint import CheckpointManager
     from trainer.config import to_config
-    from trainer.loop import adamw_factory, model_shape
-    from trainer.model import build_model
+    from trainer.loop import setup_model, token_loss_sum
     from trainer.strategies import build_strategy
 
     cfg = to_config({"strategy": {"name": strategy}, "model": model,
                      "checkpoint": {"dir": f"{root}/{strategy}", "keep_last": 0}})
     s = build_strategy(cfg, env)
-    with s.model_init_context():
-        net = build_model(model_shape(cfg))
-    net, _ = s.setup(net, adamw_factory(cfg.optim))
-    x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len))
-    s.backward(net(x, x))
+    net, _, _, _ = setup_model(cfg, s)
+    x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1))
+    s.backward(token_loss_sum(net(x[:, :-1]), x[:, 1:]) / cfg.model.seq_len)
     s.step(1.0)
     manager = CheckpointManager(cfg.checkpoint, s, strategy)
     state = {"step": 1, "epoch": 0, "data": {"epoch": 0, "samples_consumed": 0}}

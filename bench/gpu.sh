@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One CUDA GPU: every strategy at world size 1 on gpt_1b (~1B params) in bf16, trainer against the
 # raw loop of each backend. Prints step time, tokens/s, MFU (model FLOPs per token from
-# Transformer.flops_per_token() over PEAK_FLOPS), peak GPU memory (metrics mem.peak) and the
+# trainer.models.model_facts over PEAK_FLOPS), peak GPU memory (metrics mem.peak) and the
 # trainer/raw ratio; writes bench/results/strategies_gpt_1b_cuda.{json,png}.
 #
 #   bench/gpu.sh                      # H100/H200: dense bf16 peak 989e12 FLOP/s

@@ -23,11 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.blocks import find_blocks
 from trainer.config import Config, Precision, to_config
-from trainer.data import BatchStream, build_dataset
+from trainer.data import BatchStream, load_data
 from trainer.distributed import DistEnv
-from trainer.loop import lr_at, model_shape
-from trainer.model import build_model
+from trainer.loop import lr_at
+from trainer.models import builder, initial_weights, logits_of
+from trainer.models.weights import fill
 from trainer.run import train_configs
 from trainer.strategies.base import peak_device_bytes
 
@@ -64,6 +66,14 @@ def ddp(model, cfg: Config, env: DistEnv):
     return model, optimizer, torch_step(model, optimizer, cfg.train.grad_clip), autocast
 
 
+def plain_model(cfg: Config) -> torch.nn.Module:
+    """The model built plainly on the CPU, as a user would, holding the trainer's first weights
+    (its per-module init, or the same pretrained files)."""
+    model = builder(cfg.model)()
+    fill(model, initial_weights(cfg.model, model, cfg.train.seed))
+    return model
+
+
 def fsdp(model, cfg: Config, env: DistEnv):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -72,7 +82,7 @@ def fsdp(model, cfg: Config, env: DistEnv):
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    for block in model.blocks:
+    for block in find_blocks(model, cfg.strategy.wrap):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     optimizer = adamw(model, cfg)
@@ -107,11 +117,10 @@ def synchronize(device: torch.device) -> None:
 def raw_loop(env: DistEnv, cfg: Config) -> dict:
     """cfg.train.max_steps steps of the plain loop for cfg.strategy; step times and mean losses."""
     t = cfg.train
-    torch.manual_seed(t.seed)  # as the trainer seeds before building: the same initial weights
-    model = build_model(model_shape(cfg))
-    model, optimizer, train_step, autocast = SETUPS[cfg.strategy.name.value](model, cfg, env)
-    dataset = build_dataset(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, t.seed)
-    stream = BatchStream(dataset, t.micro_batch_size, 1, env.rank, env.world_size, t.seed)
+    model, optimizer, train_step, autocast = SETUPS[cfg.strategy.name.value](plain_model(cfg), cfg, env)
+    dataset, _ = load_data(cfg, env.local_rank, announce=False)
+    stream = BatchStream(dataset, t.micro_batch_size, 1, env.rank, env.world_size, t.seed,
+                         num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
     times, losses = [], []
     for step in range(t.max_steps):
         start = time.perf_counter()
@@ -119,7 +128,8 @@ def raw_loop(env: DistEnv, cfg: Config) -> dict:
             group["lr"] = lr_at(step, t.max_steps, cfg.optim)
         [(x, y)] = stream.next_step()
         with autocast():
-            loss = model(x.to(env.device), y.to(env.device))
+            logits = logits_of(model(x.to(env.device)))
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(env.device).flatten())
         train_step(loss)
         synchronize(env.device)
         times.append(time.perf_counter() - start)

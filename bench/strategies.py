@@ -82,15 +82,11 @@ def model_preset(name: str) -> dict:
 
 def model_facts(model: dict) -> dict:
     """Parameters and training FLOPs per token, from a model built on the meta device."""
-    import torch
-
     from trainer.config import to_config
-    from trainer.loop import model_shape
-    from trainer.model import build_model
+    from trainer.models import model_facts as facts
 
-    with torch.device("meta"):
-        built = build_model(model_shape(to_config({"model": model})))
-    return {"params": sum(p.numel() for p in built.parameters()), "flops_per_token": built.flops_per_token()}
+    built = facts(to_config({"model": model}).model, None)
+    return {"params": built.params, "flops_per_token": built.flops_per_token}
 
 
 def run_one(strategy: str, ranks: int, args, model: dict, run_dir: Path) -> dict:

@@ -180,6 +180,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             progress.set_postfix(postfix)
         since, steps_since = time.perf_counter(), 0
     progress.close()
+    stream.close()
     strategy.barrier()
     if metrics:
         metrics.write({"event": "end", "step": step})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Iterator
 
 import torch
@@ -25,7 +26,9 @@ class _EpochBatches(Sampler):
     """This rank's micro-batches (index lists) from the stream's position to the epoch's end."""
 
     def __init__(self, stream: BatchStream):
-        self.stream = stream
+        # No reference cycle stream -> loader -> sampler -> stream: a stream that goes out of
+        # use stops its loader's worker processes at once, not at the next garbage collection.
+        self.stream = weakref.proxy(stream)
 
     def __iter__(self):
         s = self.stream
@@ -82,6 +85,10 @@ class BatchStream:
         self.last_indices = [order[i:i + mbs] for i in range(0, self.per_step, mbs)]
         self.samples_consumed += self.per_step * self.world_size
         return [next(self._batches) for _ in range(self.grad_accum_steps)]
+
+    def close(self) -> None:
+        """Stop the loader's worker processes (they hold copies of the process's sockets)."""
+        self._batches, self.loader = None, None
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "samples_consumed": self.samples_consumed}
