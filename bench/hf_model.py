@@ -70,15 +70,20 @@ def rss(field: str) -> int:
 
 
 def loading_memory(env, cfg_dict: dict) -> dict:
-    """On every rank: the peak growth of resident memory while the model is built and filled."""
+    """On every rank: resident memory while the model is built, filled and wrapped
+    (`setup_model`): its peak growth, what stays, and what the strategy then holds."""
     import gc
+
+    import torch
 
     from trainer.config import to_config
     from trainer.loop import setup_model
+    from trainer.models import build_model
     from trainer.strategies import build_strategy
 
     cfg = to_config(cfg_dict)
     strategy = build_strategy(cfg, env)
+    build_model(cfg.model, torch.device("meta"))  # imports done before measuring
     gc.collect()
     strategy.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -86,10 +91,11 @@ def loading_memory(env, cfg_dict: dict) -> dict:
     started = time.perf_counter()
     setup_model(cfg, strategy)
     seconds = time.perf_counter() - started
-    grown = rss("VmHWM") - before
-    held = strategy.memory_bytes()["params"]
+    held = strategy.memory_bytes()
+    result = {"peak_growth_bytes": rss("VmHWM") - before, "stays_bytes": rss("VmRSS") - before,
+              "params_bytes": held["params"], "optim_bytes": held["optim"], "seconds": seconds}
     strategy.teardown()
-    return {"peak_growth_bytes": grown, "params_held_bytes": held, "seconds": seconds}
+    return result
 
 
 def main() -> None:
@@ -120,14 +126,17 @@ def main() -> None:
                "per_rank": [per_rank[r] for r in sorted(per_rank)]}
         results["loading"].append(row)
         for r, m in enumerate(row["per_rank"]):
-            print(f"[bench] load {strategy} rank {r}: peak RSS growth {m['peak_growth_bytes'] / MB:.0f} MB; holds "
-                  f"{m['params_held_bytes'] / MB:.0f} MB of weights; whole model {facts['weight_bytes'] / MB:.0f} MB, "
-                  f"largest tensor {facts['largest_tensor_bytes'] / MB:.0f} MB; {m['seconds']:.1f} s", flush=True)
+            print(f"[bench] load {strategy} rank {r}: RSS peak +{m['peak_growth_bytes'] / MB:.0f} MB, after "
+                  f"+{m['stays_bytes'] / MB:.0f} MB; the rank holds {m['params_bytes'] / MB:.0f} MB of weights "
+                  f"(+{m['optim_bytes'] / MB:.0f} MB of DeepSpeed fp32 masters); whole model "
+                  f"{facts['weight_bytes'] / MB:.0f} MB, largest tensor {facts['largest_tensor_bytes'] / MB:.0f} MB; "
+                  f"{m['seconds']:.1f} s", flush=True)
 
     seq_facts = model_facts(to_config({"model": model}).model, None)
     settings = {"global_batch": args.global_batch, "seq_len": args.seq, "warmup": args.warmup, "peak_flops": None,
                 "flops_per_token": seq_facts.flops_per_token}
     run_dir = directory / "runs"
+    run_dir.mkdir()
     for strategy in args.strategies.split(","):
         cfg = {"strategy": {"name": strategy}, "model": model, "data": {"name": "synthetic", "num_samples": 512},
                "train": {"max_steps": args.steps, "log_every": 1,

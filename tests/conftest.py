@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def hf_assets(tmp_path_factory):
-    from tests.hf_fixtures import FAMILIES, documents, make_model_dir, train_tokenizer, write_jsonl
+    from examples.tiny_hf import FAMILIES, documents, make_model_dir, train_tokenizer, write_jsonl
 
     root = tmp_path_factory.mktemp("hf")
     docs = documents()

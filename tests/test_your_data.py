@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.harness import case, on_ranks, records, run_cli, train_cases, with_overrides
-from tests.hf_fixtures import VOCAB
+from examples.tiny_hf import VOCAB
 from trainer.config import to_config
 
 LOSS_RTOL = 2e-6

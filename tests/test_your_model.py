@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness import case, on_ranks, records, run_cli, train_cases, with_overrides
-from tests.hf_fixtures import BLOCKS, FAMILIES, VOCAB
+from examples.tiny_hf import BLOCKS, FAMILIES, VOCAB
 from trainer.checkpoint import read_manifest
 from trainer.config import to_config
 
@@ -30,7 +30,7 @@ def hf_model(path: Path) -> dict:
 
 
 def custom_model() -> dict:
-    return {"name": "custom", "kind": "custom", "_target_": "tests.toy_models.build", "vocab": 128, "dim": 32,
+    return {"name": "custom", "kind": "custom", "_target_": "examples.toy_model.build", "vocab": 128, "dim": 32,
             "layers": 2, "seq_len": SEQ, "vocab_size": 128}
 
 
@@ -245,14 +245,14 @@ def test_the_planner_counts_hf_and_custom_models_on_meta(hf_assets):
     assert hf.returncode == 0, hf.stderr[-2000:]
     expected = AutoModelForCausalLM.from_pretrained(str(hf_assets.pretrained["gpt_neox"])).num_parameters()
     assert json.loads(hf.stdout)["params"] == expected
-    custom = run_cli("model=custom", "model._target_=tests.toy_models.build", "+model.vocab=100", "+model.dim=16",
+    custom = run_cli("model=custom", "model._target_=examples.toy_model.build", "+model.vocab=100", "+model.dim=16",
                      "strategy.wrap=[ToyBlock]", launcher=plan)
     assert custom.returncode == 0, custom.stderr[-2000:]
     assert json.loads(custom.stdout)["params"] == 100 * 16 * 2 + 2 * (2 * 16 + 16 * 64 + 64 + 64 * 16 + 16)
 
 
 def test_custom_model_needs_its_blocks_named(tmp_path):
-    result = run_cli("model=custom", "model._target_=tests.toy_models.build", "strategy=fsdp", "nproc=2",
+    result = run_cli("model=custom", "model._target_=examples.toy_model.build", "strategy=fsdp", "nproc=2",
                      f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0
     assert "strategy.wrap" in result.stderr and "ToyBlock" in result.stderr, result.stderr[-2000:]
@@ -262,7 +262,7 @@ def test_custom_model_needs_its_blocks_named(tmp_path):
 def bad_model_dirs(hf_assets, tmp_path_factory):
     from transformers import T5Config
 
-    from tests.hf_fixtures import make_model_dir
+    from examples.tiny_hf import make_model_dir
 
     root = tmp_path_factory.mktemp("bad_models")
     T5Config(d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=32, vocab_size=64).save_pretrained(str(root / "t5"))

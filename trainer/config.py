@@ -173,6 +173,15 @@ class ConfigError(ValueError):
     """A bad setting, found before any work starts."""
 
 
+def require_hf(key: str, module: str = "transformers") -> None:
+    """The Hugging Face libraries are an extra: say how to get them, before any work."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{key}: needs the `{module}` package, from the Hugging Face extra: "
+                          "pip install 'trainer[hf]'")
+
+
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, require_hf
 from trainer.data.sources import Tokens
 
 FORMAT = 1
@@ -102,6 +102,8 @@ class TokenizedText:
     """One text source (data.path or data.val_path) with its tokenizer and cache entry."""
 
     def __init__(self, path: str | None, key: str, text_field: str, tokenizer_dir: Path | None, cache_root: Path):
+        require_hf("data=hf", "datasets")
+        require_hf("data=hf", "transformers")
         if path is None:
             raise ConfigError(f"{key}: data=hf needs a file or folder, e.g. {key}=train.jsonl")
         self.path, self.key, self.text_field, self.cache_root = Path(path), key, text_field, cache_root

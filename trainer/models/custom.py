@@ -5,6 +5,8 @@ has no `_no_split_modules`."""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Callable
 
 import torch
@@ -14,6 +16,10 @@ from trainer.config import ConfigError, ModelConfig
 
 
 def factory(cfg: ModelConfig) -> Callable[..., nn.Module]:
+    """The factory, imported from the installed packages or the current directory (the
+    `trainer` command, unlike `python -m`, does not put it on the path)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     module_name, _, attr = cfg.target.rpartition(".")
     try:
         return getattr(importlib.import_module(module_name), attr)

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, ModelConfig
+from trainer.config import ConfigError, ModelConfig, require_hf
 from trainer.models.weights import SafetensorsWeights, safetensors_files
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -18,6 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def read_config(cfg: ModelConfig):
+    require_hf("model=hf")
     from transformers import AutoConfig
 
     if not cfg.path:

@@ -1,9 +1,18 @@
-"""Tiny Hugging Face models, a tokenizer and text data, built on the spot (no hub here)."""
+"""A tiny Hugging Face model folder, a tokenizer and text data, made on the spot (no hub needed):
+
+    python examples/tiny_hf.py demo
+
+writes demo/qwen2/ (config.json, model.safetensors, tokenizer files), demo/train.jsonl (about
+600 paragraphs of the bundled license texts) and demo/train.bin (the same text as uint16 token
+ids). The tests build their models with the same functions.
+"""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VOCAB = 512
@@ -65,3 +74,24 @@ def make_model_dir(out: Path, family: str, weights: bool, tokenizer: Path | None
 
         AutoTokenizer.from_pretrained(str(tokenizer)).save_pretrained(str(out))
     return out
+
+
+def main(out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    texts = documents()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(out / "tokenizer", texts)
+    model = make_model_dir(out / "qwen2", "qwen2", weights=True, tokenizer=tokenizer)
+    write_jsonl(out / "train.jsonl", texts)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    ids = [i for text in texts for i in tok(text)["input_ids"] + [tok.eos_token_id]]
+    np.asarray(ids, dtype=np.uint16).tofile(out / "train.bin")
+    print(f"{model}: a Qwen2-shaped model ({VOCAB} tokens, tied embeddings) with its weights and tokenizer\n"
+          f"{out / 'train.jsonl'}: {len(texts)} documents; {out / 'train.bin'}: {len(ids):,} uint16 token ids")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python examples/tiny_hf.py OUT_DIR")
+    main(Path(sys.argv[1]))

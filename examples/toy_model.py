@@ -1,4 +1,7 @@
-"""A model the trainer has never heard of, for `model=custom model._target_=tests.toy_models.build`."""
+"""A model the trainer has never heard of:
+
+    trainer model=custom model._target_=examples.toy_model.build strategy.wrap=[ToyBlock] +model.dim=64
+"""
 from __future__ import annotations
 
 from torch import nn
