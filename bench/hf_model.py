@@ -36,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--strategies", default="fsdp,zero3")
@@ -70,12 +70,15 @@ def rss(field: str) -> int:
 
 
 def loading_memory(env, cfg_dict: dict) -> dict:
-    """On every rank: resident memory while the model is built, filled and wrapped
-    (`setup_model`): its peak growth, what stays, and what the strategy then holds."""
+    """On every rank, growth of resident memory: its peak while the model is built and its
+    weights are read into the rank's parameters (up to the end of `weights.fill`), then its peak
+    across the whole `setup_model` (+ the backend's wrapper: DDP's gradient buckets, DeepSpeed's
+    fp32 masters and gradient partitions), and what stays."""
     import gc
 
     import torch
 
+    import trainer.models.weights as weights
     from trainer.config import to_config
     from trainer.loop import setup_model
     from trainer.models import build_model
@@ -84,6 +87,14 @@ def loading_memory(env, cfg_dict: dict) -> dict:
     cfg = to_config(cfg_dict)
     strategy = build_strategy(cfg, env)
     build_model(cfg.model, torch.device("meta"))  # imports done before measuring
+    loaded = {}
+    fill = weights.fill
+
+    def measured_fill(*args, **kwargs):
+        fill(*args, **kwargs)
+        loaded["peak"] = rss("VmHWM")
+    for module in [m for m in sys.modules.values() if getattr(m, "fill", None) is fill]:
+        module.fill = measured_fill  # where the strategies imported it
     gc.collect()
     strategy.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -92,8 +103,9 @@ def loading_memory(env, cfg_dict: dict) -> dict:
     setup_model(cfg, strategy)
     seconds = time.perf_counter() - started
     held = strategy.memory_bytes()
-    result = {"peak_growth_bytes": rss("VmHWM") - before, "stays_bytes": rss("VmRSS") - before,
-              "params_bytes": held["params"], "optim_bytes": held["optim"], "seconds": seconds}
+    result = {"loading_peak_growth_bytes": loaded["peak"] - before, "peak_growth_bytes": rss("VmHWM") - before,
+              "stays_bytes": rss("VmRSS") - before, "params_bytes": held["params"], "optim_bytes": held["optim"],
+              "seconds": seconds}
     strategy.teardown()
     return result
 
@@ -126,7 +138,8 @@ def main() -> None:
                "per_rank": [per_rank[r] for r in sorted(per_rank)]}
         results["loading"].append(row)
         for r, m in enumerate(row["per_rank"]):
-            print(f"[bench] load {strategy} rank {r}: RSS peak +{m['peak_growth_bytes'] / MB:.0f} MB, after "
+            print(f"[bench] load {strategy} rank {r}: RSS peak while loading +{m['loading_peak_growth_bytes'] / MB:.0f}"
+                  f" MB; across setup +{m['peak_growth_bytes'] / MB:.0f} MB, after "
                   f"+{m['stays_bytes'] / MB:.0f} MB; the rank holds {m['params_bytes'] / MB:.0f} MB of weights "
                   f"(+{m['optim_bytes'] / MB:.0f} MB of DeepSpeed fp32 masters); whole model "
                   f"{facts['weight_bytes'] / MB:.0f} MB, largest tensor {facts['largest_tensor_bytes'] / MB:.0f} MB; "

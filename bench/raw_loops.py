@@ -118,7 +118,7 @@ def raw_loop(env: DistEnv, cfg: Config) -> dict:
     """cfg.train.max_steps steps of the plain loop for cfg.strategy; step times and mean losses."""
     t = cfg.train
     model, optimizer, train_step, autocast = SETUPS[cfg.strategy.name.value](plain_model(cfg), cfg, env)
-    dataset, _ = load_data(cfg, env.local_rank, announce=False)
+    dataset, _ = load_data(cfg, env.local_rank)
     stream = BatchStream(dataset, t.micro_batch_size, 1, env.rank, env.world_size, t.seed,
                          num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
     times, losses = [], []

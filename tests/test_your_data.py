@@ -165,7 +165,7 @@ def test_a_mean_per_micro_batch_would_be_measurably_different(normalisation):
 
     out, cfgs = normalisation
     cfg = to_config(cfgs["4x2"])
-    train_set, _ = load_data(cfg, local_rank=0, announce=False)
+    train_set, _ = load_data(cfg, local_rank=0)
     micro_batches = BatchStream(train_set, 2, 4, 0, 1, cfg.train.seed).next_step()
     model = Transformer(shape_of(cfg.model))
     fill(model, InitWeights(model, cfg.train.seed))

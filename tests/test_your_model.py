@@ -210,7 +210,7 @@ def first_batch_loss_of_the_hf_model(cfg: dict, model_dir: Path) -> float:
     from trainer.loop import token_loss_sum
 
     typed = to_config(cfg)
-    train_set, _ = load_data(typed, local_rank=0, announce=False)
+    train_set, _ = load_data(typed, local_rank=0)
     global_batch = typed.train.micro_batch_size * 2
     [(x, y)] = BatchStream(train_set, global_batch, 1, 0, 1, typed.train.seed).next_step()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))

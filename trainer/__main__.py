@@ -6,6 +6,7 @@ alone with nproc=N it spawns N local ranks with torch's elastic launcher.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,16 +18,17 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.blocks import find_blocks
 from trainer.checkpoint import check_fingerprint, read_manifest, resolve_resume
-from trainer.config import Config, ConfigError, StrategyName, register_configs, to_config, validate
-from trainer.data import check_data
+from trainer.config import Config, ConfigError, StrategyName, check_overrides, register_configs, to_config, validate
+from trainer.data import BatchStream, check_data
 from trainer.launchers import take_local_rank, with_accelerate_choice
+from trainer.log import setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
 from trainer.run import worker
 from trainer.strategies import preflight
 
 
-def check_before_work(cfg: Config, world_size: int) -> None:
+def check_before_work(cfg: Config, world_size: int, run_dir: Path) -> None:
     """Everything that can be wrong with the settings, found before a rank is started."""
     validate(cfg)
     preflight(cfg, world_size)
@@ -36,7 +38,20 @@ def check_before_work(cfg: Config, world_size: int) -> None:
     check_data(cfg)
     resume_from = resolve_resume(cfg.checkpoint)
     if resume_from:
-        check_fingerprint(read_manifest(resume_from), param_shapes(model), resume_from)
+        manifest = read_manifest(resume_from)
+        check_fingerprint(manifest, param_shapes(model), resume_from)
+        BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
+    elif (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"hydra.run.dir: {run_dir} already holds another run's metrics.jsonl; give another "
+                          "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
+
+
+def remove_refused_run_dir(run_dir: Path) -> None:
+    """A run refused before any work leaves no run dir behind: only Hydra's files were in it."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "trainer.log"}:
+        shutil.rmtree(run_dir)
+        if run_dir.parent.parent.name == "outputs" and not any(run_dir.parent.iterdir()):
+            run_dir.parent.rmdir()  # outputs/<date>/ that held only this run
 
 
 def resolve_settings(cfg: DictConfig, world_size: int) -> Config:
@@ -45,7 +60,7 @@ def resolve_settings(cfg: DictConfig, world_size: int) -> Config:
     model = resolve_model(to_config(cfg).model)
     cfg.model.seq_len, cfg.model.vocab_size = model.seq_len, model.vocab_size
     if cfg.strategy.name == StrategyName.auto:
-        resolve_auto(cfg, cfg.plan.world_size or world_size, announce=distributed.launcher_rank() == 0)
+        resolve_auto(cfg, cfg.plan.world_size or world_size)
     return to_config(cfg)
 
 
@@ -58,31 +73,38 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def app(cfg: DictConfig):
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    first = distributed.launcher_rank() == 0  # the launching process, or rank 0 of a launcher
+    setup_logging(run_dir if first else None, first)
     world = int(distributed.launcher_env().get("WORLD_SIZE", cfg.nproc))
     try:
         typed = resolve_settings(cfg, world)
-        check_before_work(typed, world)
+        check_before_work(typed, world, run_dir)
     except ConfigError as e:
+        if first:
+            remove_refused_run_dir(run_dir)
         sys.exit(f"trainer: error: {e}")
-    run_dir = HydraConfig.get().runtime.output_dir
+    if first:  # what runs, resolved (strategy=auto's choice, the model's vocabulary and context)
+        OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if distributed.launched_externally() or typed.nproc == 1:
         # A rank of an external launcher leaves without the interpreter's teardown, where gloo
         # can abort after backward (FACTS.md); its work is done and flushed. Not under submitit,
         # which collects the return value (hydra/launcher=slurm).
         hard_exit = distributed.launched_externally() and "SUBMITIT_FOLDER" not in os.environ
-        result = worker(cfg_dict, run_dir)
+        result = worker(cfg_dict, str(run_dir))
         if hard_exit:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
         return result
-    return distributed.launch_local(typed.nproc, worker, cfg_dict, run_dir)[0]
+    return distributed.launch_local(typed.nproc, worker, cfg_dict, str(run_dir))[0]
 
 
 def main() -> None:
     try:
         sys.argv[1:] = with_accelerate_choice(take_local_rank(sys.argv[1:]))
+        check_overrides(sys.argv[1:])
     except ConfigError as e:
         sys.exit(f"trainer: error: {e}")
     app()

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from trainer.config import CheckpointConfig, ConfigError
 from trainer.distributed import broadcast_object
+from trainer.models.weights import save_safetensors
 from trainer.strategies.base import STEP_KEY, Strategy, state_keys
 
 FORMAT_VERSION = 1
@@ -187,7 +187,7 @@ class CheckpointManager:
             if torch.cuda.is_available():
                 tensors["rng.cuda"] = torch.cuda.get_rng_state()
             path = tmp / rank_file(s.rank)
-            save_file(tensors, str(path))
+            save_safetensors(tensors, path)
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
             return {"pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}}

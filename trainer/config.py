@@ -6,7 +6,8 @@ covers the cross-field rules and fails before any process or tensor is created.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
@@ -264,6 +265,42 @@ def to_config(cfg: DictConfig | dict) -> Config:
     """A typed Config (enums as enums) from Hydra's DictConfig or a plain dict sent to a worker."""
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     model = raw.pop("model", None) or {}
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    try:
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    except OmegaConfBaseException as e:  # e.g. a key added with + that the schema does not have
+        raise ConfigError(unknown_key_message(e.full_key) if "not in" in e.msg else f"{e.full_key}: {e.msg}") from None
     config.model = model_config(model)
     return config
+
+
+def known_keys() -> list[str]:
+    """Every `group.key` of the schema (a model's keys of every kind) and `nproc`."""
+    keys = ["nproc"]
+    for group in fields(Config):
+        if group.name == "model":
+            keys += sorted({f"model.{k}" for kind_keys in MODEL_KEYS.values() for k in kind_keys})
+        elif group.name != "nproc":
+            keys += [f"{group.name}.{f.name}" for f in fields(group.default_factory())]
+    return keys
+
+
+def unknown_key_message(key: str) -> str:
+    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.6)
+    return f"{key}: no such setting" + (f"; did you mean {close[0]}?" if close else "")
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """A mistyped key, caught before Hydra (whose message suggests adding it with `+`): name the
+    closest valid key. `+model.*` stays open: a custom model's factory arguments."""
+    known = set(known_keys())
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0]
+        added = key.startswith("+")
+        key = key.lstrip("+~")
+        if key.startswith("hydra") or ("." not in key and not added) or key in known:
+            continue  # Hydra's own settings, a config group choice, a known key
+        if added and key.startswith("model."):
+            continue
+        raise ConfigError(unknown_key_message(key))

@@ -13,9 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from trainer.checkpoint import CheckpointError, PieceReader, latest_checkpoint, read_manifest
+from trainer.models.weights import save_safetensors
 
 
 def export(checkpoint: Path, out: Path) -> str:
@@ -35,7 +34,7 @@ def export(checkpoint: Path, out: Path) -> str:
             f"{manifest['world_size']}, {checkpoint})")
     if not as_folder:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(out), metadata={"step": str(manifest["step"]), "strategy": manifest["strategy"]})
+        save_safetensors(weights, out, metadata={"step": str(manifest["step"]), "strategy": manifest["strategy"]})
         return f"wrote {what} to {out}"
     from trainer.models.hf import export_folder
 

@@ -12,10 +12,11 @@ from torch import nn
 from tqdm import tqdm
 
 from trainer.blocks import apply_checkpointing, find_blocks
-from trainer.checkpoint import CheckpointManager, resolve_resume
-from trainer.config import Config, OptimConfig
+from trainer.checkpoint import CheckpointManager, read_manifest, resolve_resume
+from trainer.config import Config, OptimConfig, StrategyName
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, seed_everything
+from trainer.log import log, setup_logging
 from trainer.models import build_model, description, initial_weights, logits_of
 from trainer.strategies import Strategy, build_strategy
 
@@ -93,31 +94,52 @@ class MetricsLog:
         self.file.close()
 
 
+def describe(cfg: Config, env: DistEnv, total_steps: int) -> str:
+    """What will run, resolved: the start line."""
+    s, t = cfg.strategy, cfg.train
+    offload = "+".join(what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on)
+    sharding = f" sharding={s.sharding.value}" if s.name is StrategyName.fsdp else ""
+    global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
+    return (f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name} "
+            f"steps={total_steps} precision={t.precision.value}{sharding} offload={offload or 'none'} "
+            f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'} global_batch={global_batch} "
+            f"({t.micro_batch_size} x {t.grad_accum_steps} accumulation x {env.world_size} ranks) "
+            f"seq_len={cfg.model.seq_len}")
+
+
 def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     t = cfg.train
+    setup_logging(run_dir, env.is_main)
     seed_everything(t.seed)
     strategy = build_strategy(cfg, env)
-    train_set, val_set = load_data(cfg, env.local_rank, announce=env.is_main)
+    train_set, val_set = load_data(cfg, env.local_rank)
     stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
                          num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
     total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
+    resume_from = resolve_resume(cfg.checkpoint)
+    if resume_from and read_manifest(resume_from)["step"] >= total_steps:
+        log.info(f"nothing to do: {resume_from} is at step {read_manifest(resume_from)['step']}, and this run ends at "
+                 f"step {total_steps}; to train longer, raise train.max_steps (or train.epochs)")
+        stream.close()
+        strategy.teardown()
+        return {}
     model, optimizer, _, weights_from = setup_model(cfg, strategy)
 
-    checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value, description(cfg.model, cfg.data.tokenizer))
+    checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
+                                    description(cfg.model, cfg.data.tokenizer))
     step, tokens = 0, 0
-    resume_from = resolve_resume(cfg.checkpoint)
     if resume_from:
         state = checkpoints.load(resume_from)
         step, tokens = state["step"], state.get("tokens", 0)
         stream.load_state_dict(state["data"])
 
     metrics = MetricsLog(run_dir / "metrics.jsonl") if env.is_main else None
-    if metrics:
-        print(f"[trainer] strategy={cfg.strategy.name.value} world_size={env.world_size} device={env.device} "
-              f"model={cfg.model.name} steps={total_steps}; metrics: {metrics.path}", flush=True)
-        print(f"[trainer] model: {weights_from}", flush=True)
-        if resume_from:
-            print(f"[trainer] resumed from {resume_from} at step {step}", flush=True)
+    log.info(f"{describe(cfg, env, total_steps)}; metrics: {run_dir / 'metrics.jsonl'}")
+    log.info(f"model: {weights_from}")
+    if resume_from:
+        log.info(f"resumed from {resume_from} at step {step}")
+        if metrics:
+            metrics.write({"event": "resumed", "step": step, "from": str(resume_from)})
     eval_every = cfg.eval.every_steps
 
     def validate() -> float:
@@ -185,8 +207,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     if metrics:
         metrics.write({"event": "end", "step": step})
         metrics.close()
-        print(f"[trainer] done: {step} steps, final loss {last.get('loss', float('nan')):.4f}"
-              + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; metrics: {metrics.path}",
-              flush=True)
+    log.info(f"done: {step} steps, final loss {last['loss']:.4f}"
+             + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; metrics: {run_dir / 'metrics.jsonl'}")
     strategy.teardown()
     return last

@@ -1,10 +1,14 @@
 """`python -m trainer.plan [overrides]`: what each memory strategy costs per GPU, and the first
-one in the decision order (DDP -> activation checkpointing -> ZeRO-1/2 -> ZeRO-3/FSDP ->
+one in the decision order (DDP -> activation checkpointing -> ZeRO-1/2 -> FSDP2 / ZeRO-3 ->
 CPU offload) that fits. Same configs as the trainer; `plan.json=true` prints JSON only.
 
 The parameter count comes from the real model built on the meta device. Bytes per parameter
 follow trainer/memory.py (what our backends keep; `plan.master_weights=false` for pure bf16).
-Rows zero1/zero2/zero3 are DeepSpeed's accounting; FSDP2 FULL_SHARD holds the same total.
+FSDP2 and ZeRO-3 both shard everything, but FSDP2's sharded fp32 parameters are its master
+weights, while DeepSpeed keeps an fp32 master partition beside parameters in the training dtype:
+FSDP2 never holds more (fp32: 16 against 20 bytes per parameter; bf16: 16 each), so it comes
+first; ZeRO-3 follows, and with offload moves the parameters and optimizer state while FSDP2
+moves its gradients too.
 """
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ import torch
 from trainer.config import Config, Precision, StrategyName
 
 GB = 1e9
-STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.zero3)
-# What CPU offload moves to host memory, per stage (DDP cannot offload).
-OFFLOADED = {StrategyName.zero1: ("optim",), StrategyName.zero2: ("optim",), StrategyName.zero3: ("params", "optim")}
+STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
+# What CPU offload moves to host memory, per strategy (DDP cannot offload).
+OFFLOADED = {StrategyName.zero1: ("optim",), StrategyName.zero2: ("optim",),
+             StrategyName.fsdp: ("params", "grads", "optim"), StrategyName.zero3: ("params", "optim")}
 
 
 @dataclass
@@ -116,43 +121,46 @@ def device_memory_bytes(cfg: Config) -> int:
     return int(cfg.plan.gpu_memory_gb * GB)
 
 
-def resolve_auto(cfg, world_size: int, announce: bool) -> None:
+def resolve_auto(cfg, world_size: int) -> None:
     """strategy=auto: plan against this run's world size and device, then set the choice in `cfg`
     (a DictConfig) so that everything downstream sees a concrete strategy."""
     from trainer.config import ConfigError, to_config
+    from trainer.log import log
 
     typed = to_config(cfg)
     plan = make_plan(typed, world_size, device_memory_bytes(typed))
-    if announce:
-        print(f"[trainer] strategy=auto:\n{format_plan(plan)}", flush=True)
+    log.info(f"strategy=auto:\n{format_plan(plan)}")
     if not plan.choice:
         raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
                           "(plan.gpu_memory_gb on CPU)")
     cfg.strategy.name = plan.choice.name
     cfg.train.activation_checkpointing = plan.choice.activation_checkpointing
     cfg.strategy.offload_optimizer = plan.choice.offload
-    cfg.strategy.offload_params = plan.choice.offload and plan.choice.name == "zero3"
-    if announce:
-        print(f"[trainer] strategy=auto chose {plan.choice.name}"
-              f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
-              f"{' + CPU offload' if plan.choice.offload else ''}", flush=True)
+    cfg.strategy.offload_params = plan.choice.offload and "params" in OFFLOADED[StrategyName(plan.choice.name)]
+    log.info(f"strategy=auto chose {plan.choice.name}"
+             f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
+             f"{' + CPU offload' if plan.choice.offload else ''}")
 
 
 def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
     from trainer.__main__ import CONF_DIR
-    from trainer.config import ConfigError, to_config
+    from trainer.config import ConfigError, check_overrides, to_config
     from trainer.models import resolve_model
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     overrides = sys.argv[1:] if argv is None else argv
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = to_config(compose(config_name="config", overrides=overrides))
-    world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
     try:
+        check_overrides(overrides)
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = to_config(compose(config_name="config", overrides=overrides))
+        world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
         cfg.model = resolve_model(cfg.model)
         plan = make_plan(cfg, world, device_memory_bytes(cfg))
-    except ConfigError as e:
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:  # the trainer's one-line errors
         sys.exit(f"trainer.plan: error: {e}")
     print(json.dumps(plan_as_json(plan), indent=1) if cfg.plan.json else format_plan(plan))
 

@@ -54,14 +54,14 @@ def check_data(cfg: Config) -> None:
         _tokenized(cfg, path, key).check(cfg.model.vocab_size)
 
 
-def load_data(cfg: Config, local_rank: int, announce: bool) -> tuple[Dataset, Dataset | None]:
+def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
     """(training rows, validation rows or None). Text to tokenise is tokenised once, by the
     first process of each node, while the others wait."""
     d = cfg.data
     if DataName(d.name) is DataName.hf:
         if local_rank == 0:
             for key, path in _paths(cfg):
-                _tokenized(cfg, path, key).prepare(announce)
+                _tokenized(cfg, path, key).prepare()
         if dist.is_initialized():
             dist.barrier()
     train, pad_id = _tokens(cfg, d.path, "data.path")

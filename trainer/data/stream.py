@@ -93,10 +93,16 @@ class BatchStream:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "samples_consumed": self.samples_consumed}
 
+    @staticmethod
+    def check_position(state: dict, world_size: int, where: object = "checkpoint") -> None:
+        """A position saved at one world size continues at another only if its samples split evenly."""
+        if state["samples_consumed"] % world_size:
+            raise ConfigError(f"checkpoint.resume: {where} has consumed {state['samples_consumed']} samples of its "
+                              f"epoch, which do not split over world size {world_size}; resume at a world size "
+                              f"that divides {state['samples_consumed']}")
+
     def load_state_dict(self, state: dict) -> None:
-        if state["samples_consumed"] % self.world_size:
-            raise ConfigError(f"checkpoint: {state['samples_consumed']} samples consumed in the epoch cannot be "
-                              f"split over world size {self.world_size}")
+        self.check_position(state, self.world_size)
         self.epoch, self.samples_consumed = state["epoch"], state["samples_consumed"]
         self._batches = None
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from trainer.config import ConfigError, require_hf
 from trainer.data.sources import Tokens
+from trainer.log import log
 
 FORMAT = 1
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -126,16 +127,15 @@ class TokenizedText:
                 raise ConfigError(f"data.text_field: no column {self.text_field!r} in {self.path}; "
                                   f"columns: {', '.join(columns)}")
 
-    def prepare(self, announce: bool) -> None:
+    def prepare(self) -> None:
         """Tokenise into the cache unless it is there (one process per node calls this)."""
         if self.ready:
             return
         started = time.perf_counter()
         tokenizer = load_tokenizer(self.tokenizer_dir, "data.tokenizer")
         dataset = open_dataset(self.path, self.key, self.cache_root)
-        if announce:
-            print(f"[trainer] tokenising {len(dataset):,} documents of {self.path} with {self.tokenizer_dir} "
-                  f"(once; cached in {self.dir})", flush=True)
+        log.info(f"tokenising {len(dataset):,} documents of {self.path} with {self.tokenizer_dir} (once; cached in "
+                 f"{self.dir})")
         dtype = np.uint16 if len(tokenizer) <= 2 ** 16 else np.uint32
         eos = tokenizer.eos_token_id
         tmp = self.dir.with_name(f".tmp-{self.dir.name}-{os.getpid()}")
@@ -163,9 +163,7 @@ class TokenizedText:
             tmp.rename(self.dir)
         except OSError:  # another node's process finished first: its copy is the same
             shutil.rmtree(tmp, ignore_errors=True)
-        if announce:
-            print(f"[trainer] tokenised: {len(starts):,} documents, {total:,} tokens in "
-                  f"{time.perf_counter() - started:.1f} s", flush=True)
+        log.info(f"tokenised: {len(starts):,} documents, {total:,} tokens in {time.perf_counter() - started:.1f} s")
 
     def tokens(self) -> tuple[Tokens, int]:
         """The cached tokens and the id that pads unpacked rows."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError, ModelConfig, require_hf
-from trainer.models.weights import SafetensorsWeights, safetensors_files
+from trainer.models.weights import SafetensorsWeights, safetensors_files, save_safetensors
 
 DEFAULT_MAX_SEQ_LEN = 2048
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -114,7 +114,6 @@ def export_folder(weights: dict[str, torch.Tensor], source: dict, out: Path, tok
     """A folder `AutoModelForCausalLM.from_pretrained(out)` loads: config.json, the weights in
     safetensors (sharded, with an index, above `max_shard_size`) and the tokenizer's files."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
     from transformers import CONFIG_MAPPING
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -126,7 +125,7 @@ def export_folder(weights: dict[str, torch.Tensor], source: dict, out: Path, tok
     weights = revert_weight_conversion(model, weights)  # the keys transformers itself saves
     split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: weights[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+        save_safetensors({n: weights[n].contiguous() for n in names}, out / filename, metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(w.numel() * w.element_size() for w in weights.values())},
                  "weight_map": split.tensor_to_filename}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,6 +155,17 @@ class InitWeights:
         return {attr: value.detach() for attr, value in plain.items()}
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with the file mode the umask allows (save_file makes it 0600, which
+    the rest of a group on a shared cluster cannot read)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of a Hugging Face folder: the index's files, else every *.safetensors."""
     index = directory / "model.safetensors.index.json"
@@ -171,7 +183,6 @@ class SafetensorsWeights:
 
         self.files = safetensors_files(directory)
         self.description = f"weights from {directory} ({len(self.files)} safetensors file(s))"
-        self.handles: dict[Path, object] = {}
         stored: dict[str, tuple[Path, str, tuple[int, ...]]] = {}  # model name -> (file, key, shape)
         for f in self.files:
             with safe_open(str(f), framework="pt") as handle:
@@ -189,12 +200,13 @@ class SafetensorsWeights:
         from safetensors import safe_open
 
         path, key = self.where[name]
-        if path not in self.handles:
-            self.handles[path] = safe_open(str(path), framework="pt")
-        stored = self.handles[path].get_slice(key)
-        shape = stored.get_shape()
-        if not shape:  # a scalar
-            return self.handles[path].get_tensor(key).view(1).float()
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-(start + numel) // row)  # the rows that hold the range
-        return stored[first:last].reshape(-1)[start - first * row:start - first * row + numel].float()
+        # Opened per read: the file is memory-mapped, and a mapping kept open would keep every
+        # page read so far in this process's resident memory.
+        with safe_open(str(path), framework="pt") as handle:
+            stored = handle.get_slice(key)
+            shape = stored.get_shape()
+            if not shape:  # a scalar
+                return handle.get_tensor(key).view(1).float()
+            row = math.prod(shape[1:])
+            first, last = start // row, -(-(start + numel) // row)  # the rows that hold the range
+            return stored[first:last].reshape(-1)[start - first * row:start - first * row + numel].float()

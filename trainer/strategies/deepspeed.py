@@ -15,6 +15,7 @@ import torch
 
 from trainer.config import ConfigError, Precision, StrategyName
 from trainer.distributed import device_type
+from trainer.log import log
 from trainer.models.weights import allocate, fill
 from trainer.strategies.base import (
     ADAM_KEYS,
@@ -109,6 +110,9 @@ class DeepSpeedStrategy(Strategy):
         optimizer = optimizer_factory(model)
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            log.info("optimizer offload: loading DeepSpeed's CPU Adam (compiled on its first use, about a minute; "
+                     "cached afterwards)")
             d = optimizer.defaults
             optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                                          weight_decay=d["weight_decay"], adamw_mode=True)

@@ -1,0 +1,136 @@
+"""Issue 12: what a new user meets in the first hour — messages, files and launch scripts."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO, records, run_cli
+
+SHORT = ["train.max_steps=4", "train.log_every=2"]
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """One 1-rank run of 6 steps (global batch 8) that checkpoints at its end."""
+    root = tmp_path_factory.mktemp("first_hour")
+    result = run_cli(f"checkpoint.dir={root / 'ckpt'}", "checkpoint.every_steps=3", "train.max_steps=6",
+                     "train.log_every=1", f"hydra.run.dir={root / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def test_a_run_with_nothing_left_to_do_says_so(checkpointed, tmp_path):
+    result = run_cli(f"checkpoint.dir={checkpointed / 'ckpt'}", "train.max_steps=6", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nothing to do" in result.stdout and "step 6" in result.stdout and "train.max_steps" in result.stdout
+    assert "nan" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_tokens_count_what_was_trained_across_a_resume_at_another_world_size(checkpointed, tmp_path):
+    # 6 steps x 8 sequences x 64 tokens at 1 rank, then 2 ranks x 8 sequences per step
+    result = run_cli(f"checkpoint.resume={checkpointed / 'ckpt' / 'step_00000006'}", "train.max_steps=8",
+                     "train.log_every=1", "nproc=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(r["step"], r["tokens"]) for r in records(tmp_path)] == [(7, 6 * 512 + 1024), (8, 6 * 512 + 2 * 1024)]
+    assert lines(tmp_path)[0] == {"event": "resumed", "step": 6,
+                                  "from": str(checkpointed / "ckpt" / "step_00000006")}
+
+
+def test_a_run_dir_holds_one_run_unless_it_resumes(checkpointed, tmp_path):
+    again = run_cli(*SHORT, f"hydra.run.dir={checkpointed / 'run'}")
+    assert again.returncode != 0 and "already holds another run's metrics.jsonl" in again.stderr
+    assert [r["event"] for r in lines(checkpointed / "run") if "event" in r] == ["end"]
+    run = tmp_path / "run"
+    shutil.copytree(checkpointed / "run", run)
+    resumed = run_cli(f"checkpoint.dir={checkpointed / 'ckpt'}", "train.max_steps=7", f"hydra.run.dir={run}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["event"] for r in lines(run) if "event" in r] == ["end", "resumed", "end"]
+
+
+def test_a_refused_run_leaves_no_run_dir(tmp_path):
+    result = run_cli("train.micro_batch_size=0", cwd=tmp_path)
+    assert result.returncode != 0 and "train.micro_batch_size" in result.stderr
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").iterdir())
+
+
+def test_the_log_is_the_programs_and_the_start_line_says_what_runs(tmp_path):
+    result = run_cli("strategy=fsdp", "nproc=2", "train.precision=bf16", *SHORT, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = next(line for line in result.stdout.splitlines() if "world_size=" in line)
+    for fact in ("strategy=fsdp world_size=2", "precision=bf16", "sharding=FULL_SHARD", "offload=none",
+                 "activation_checkpointing=off", "global_batch=16"):
+        assert fact in start, start
+    assert not (tmp_path / "__main__.log").exists()
+    log = (tmp_path / "trainer.log").read_text()
+    assert "strategy=fsdp world_size=2" in log and "done: 4 steps" in log
+    assert all(line.startswith("[trainer]") for line in result.stdout.splitlines() if line.strip())
+
+
+def test_optimizer_offload_says_what_it_waits_for(tmp_path):
+    result = run_cli("strategy=zero1", "strategy.offload_optimizer=true", "nproc=2", *SHORT, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("CPU Adam (compiled on its first use") == 1
+
+
+def test_export_names_its_step_and_files_follow_the_umask(checkpointed, tmp_path):
+    ckpt = checkpointed / "ckpt" / "step_00000006"
+    umask = os.umask(0o022)
+    try:
+        done = subprocess.run([sys.executable, "-m", "trainer.export", str(checkpointed / "ckpt"),
+                               str(tmp_path / "w.safetensors")], capture_output=True, text=True)
+    finally:
+        os.umask(umask)
+    assert done.returncode == 0, done.stderr
+    assert "of step 6 (ddp, world size 1" in done.stdout
+    for f in [tmp_path / "w.safetensors", ckpt / "rank_00000.safetensors"]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f  # the suite's runs inherit umask 022
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["train.max_step=10"], ["train.max_step: no such setting; did you mean train.max_steps?"]),
+    (["+train.max_step=10"], ["train.max_step: no such setting; did you mean train.max_steps?"]),
+    (["data.path=/nonexistent/missing.txt", "nproc=2"], ["data.path: no file /nonexistent/missing.txt"]),
+])
+def test_mistakes_are_one_line_errors(tmp_path, args, fragments):
+    result = run_cli(*args, f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 2, result.stderr
+
+
+def test_a_resume_that_cannot_split_the_data_is_refused_before_any_rank_starts(checkpointed, tmp_path):
+    result = run_cli(f"checkpoint.resume={checkpointed / 'ckpt' / 'step_00000006'}", "nproc=5",
+                     "train.max_steps=8", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert "consumed 48 samples of its epoch, which do not split over world size 5" in result.stderr
+    assert "Traceback" not in result.stderr and "world_size=" not in result.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["plan.gpu_memory=80"], "plan.gpu_memory: no such setting; did you mean plan.gpu_memory_gb?"),
+    (["model=gpt2"], "Could not find 'model/gpt2'"),
+])
+def test_the_planner_gives_the_same_one_line_errors(args, fragment):
+    result = run_cli(*args, launcher=[sys.executable, "-m", "trainer.plan"])
+    assert result.returncode != 0
+    assert fragment in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_launch_script_uses_the_active_environments_torchrun(tmp_path):
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # as `source .venv/bin/activate`
+    result = run_cli("2", *SHORT, f"hydra.run.dir={tmp_path}", launcher=[str(REPO / "launch/torchrun.sh")], env=env,
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path)] == [2, 4]
