@@ -117,9 +117,10 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                          num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
     total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
     resume_from = resolve_resume(cfg.checkpoint)
-    if resume_from and read_manifest(resume_from)["step"] >= total_steps:
-        log.info(f"nothing to do: {resume_from} is at step {read_manifest(resume_from)['step']}, and this run ends at "
-                 f"step {total_steps}; to train longer, raise train.max_steps (or train.epochs)")
+    resume_step = read_manifest(resume_from)["step"] if resume_from else 0
+    if resume_step >= total_steps:
+        log.info(f"nothing to do: {resume_from} is at step {resume_step}, and this run ends at step {total_steps}; "
+                 "to train longer, raise train.max_steps (or train.epochs)")
         stream.close()
         strategy.teardown()
         return {}
@@ -177,13 +178,13 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         grad_norm = strategy.step(t.grad_clip)
         steps_since += 1
         progress.update()
+        paused = time.perf_counter()
         if val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
             val_loss = validate()
         if checkpoints.due(step, total_steps):
-            saving = time.perf_counter()
             checkpoints.save(step, {"step": step, "epoch": stream.epoch, "tokens": tokens + int(tokens_since.item()),
                                     "data": stream.state_dict()})
-            since += time.perf_counter() - saving  # step times leave the save out
+        since += time.perf_counter() - paused  # step times leave evaluations and saves out
         if not log_now:
             continue
         mean_loss = (strategy.all_reduce(loss_sum) / targets).item()

@@ -105,8 +105,8 @@ def module_seed(seed: int, module_name: str) -> int:
 
 
 class InitWeights:
-    """The model's own initialisation, module by module: `reset_parameters()` (torch's layers),
-    then the model's `_init_weights(module)` where it has one (Hugging Face, nanoGPT). Values
+    """The model's own initialisation, module by module: `reset_parameters()` (torch's layers;
+    `_reset_parameters()` for MultiheadAttention), then the model's `_init_weights(module)` where it has one (Hugging Face, nanoGPT). Values
     are made for one module at a time, on full-size CPU tensors swapped in for its parameters."""
 
     description = "initialised from the model's config"
@@ -140,8 +140,10 @@ class InitWeights:
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(module_seed(self.seed, module_name))
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+                for reset in ("reset_parameters", "_reset_parameters"):  # torch's layers; MultiheadAttention
+                    if hasattr(module, reset):
+                        getattr(module, reset)()
+                        break
                 if self.init_fn[module_name] is not None:
                     self.init_fn[module_name](module)
         finally:
