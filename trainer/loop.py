@@ -136,11 +136,12 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
 
     metrics = MetricsLog(run_dir / "metrics.jsonl") if env.is_main else None
     log.info(f"{describe(cfg, env, total_steps)}; metrics: {run_dir / 'metrics.jsonl'}")
-    log.info(f"model: {weights_from}")
     if resume_from:
-        log.info(f"resumed from {resume_from} at step {step}")
+        log.info(f"resumed from {resume_from} at step {step}: model, optimizer state, schedule and data position")
         if metrics:
             metrics.write({"event": "resumed", "step": step, "from": str(resume_from)})
+    else:
+        log.info(f"model: {weights_from}")
     eval_every = cfg.eval.every_steps
 
     def validate() -> float:
