@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import trainer.distributed  # noqa: F401  (tells DeepSpeed, which transformers imports, the device)
+
 VOCAB = 512
 FAMILIES = {
     # Qwen2: RMSNorm, rotary, grouped-query attention, biases on q/k/v, tied embeddings.
