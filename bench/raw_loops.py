@@ -169,7 +169,7 @@ def fresh_memory(device: torch.device) -> int | None:
 
 def trainer_run(env: DistEnv, cfg: dict, run_dir: Path) -> list[dict]:
     """The trainer on `cfg`, metrics into run_dir; its logged steps (rank 0; [] elsewhere)."""
-    train_configs(env, {run_dir.name: cfg}, str(run_dir.parent))
+    train_configs(env, {run_dir.name: {**cfg, "logger": {"jsonl": {}}}}, str(run_dir.parent))
     if not env.is_main:
         return []
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]

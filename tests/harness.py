@@ -7,11 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from trainer import distributed
 from trainer.run import in_group
 from trainer.run import train_configs as train_cases  # noqa: F401 (used by the tests)
 
 REPO = Path(__file__).resolve().parent.parent
+# DeepSpeed's accelerator, for processes the tests start: the CPU where there is no GPU; on a
+# GPU box the trainer chooses (train.device) and DeepSpeed follows.
+CPU_ONLY = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
 
 
 def on_ranks(nproc: int, fn, *args):
@@ -37,6 +42,7 @@ def with_overrides(base: dict, **overrides) -> dict:
 def case(strategy: str, steps: int = 8, **overrides) -> dict:
     """A config dict: the tiny model, fp32, every step logged."""
     base = {"strategy": {"name": strategy}, "train": {"max_steps": steps, "log_every": 1, "micro_batch_size": 4},
+            "logger": {"jsonl": {}},
             "optim": {"warmup_steps": 2}}
     return with_overrides(base, **overrides)
 
@@ -44,5 +50,5 @@ def case(strategy: str, steps: int = 8, **overrides) -> dict:
 def run_cli(*overrides: str, launcher: list[str] | None = None, timeout: int = 600, env: dict | None = None,
             cwd: Path = REPO):
     cmd = (launcher or [sys.executable, "-m", "trainer"]) + list(overrides)
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})}
+    full_env = {**os.environ, **CPU_ONLY, **(env or {})}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)

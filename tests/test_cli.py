@@ -12,11 +12,11 @@ from tests.harness import records, run_cli
 def test_default_run_learns_and_says_where_metrics_went(tmp_path):
     result = run_cli(f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr
-    assert str(tmp_path / "metrics.jsonl") in result.stdout
+    assert f"run dir: {tmp_path}" in result.stdout
     rows = records(tmp_path)
     assert rows[-1]["step"] == 60 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(lines[-1]) == {"event": "end", "step": 60}
+    assert json.loads(lines[-1]) == {"event": "end", "step": 60, "loss": rows[-1]["loss"], "tokens": 60 * 8 * 64}
     assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mem"}
     assert set(rows[0]["mem"]) == {"params", "grads", "optim", "peak"}
 

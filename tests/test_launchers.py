@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harness import REPO, records, run_cli
+from tests.harness import CPU_ONLY, REPO, records, run_cli
 from trainer import distributed
 from trainer.launchers import accelerate_choice, take_local_rank
 
@@ -27,7 +27,7 @@ def test_torchrun_two_nodes_on_one_machine(tmp_path):
          "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
          "-m", "trainer", "strategy=zero3", *SHORT, f"hydra.run.dir={tmp_path}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "DS_ACCELERATOR": "cpu"}) for node in (0, 1)]
+        env={**os.environ, **CPU_ONLY}) for node in (0, 1)]
     outputs = [node.communicate(timeout=600) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert_trained(tmp_path, "zero3", outputs[0][0])
@@ -106,7 +106,7 @@ def test_two_srun_tasks_train_from_slurm_variables_alone(tmp_path):
         [sys.executable, "-m", "trainer", "strategy=fsdp", *SHORT, f"hydra.run.dir={tmp_path}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-             "DS_ACCELERATOR": "cpu", "SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task),
+             **CPU_ONLY, "SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task),
              "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port})
         for task in (0, 1)]
     outputs = [task.communicate(timeout=600) for task in tasks]

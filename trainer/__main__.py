@@ -68,16 +68,17 @@ OmegaConf.register_new_resolver("trainer_run_dir", distributed.run_dir_resolver,
 register_configs()
 
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONFIG_MODULE = "trainer.conf"  # conf/ of the repo, installed with the package
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def app(cfg: DictConfig):
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     first = distributed.launcher_rank() == 0  # the launching process, or rank 0 of a launcher
-    setup_logging(run_dir if first else None, first)
+    setup_logging(run_dir if first else None, first, cfg.log_level)
     world = int(distributed.launcher_env().get("WORLD_SIZE", cfg.nproc))
     try:
+        distributed.use_device(cfg.train.device)  # before DeepSpeed is imported
         typed = resolve_settings(cfg, world)
         check_before_work(typed, world, run_dir)
     except ConfigError as e:
@@ -92,13 +93,19 @@ def app(cfg: DictConfig):
         # can abort after backward (FACTS.md); its work is done and flushed. Not under submitit,
         # which collects the return value (hydra/launcher=slurm).
         hard_exit = distributed.launched_externally() and "SUBMITIT_FOLDER" not in os.environ
-        result = worker(cfg_dict, str(run_dir))
+        summary = worker(cfg_dict, str(run_dir))
         if hard_exit:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        return result
-    return distributed.launch_local(typed.nproc, worker, cfg_dict, str(run_dir))[0]
+    else:
+        summary = distributed.launch_local(typed.nproc, worker, cfg_dict, str(run_dir))[0]
+    return objective(summary)
+
+
+def objective(summary: dict) -> float | None:
+    """What a Hydra sweeper minimises (hydra/sweeper=optuna): the final val loss, else the final loss."""
+    return summary.get("val_loss", summary.get("loss"))
 
 
 def main() -> None:

@@ -184,7 +184,7 @@ class CheckpointManager:
             pieces = s.state_dict()
             tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu().clone() for key, p in pieces.items()}
             tensors["rng.torch"] = torch.get_rng_state()
-            if torch.cuda.is_available():
+            if self.strategy.device.type == "cuda":
                 tensors["rng.cuda"] = torch.cuda.get_rng_state()
             path = tmp / rank_file(s.rank)
             save_safetensors(tensors, path)
@@ -242,7 +242,7 @@ class CheckpointManager:
         rng_rank = s.rank if s.rank < manifest["world_size"] else 0
         with safe_open(str(path / rank_file(rng_rank)), framework="pt") as f:
             torch.set_rng_state(f.get_tensor("rng.torch"))
-            if torch.cuda.is_available() and "rng.cuda" in f.keys():
+            if s.device.type == "cuda" and "rng.cuda" in f.keys():
                 torch.cuda.set_rng_state(f.get_tensor("rng.cuda"))
         s.barrier()
         return manifest["trainer"]

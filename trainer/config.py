@@ -6,7 +6,9 @@ covers the cross-field rules and fails before any process or tensor is created.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -50,6 +52,24 @@ class TokenDtype(str, Enum):
     uint32 = "uint32"
 
 
+class Device(str, Enum):
+    auto = "auto"  # cuda where torch sees a GPU, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class GradReduce(str, Enum):
+    step = "step"  # once per optimizer step: full gradients held across the micro-steps
+    micro_step = "micro_step"  # every micro-step: gradients stay sharded (fsdp, zero2, zero3)
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
 class ModelKind(str, Enum):
     reference = "reference"  # trainer/models/reference.py: tiny, small, gpt_125m, ...
     hf = "hf"  # a local Hugging Face causal-LM folder
@@ -64,6 +84,7 @@ class StrategyConfig:
     sharding: Sharding = Sharding.FULL_SHARD  # fsdp only
     wrap: Optional[List[str]] = None  # block classes to shard; None: the model's _no_split_modules
     deepspeed_config: Optional[str] = None  # a ds_config.json merged under ours (zero1/2/3)
+    grad_reduce: GradReduce = GradReduce.step  # with grad_accum_steps > 1: when gradients are reduced
 
 
 @dataclass
@@ -133,6 +154,10 @@ class TrainConfig:
     precision: Precision = Precision.fp32
     activation_checkpointing: bool = False
     log_every: int = 10
+    device: Device = Device.auto
+    compile: bool = False  # torch.compile each block (regional), before sharding
+    peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16 peak, else no mfu
+    profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
 
 
 @dataclass
@@ -141,6 +166,40 @@ class CheckpointConfig:
     every_steps: int = 0
     keep_last: int = 2
     resume: str = "auto"  # auto | none | PATH
+
+
+@dataclass
+class JsonlConfig:
+    file: str = "metrics.jsonl"  # in the run dir
+
+
+@dataclass
+class TensorBoardConfig:
+    dir: Optional[str] = None  # None: <run dir>/tensorboard
+
+
+@dataclass
+class WandbConfig:
+    project: str = "trainer"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    mode: Optional[str] = None  # online | offline; None: offline unless WANDB_API_KEY or ~/.netrc is set
+
+
+@dataclass
+class MLflowConfig:
+    tracking_uri: Optional[str] = None  # None: a file store in <run dir>/mlruns
+    experiment: str = "trainer"
+    run_name: Optional[str] = None  # None: the run dir's name
+
+
+@dataclass
+class LoggerConfig:
+    """The loggers chosen (`logger=tensorboard`, `logger=[jsonl,wandb]`): a node each; None: off."""
+    jsonl: Optional[JsonlConfig] = None
+    tensorboard: Optional[TensorBoardConfig] = None
+    wandb: Optional[WandbConfig] = None
+    mlflow: Optional[MLflowConfig] = None
 
 
 @dataclass
@@ -161,8 +220,10 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     nproc: int = 1  # local ranks to spawn when no launcher started this process
+    log_level: LogLevel = LogLevel.warning  # third-party libraries' console output (DeepSpeed, torch, HF)
 
 
 def register_configs() -> None:
@@ -183,6 +244,15 @@ def require_hf(key: str, module: str = "transformers") -> None:
                           "pip install 'trainer[hf]'")
 
 
+def profile_steps(spec: str) -> tuple[int, int] | None:
+    """train.profile=START:STOP as (START, STOP), or None when malformed."""
+    parts = str(spec).split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        return None
+    start, stop = int(parts[0]), int(parts[1])
+    return (start, stop) if 1 <= start <= stop else None
+
+
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
@@ -197,6 +267,9 @@ def validate(cfg: Config) -> None:
     _require(t.max_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.max_steps=0")
     _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}")
     _require(t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every}")
+    _require(t.profile is None or profile_steps(t.profile) is not None, "train.profile",
+             f"START:STOP, the first and last step to trace (1 <= START <= STOP), got {t.profile!r}")
+    _require(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
     _require(cfg.nproc >= 1, "nproc", f"must be >= 1, got {cfg.nproc}")
     if m.kind is ModelKind.reference:
         _require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}")
@@ -273,15 +346,20 @@ def to_config(cfg: DictConfig | dict) -> Config:
     return config
 
 
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    """The dotted keys of a dataclass schema, into nested (and optional) dataclasses."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        nested = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
+        out += _keys(nested[0], f"{prefix}{f.name}.") if nested else [f"{prefix}{f.name}"]
+    return out
+
+
 def known_keys() -> list[str]:
-    """Every `group.key` of the schema (a model's keys of every kind) and `nproc`."""
-    keys = ["nproc"]
-    for group in fields(Config):
-        if group.name == "model":
-            keys += sorted({f"model.{k}" for kind_keys in MODEL_KEYS.values() for k in kind_keys})
-        elif group.name != "nproc":
-            keys += [f"{group.name}.{f.name}" for f in fields(group.default_factory())]
-    return keys
+    """Every key of the schema; a model's keys of every kind."""
+    model_keys = sorted({f"model.{k}" for kind_keys in MODEL_KEYS.values() for k in kind_keys})
+    return [k for k in _keys(Config) if k != "model"] + model_keys
 
 
 def unknown_key_message(key: str) -> str:

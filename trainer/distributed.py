@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 
 # DeepSpeed picks its accelerator when first imported; without CUDA it is the CPU (it would guess
-# so too, with a warning). Set here, before any strategy imports deepspeed.
+# so too, with a warning). Set here, before any strategy imports deepspeed; `use_device` decides
+# for a run (train.device).
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+DEVICE_VARIABLE = "TRAINER_DEVICE"  # the run's device type, set once and inherited by its ranks
 
 # Launchers that set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT themselves: torchrun,
 # accelerate launch, the deepspeed launcher. Under plain `srun`, SLURM's own variables are mapped.
@@ -73,14 +75,51 @@ def free_port() -> int:
 
 
 def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """cuda or cpu: the run's choice (train.device), else cuda whenever a GPU is visible."""
+    chosen = os.environ.get(DEVICE_VARIABLE, "auto")
+    if chosen == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return chosen
 
 
-def pick_device(local_rank: int) -> torch.device:
-    if device_type() == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+# Dense bf16 peak FLOP/s per GPU, by name (vendor figures), for MFU when train.peak_flops is not given.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+
+
+def use_device(requested: str) -> str:
+    """Decide the run's device type from train.device (auto|cpu|cuda), once, before any rank or
+    DeepSpeed starts; the ranks inherit it. A GPU box can so run everything on the CPU."""
+    from trainer.config import ConfigError
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda was asked for, but torch sees no CUDA device")
+    os.environ[DEVICE_VARIABLE] = device_type() if requested == "auto" else requested
+    os.environ["DS_ACCELERATOR"] = device_type()
+    return device_type()
+
+
+def pick_device(local_rank: int, local_world_size: int) -> torch.device:
+    """This rank's device. On CUDA, from what the rank sees: one GPU (each task given its own by
+    CUDA_VISIBLE_DEVICES or `srun --gpus-per-task=1`), or one per local rank."""
+    if device_type() == "cpu":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        index = 0
+    elif local_rank < visible:
+        index = local_rank
+    else:
+        raise RuntimeError(f"local rank {local_rank} of {local_world_size} sees {visible} GPUs: give each local "
+                           "rank a GPU (one visible GPU per rank, or as many as the local ranks)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def init() -> DistEnv:
@@ -94,12 +133,13 @@ def init() -> DistEnv:
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env.get("LOCAL_RANK", rank))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    device = pick_device(local_rank)
+    device = pick_device(local_rank, local_world)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # ranks share the cores
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=10))
+        # On CUDA, gloo beside NCCL: FSDP2's CPU offload reduces CPU tensors (the gradient norm).
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=rank,
+                                world_size=world, timeout=timedelta(minutes=10))
     return DistEnv(rank, world, local_rank, local_world, device)
 
 

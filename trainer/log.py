@@ -1,15 +1,39 @@
-"""The trainer's own lines: `[trainer] ...` on rank 0's console, and in the run dir's trainer.log
-(Hydra's job log, which the launching process writes too). Other ranks print only warnings."""
+"""What the console and the run dir's trainer.log show.
+
+The trainer's own lines (`[trainer] ...`) come from rank 0, on its console and in trainer.log
+(Hydra's job log, which the launching process writes too). Other ranks print warnings only.
+Third-party chatter is held to `log_level` (default warning): each Python warning is shown
+once per run, by rank 0; DeepSpeed's, torch's and the Hugging Face libraries' loggers log at
+that level; DeepSpeed's bare prints are dropped below info.
+"""
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import sys
+import warnings
 from pathlib import Path
+from typing import Iterator
 
 log = logging.getLogger("trainer")
+THIRD_PARTY = ("DeepSpeed", "torch", "transformers", "datasets", "accelerate", "hydra")
+_chatter_level = logging.WARNING
+_show_warning = warnings.showwarning
+_warnings_shown: set[tuple[type, str]] = set()
 
 
-def setup_logging(run_dir: Path | None, is_main: bool) -> None:
+def _show_warning_once(message, category, filename, lineno, file=None, line=None) -> None:
+    # Deduplicated where warnings are shown, not by a filter: libraries that touch the filters
+    # (DeepSpeed does, every step) reset Python's own "once" and "default" bookkeeping.
+    if (category, str(message)) not in _warnings_shown:
+        _warnings_shown.add((category, str(message)))
+        _show_warning(message, category, filename, lineno, file, line)
+
+
+def setup_logging(run_dir: Path | None, is_main: bool, level: str = "warning") -> None:
+    global _chatter_level
+    _chatter_level = logging.getLevelName(level.upper())
     log.handlers.clear()
     log.propagate = False  # Hydra's root handlers would print each line a second time
     log.setLevel(logging.INFO if is_main else logging.WARNING)
@@ -20,3 +44,19 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> None:
         file = logging.FileHandler(Path(run_dir) / "trainer.log")
         file.setFormatter(logging.Formatter("[%(asctime)s][trainer] %(message)s"))
         log.addHandler(file)
+    warnings.showwarning = _show_warning_once
+    if not is_main:
+        warnings.simplefilter("ignore")
+    for name in THIRD_PARTY:
+        logging.getLogger(name).setLevel(_chatter_level if is_main else max(_chatter_level, logging.WARNING))
+
+
+@contextlib.contextmanager
+def chatter() -> Iterator[None]:
+    """Around third-party calls that print() what is no warning (DeepSpeed announcing the ops it
+    built): kept only at log_level=info or debug."""
+    if _chatter_level <= logging.INFO:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield

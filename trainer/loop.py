@@ -1,7 +1,6 @@
 """The training loop. It talks to the Strategy only: no backend import, no isinstance."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -13,11 +12,12 @@ from tqdm import tqdm
 
 from trainer.blocks import apply_checkpointing, find_blocks
 from trainer.checkpoint import CheckpointManager, read_manifest, resolve_resume
-from trainer.config import Config, OptimConfig, StrategyName
+from trainer.config import Config, OptimConfig, StrategyName, profile_steps
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
-from trainer.distributed import DistEnv, seed_everything
+from trainer.distributed import DistEnv, peak_flops, seed_everything
+from trainer.loggers import RunLog
 from trainer.log import log, setup_logging
-from trainer.models import build_model, description, initial_weights, logits_of
+from trainer.models import build_model, description, initial_weights, logits_of, model_facts
 from trainer.strategies import Strategy, build_strategy
 
 
@@ -43,13 +43,16 @@ def adamw_factory(o: OptimConfig):
 
 def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim.Optimizer, list[nn.Module], str]:
     """Build the model where the strategy wants it, find its blocks, wrap them for activation
-    checkpointing, then let the strategy shard it and give each rank its part of the first
-    weights (AC -> setup, as torchtitan). Returns (model, optimizer, blocks, where the weights came from)."""
+    checkpointing, compile them, then let the strategy shard it and give each rank its part of
+    the first weights (AC -> compile -> setup, as torchtitan). Returns (model, optimizer, blocks, where the weights came from)."""
     model = build_model(cfg.model, strategy.model_init_context())
     blocks = find_blocks(model, cfg.strategy.wrap)
     weights = initial_weights(cfg.model, model, cfg.train.seed)
     if cfg.train.activation_checkpointing:
         apply_checkpointing(model, blocks)
+    if cfg.train.compile:  # regional: each block compiled in place (names unchanged), before sharding
+        for block in blocks:
+            block.compile()
     model, optimizer = strategy.setup(model, adamw_factory(cfg.optim), weights)
     return model, optimizer, blocks, weights.description
 
@@ -79,21 +82,6 @@ def evaluate(model: nn.Module, strategy: Strategy, batches, device: torch.device
     return (totals[0] / totals[1]).item()
 
 
-class MetricsLog:
-    """metrics.jsonl (DESIGN §4): one JSON object per line, flushed per line; rank 0 only."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.file = path.open("a")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
 def describe(cfg: Config, env: DistEnv, total_steps: int) -> str:
     """What will run, resolved: the start line."""
     s, t = cfg.strategy, cfg.train
@@ -107,9 +95,35 @@ def describe(cfg: Config, env: DistEnv, total_steps: int) -> str:
             f"seq_len={cfg.model.seq_len}")
 
 
+class StepProfiler:
+    """train.profile=START:STOP: a torch profiler trace of those steps, per rank, in the run dir."""
+
+    def __init__(self, spec: str | None, run_dir: Path, rank: int, device: torch.device):
+        self.steps = profile_steps(spec) if spec else None
+        self.path = run_dir / "profile" / f"trace_rank{rank}.json"
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = None
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            self.profiler = torch.profiler.profile(activities=self.activities)
+            self.profiler.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.profiler is not None and step == self.steps[1]:
+            self.profiler.__exit__(None, None, None)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.path))
+            self.profiler = None
+            log.info(f"profile of steps {self.steps[0]}-{self.steps[1]}: {self.path.parent}/trace_rank*.json "
+                     "(chrome://tracing, ui.perfetto.dev)")
+
+
 def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     t = cfg.train
-    setup_logging(run_dir, env.is_main)
+    setup_logging(run_dir, env.is_main, cfg.log_level.value)
     seed_everything(t.seed)
     strategy = build_strategy(cfg, env)
     train_set, val_set = load_data(cfg, env.local_rank)
@@ -125,6 +139,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         strategy.teardown()
         return {}
     model, optimizer, _, weights_from = setup_model(cfg, strategy)
+    flops_per_token = model_facts(cfg.model, cfg.strategy.wrap).flops_per_token
+    peak = t.peak_flops or peak_flops(env.device)  # per device; None: no mfu
 
     checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                     description(cfg.model, cfg.data.tokenizer))
@@ -134,28 +150,30 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         step, tokens = state["step"], state.get("tokens", 0)
         stream.load_state_dict(state["data"])
 
-    metrics = MetricsLog(run_dir / "metrics.jsonl") if env.is_main else None
-    log.info(f"{describe(cfg, env, total_steps)}; metrics: {run_dir / 'metrics.jsonl'}")
+    records = RunLog(cfg, run_dir, env.is_main)
+    log.info(f"{describe(cfg, env, total_steps)}; run dir: {run_dir}")
     if resume_from:
         log.info(f"resumed from {resume_from} at step {step}: model, optimizer state, schedule and data position")
-        if metrics:
-            metrics.write({"event": "resumed", "step": step, "from": str(resume_from)})
+        records.log({"event": "resumed", "step": step, "from": str(resume_from)})
     else:
         log.info(f"model: {weights_from}")
     eval_every = cfg.eval.every_steps
+    profiler = StepProfiler(t.profile, run_dir, env.rank, env.device)
 
     def validate() -> float:
         batches = eval_batches(val_set, t.micro_batch_size, env.rank, env.world_size, cfg.eval.max_batches)
         val_loss = evaluate(model, strategy, batches, env.device)
-        if metrics:
-            metrics.write({"step": step, "split": "val", "loss": val_loss, "ppl": math.exp(min(val_loss, 700))})
+        records.log({"step": step, "split": "val", "loss": val_loss, "ppl": math.exp(min(val_loss, 700))})
         return val_loss
 
     progress = tqdm(total=total_steps, initial=step, disable=not env.is_main, desc="train", dynamic_ncols=True)
-    last, val_loss = {}, None
+    last, val_loss, first_step = {}, None, step + 1
     since, steps_since = time.perf_counter(), 0
     tokens_since = torch.zeros((), dtype=torch.long, device=env.device)  # read at log steps only
     while step < total_steps:
+        profiler.before(step + 1)
+        log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
+        strategy.track_memory = log_now
         lr = lr_at(step, total_steps, cfg.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -166,20 +184,27 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         targets = strategy.all_reduce(sum(target_count(y) for _, y in micro_batches))
         scale = env.world_size / targets
         loss_sum = torch.zeros((), device=env.device)
+        mem = None
         for i, (x, y) in enumerate(micro_batches):
             with strategy.no_sync(i < len(micro_batches) - 1):
                 with strategy.autocast():
                     micro_loss = token_loss_sum(logits_of(model(x)), y)
                 strategy.backward(micro_loss * scale)
             loss_sum += micro_loss.detach()
+            if log_now:  # the bytes held after each backward: gradients peak before they are reduced
+                held = strategy.memory_bytes()
+                mem = held if mem is None or held["grads"] > mem["grads"] else mem
         step += 1
         tokens_since += targets
-        log_now = step % t.log_every == 0 or step == total_steps
-        mem = strategy.memory_bytes() if log_now else None  # gradients are held right now
         grad_norm = strategy.step(t.grad_clip)
         steps_since += 1
         progress.update()
+        profiler.after(step)
         paused = time.perf_counter()
+        if t.compile and step == first_step:  # the first step compiles: timed apart, left out of step times
+            log.info(f"first step, with torch.compile: {paused - since:.1f} s")
+            records.log({"event": "compiled", "step": step, "first_step_s": paused - since})
+            since, steps_since = paused, 0
         if val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
             val_loss = validate()
         if checkpoints.due(step, total_steps):
@@ -188,28 +213,30 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         since += time.perf_counter() - paused  # step times leave evaluations and saves out
         if not log_now:
             continue
-        mean_loss = (strategy.all_reduce(loss_sum) / targets).item()
+        mean_loss = (strategy.all_reduce(loss_sum) / targets).item()  # the one host sync, at log steps
         elapsed = time.perf_counter() - since
         new_tokens = int(tokens_since.item())
         tokens += new_tokens
         tokens_since.zero_()
-        last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": tokens, "tokens_per_s": new_tokens / elapsed, "step_time_s": elapsed / steps_since,
+        tokens_per_s = new_tokens / elapsed if steps_since else None
+        last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
+                "tokens": tokens, "tokens_per_s": tokens_per_s,
+                "step_time_s": elapsed / steps_since if steps_since else None,
+                "mfu": tokens_per_s * flops_per_token / (peak * env.world_size) if peak and tokens_per_s else None,
                 "mem": mem}
-        if metrics:
-            metrics.write(last)
-            postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
-            if val_loss is not None:
-                postfix["val_loss"] = f"{val_loss:.4f}"
-            progress.set_postfix(postfix)
+        records.log(last)
+        postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
+        if val_loss is not None:
+            postfix["val_loss"] = f"{val_loss:.4f}"
+        progress.set_postfix(postfix)
         since, steps_since = time.perf_counter(), 0
     progress.close()
     stream.close()
     strategy.barrier()
-    if metrics:
-        metrics.write({"event": "end", "step": step})
-        metrics.close()
+    summary = {"step": step, "loss": last["loss"], "tokens": tokens,
+               **({"val_loss": val_loss} if val_loss is not None else {})}
+    records.finish(summary)
     log.info(f"done: {step} steps, final loss {last['loss']:.4f}"
-             + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; metrics: {run_dir / 'metrics.jsonl'}")
+             + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; run dir: {run_dir}")
     strategy.teardown()
-    return last
+    return summary

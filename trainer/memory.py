@@ -11,7 +11,7 @@ fp32 copy: K=8), the "14 + 14 + 56 GB for 7B" textbook case.
 """
 from __future__ import annotations
 
-from trainer.config import Precision, Sharding, StrategyName
+from trainer.config import GradReduce, Precision, Sharding, StrategyName
 
 DTYPE_BYTES = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -46,6 +46,25 @@ def per_rank_bytes(strategy: StrategyName, n_params: int, world_size: int, preci
     shards = (fsdp_shards or world_size) if strategy is StrategyName.fsdp else world_size
     per_param = bytes_per_param(strategy, precision, master_weights)
     return {k: per_param[k] * n_params // (shards if k in SHARDED[strategy] else 1) for k in per_param}
+
+
+def reduce_bucket_elements(d_model: int) -> int:
+    """DeepSpeed's reduce bucket as the trainer sizes it: d_model squared (the HF Trainer's "auto"),
+    not DeepSpeed's default 5e8 elements (2 GB in fp32, whatever the model)."""
+    return d_model * d_model
+
+
+def peak_gradient_bytes(strategy: StrategyName, sharded_grads: int, n_params: int, grad_accum_steps: int,
+                        grad_reduce: GradReduce, precision: Precision = Precision.fp32) -> int:
+    """The gradient bytes a rank holds at their peak. Accumulating with grad_reduce=step, a
+    sharding strategy holds every unsharded gradient until the final micro-step reduces them
+    (FSDP2 in fp32; ZeRO-3 keeps its partition buffer beside them, FSDP2 and ZeRO-2 make theirs
+    at that reduction). DDP and ZeRO-1 hold every gradient anyway; micro_step keeps them sharded."""
+    sharding = strategy in (StrategyName.fsdp, StrategyName.zero2, StrategyName.zero3)
+    if not sharding or grad_accum_steps == 1 or GradReduce(grad_reduce) is GradReduce.micro_step:
+        return sharded_grads
+    full = n_params * (4 if strategy is StrategyName.fsdp else DTYPE_BYTES[precision])
+    return full + sharded_grads if strategy is StrategyName.zero3 else full
 
 
 def activation_bytes(seq_len: int, d_model: int, n_layers: int, vocab_size: int, micro_batch_size: int,

@@ -60,7 +60,7 @@ def count_params(cfg: Config) -> int:
 
 
 def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int | None = None) -> Plan:
-    from trainer.memory import activation_bytes, per_rank_bytes
+    from trainer.memory import activation_bytes, peak_gradient_bytes, per_rank_bytes
     from trainer.models import model_facts
 
     m, t = cfg.model, cfg.train
@@ -75,6 +75,8 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
                 continue
             for checkpointing in (False, True):
                 held = per_rank_bytes(stage, n_params, world_size, precision, master_weights=cfg.plan.master_weights)
+                held["grads"] = peak_gradient_bytes(stage, held["grads"], n_params, t.grad_accum_steps,
+                                                    cfg.strategy.grad_reduce, precision)
                 moved = OFFLOADED[stage] if offload else ()
                 gpu = {k: 0 if k in moved else v for k, v in held.items()}
                 gpu["activations"] = activation_bytes(m.seq_len, facts.d_model, facts.n_layers, m.vocab_size,
@@ -116,7 +118,9 @@ def plan_as_json(plan: Plan) -> dict:
 
 def device_memory_bytes(cfg: Config) -> int:
     """The real device's memory where there is one; the configured budget on CPU."""
-    if torch.cuda.is_available():
+    from trainer.distributed import device_type
+
+    if device_type() == "cuda":
         return torch.cuda.get_device_properties(0).total_memory
     return int(cfg.plan.gpu_memory_gb * GB)
 
@@ -143,9 +147,9 @@ def resolve_auto(cfg, world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
-    from trainer.__main__ import CONF_DIR
+    from trainer.__main__ import CONFIG_MODULE
     from trainer.config import ConfigError, check_overrides, to_config
     from trainer.models import resolve_model
 
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = sys.argv[1:] if argv is None else argv
     try:
         check_overrides(overrides)
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
             cfg = to_config(compose(config_name="config", overrides=overrides))
         world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
         cfg.model = resolve_model(cfg.model)

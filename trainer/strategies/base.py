@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import Config, Precision
+from trainer.config import Config, GradReduce, Precision
 from trainer.distributed import DistEnv
 from trainer.models.weights import WeightSource, canonical_name, params_on_meta
 
@@ -83,6 +83,10 @@ class Strategy(ABC):
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.precision = Precision(cfg.train.precision)
+        self.reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
+        # Set by the loop on steps whose memory it reports: a backend whose gradients peak inside
+        # `backward` (DeepSpeed) measures them there.
+        self.track_memory = False
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
@@ -105,16 +109,20 @@ class Strategy(ABC):
         return nullcontext()
 
     @abstractmethod
-    def no_sync(self, enabled: bool) -> AbstractContextManager:
-        """No gradient communication inside when `enabled` (non-final micro-steps)."""
+    def no_sync(self, non_final: bool) -> AbstractContextManager:
+        """Around a micro-step's forward and backward; `non_final`: more micro-steps follow in this
+        optimizer step. With strategy.grad_reduce=step there is no gradient communication inside
+        a non-final one (the final micro-step reduces once, full gradients held until then); with
+        micro_step every backward reduces and gradients stay sharded."""
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
         """`loss` is already divided by the accumulation steps; backends must not divide again."""
 
     @abstractmethod
-    def step(self, max_grad_norm: float) -> float:
-        """Clip (0: don't), step, zero grads; return the global gradient norm before clipping."""
+    def step(self, max_grad_norm: float) -> torch.Tensor | float:
+        """Clip (0: don't), step, zero grads; return the global gradient norm before clipping,
+        left where it is (on the device: the loop reads it at log steps only)."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
@@ -201,7 +209,7 @@ class TorchStrategy(Strategy):
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.item()
+        return norm
 
     @property
     @abstractmethod

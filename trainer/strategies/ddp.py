@@ -33,5 +33,5 @@ class DDPStrategy(TorchStrategy):
         # Every rank holds everything: each saves 1/N of it and loads all of it.
         return 0, tensor.detach().view(-1), self.world_size, self.rank
 
-    def no_sync(self, enabled):
-        return self.model.no_sync() if enabled else nullcontext()
+    def no_sync(self, non_final):
+        return self.model.no_sync() if non_final and not self.reduce_every_micro_step else nullcontext()

@@ -13,9 +13,9 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from trainer.config import ConfigError, Precision, StrategyName
+from trainer.config import ConfigError, GradReduce, Precision, StrategyName
 from trainer.distributed import device_type
-from trainer.log import log
+from trainer.log import chatter, log
 from trainer.models.weights import allocate, fill
 from trainer.strategies.base import (
     ADAM_KEYS,
@@ -62,11 +62,16 @@ def build_ds_config(cfg, world_size: int) -> dict:
     precision = Precision(t.precision)
     if precision is Precision.fp16 and device_type() == "cpu":
         raise ConfigError("train.precision: DeepSpeed on CPU supports bf16 and fp32, not fp16")
-    zero: dict = {"stage": ZERO_STAGE[StrategyName(s.name)]}
+    from trainer.memory import reduce_bucket_elements
+    from trainer.models import model_facts
+
+    # A reduce bucket sized by the model (DeepSpeed's default of 5e8 elements is 2 GB in fp32).
+    zero: dict = {"stage": ZERO_STAGE[StrategyName(s.name)],
+                  "reduce_bucket_size": reduce_bucket_elements(model_facts(cfg.model, s.wrap).d_model)}
     if s.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device_type() == "cuda"}
     if s.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device_type() == "cuda"}
     ours = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -75,6 +80,10 @@ def build_ds_config(cfg, world_size: int) -> dict:
         "zero_optimization": zero,
         "bf16": {"enabled": precision is Precision.bf16},
         "fp16": {"enabled": precision is Precision.fp16},
+        # The loop owns accumulation. grad_reduce=step: DeepSpeed's managed accumulation over
+        # single micro-steps, their reductions coalesced by `no_sync`; micro_step: unmanaged,
+        # every backward reduces (ZeRO-2/3: into partitions) and engine.step() is the boundary.
+        "managed_gradient_accumulation": GradReduce(s.grad_reduce) is GradReduce.step,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2 ** 31,
         "wall_clock_breakdown": False,
@@ -90,11 +99,13 @@ def build_ds_config(cfg, world_size: int) -> dict:
 class DeepSpeedStrategy(Strategy):
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
-        deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
+        with chatter():
+            deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
         self.ds_config = build_ds_config(cfg, env.world_size)
         self.stage = self.ds_config["zero_optimization"]["stage"]
         self.engine = None
         self._coalescing = None
+        self._gradient_peak = 0  # bytes of gradients at the end of autograd's pass (track_memory)
 
     def model_init_context(self):
         if self.stage == 3:  # parameters are partitioned as each module is built
@@ -121,9 +132,13 @@ class DeepSpeedStrategy(Strategy):
         return self.engine, ds_optimizer
 
     @contextmanager
-    def no_sync(self, enabled):
+    def no_sync(self, non_final):
+        if self.reduce_every_micro_step:  # DeepSpeed's unmanaged accumulation (build_ds_config)
+            yield
+            return
         # One coalesce block spans every micro-step of the step: it opens on the first
         # non-final micro-step and its exit, after the final backward, reduces once.
+        enabled = non_final
         if enabled and self._coalescing is None:
             self._coalescing = self.engine.coalesce_grad_reduction()
             self._coalescing.__enter__()
@@ -133,29 +148,45 @@ class DeepSpeedStrategy(Strategy):
             coalescing.__exit__(None, None, None)
 
     def backward(self, loss):
+        if self.track_memory and self.stage == 1 and loss.requires_grad:
+            # ZeRO-1 holds every full gradient to the end of autograd's pass and reduces them into
+            # partitions in DeepSpeed's backward epilogue: measured at that end, their peak.
+            engine = torch.autograd.Variable._execution_engine
+            loss.register_hook(lambda grad: engine.queue_callback(self._note_gradient_peak) or grad)
         self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _note_gradient_peak(self) -> None:
+        self._gradient_peak = max(self._gradient_peak, self._gradient_bytes())
 
     def step(self, max_grad_norm):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
+        self._gradient_peak = 0
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+        return self.engine.get_global_grad_norm()
+
+    def _masters(self) -> list[torch.Tensor]:
+        """The fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently."""
+        zero = self.engine.optimizer
+        return getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+
+    def _gradient_bytes(self) -> int:
+        zero = self.engine.optimizer
+        # Unreduced gradients by their own size: ZeRO-2/3 place them in a reduce bucket whose
+        # capacity (reduce_bucket_size) is a communication buffer, not gradients.
+        unreduced = sum(p.grad.numel() * p.grad.element_size() for p in self.engine.module.parameters()
+                        if p.grad is not None)
+        partitions = [m.grad for m in self._masters()]
+        for buffers in ("averaged_gradients", "all_grad_tensors"):  # ZeRO-1/2: reduced, and accumulating
+            partitions += [g for gs in getattr(zero, buffers, {}).values() for g in (gs or [])]
+        partitions.append(getattr(zero, "grads_in_partition", None))  # ZeRO-2
+        partitions.append(getattr(zero, "grad_partitions_flat_buffer", None))  # ZeRO-3
+        return unreduced + tensor_bytes(partitions)
 
     def memory_bytes(self):
-        zero = self.engine.optimizer
-        # fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently.
-        masters = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
-        model_params = list(self.engine.module.parameters())
-        grads = [p.grad for p in model_params] + [m.grad for m in masters]
-        grads += [g for gs in getattr(zero, "averaged_gradients", {}).values() for g in (gs or [])]  # ZeRO-1/2
-        grads.append(getattr(zero, "grads_in_partition", None))  # ZeRO-2
-        grads.append(getattr(zero, "grad_partitions_flat_buffer", None))  # ZeRO-3
-        grad_bytes = tensor_bytes(grads)
-        if self.stage == 1:  # it holds every full gradient in backward, then reduces them into partitions
-            grad_bytes = max(grad_bytes, sum(p.numel() * p.element_size() for p in model_params))
-        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in model_params),
-                "grads": grad_bytes,
-                "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(zero.optimizer)),
+        masters = self._masters()
+        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()),
+                "grads": max(self._gradient_bytes(), self._gradient_peak),  # now, or at this step's peak
+                "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(self.engine.optimizer.optimizer)),
                 "peak": peak_device_bytes(self.device)}
 
     # Portable state. DeepSpeed keeps fp32 masters and Adam moments in flat partitions; its

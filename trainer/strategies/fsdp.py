@@ -6,13 +6,13 @@ import math
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainer.blocks import find_blocks
 from trainer.config import Precision, Sharding
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, TorchStrategy, toggled
+from trainer.strategies.base import DTYPES, TorchStrategy, tensor_bytes, toggled
 
 
 class FSDPStrategy(TorchStrategy):
@@ -60,6 +60,21 @@ class FSDPStrategy(TorchStrategy):
         replicas, index = (mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (1, 0)  # HSDP
         return start, tensor.to_local().detach().view(-1), replicas, index
 
-    def no_sync(self, enabled):
-        # Unsharded gradients accumulate locally; reduce-scatter happens on the final micro-step.
-        return toggled(self.model.set_requires_gradient_sync, not enabled)
+    def memory_bytes(self):
+        held = super().memory_bytes()
+        # grad_reduce=step: between micro-steps FSDP2 keeps each parameter's unsharded gradient
+        # in its FSDPParam, not in the sharded parameter's .grad; counted too.
+        unsharded = []
+        for module in self.model.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            for fsdp_param in group.fsdp_params if group else []:
+                unsharded.append(fsdp_param.unsharded_accumulated_grad)
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    unsharded.append(fsdp_param._unsharded_param.grad)
+        held["grads"] += tensor_bytes(unsharded)
+        return held
+
+    def no_sync(self, non_final):
+        # step: unsharded gradients accumulate locally, reduce-scatter on the final micro-step;
+        # micro_step: FSDP2's default, reduce-scatter every backward into sharded gradients.
+        return toggled(self.model.set_requires_gradient_sync, not non_final or self.reduce_every_micro_step)

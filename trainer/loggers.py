@@ -1,0 +1,151 @@
+"""Where a run's records go (DESIGN §8): `logger=jsonl|tensorboard|wandb|mlflow`, or a list.
+
+Every logger gets the same things, from rank 0 only: the resolved config (as hyperparameters),
+each logged step, each evaluation, events (resumed, ...) and a final summary. jsonl writes
+them as they are (metrics.jsonl, DESIGN §4); the others get the numbers, named `train/loss`,
+`train/lr`, `mem/params`, `val/loss`, ..., at the record's step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import time
+from pathlib import Path
+
+from trainer.config import Config, LoggerConfig
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat(value, f"{name}."))
+        else:
+            out[name] = value.value if isinstance(value, enum.Enum) else value
+    return out
+
+
+def hyperparameters(cfg: Config) -> dict:
+    """The resolved config, flattened: `strategy.name`, `optim.lr`, ..."""
+    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+            for k, v in flat(dataclasses.asdict(cfg)).items()}
+
+
+def numbers(record: dict) -> dict[str, float]:
+    """A step or evaluation record as named numbers: train/..., mem/..., val/..."""
+    if record.get("split") == "val":
+        return {f"val/{k}": v for k, v in record.items() if k not in ("step", "split") and v is not None}
+    out = {}
+    for key, value in flat(record).items():
+        if key == "step" or value is None or isinstance(value, str):
+            continue
+        out[key.replace(".", "/") if key.startswith("mem.") else f"train/{key}"] = float(value)
+    return out
+
+
+def final_numbers(summary: dict) -> dict[str, float]:
+    return {f"final/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and k != "step"}
+
+
+class JsonlLogger:
+    def __init__(self, cfg, run_dir: Path, hparams: dict):
+        self.file = (run_dir / cfg.file).open("a")
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def finish(self, summary: dict) -> None:
+        self.log({"event": "end", **summary})
+        self.file.close()
+
+
+class TensorBoardLogger:
+    def __init__(self, cfg, run_dir: Path, hparams: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=cfg.dir or str(run_dir / "tensorboard"))
+        self.hparams = hparams
+        self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
+
+    def log(self, record: dict) -> None:
+        for name, value in numbers(record).items():
+            self.writer.add_scalar(name, value, record["step"])
+
+    def finish(self, summary: dict) -> None:
+        self.writer.add_hparams({k: "None" if v is None else v for k, v in self.hparams.items()},
+                                final_numbers(summary), run_name=".")
+        self.writer.close()
+
+
+class WandbLogger:
+    """Offline (files in the run dir, `wandb sync` uploads them) unless a W&B key is set up."""
+
+    def __init__(self, cfg, run_dir: Path, hparams: dict):
+        import wandb
+
+        online = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, dir=str(run_dir),
+                              mode=cfg.mode or ("online" if online else "offline"), config=hparams,
+                              settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, record: dict) -> None:
+        if "step" in record and "event" not in record:
+            self.run.log(numbers(record), step=record["step"])
+
+    def finish(self, summary: dict) -> None:
+        self.run.summary.update(final_numbers(summary))
+        self.run.finish()
+
+
+class MLflowLogger:
+    """A local file store in the run dir unless a tracking URI is given."""
+
+    def __init__(self, cfg, run_dir: Path, hparams: dict):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri())
+        experiment = self.client.get_experiment_by_name(cfg.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
+        self.run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or run_dir.name).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in hparams.items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def _metrics(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    def log(self, record: dict) -> None:
+        if "step" in record and "event" not in record:
+            self._metrics(numbers(record), record["step"])
+
+    def finish(self, summary: dict) -> None:
+        self._metrics(final_numbers(summary), summary["step"])
+        self.client.set_terminated(self.run_id)
+
+
+LOGGERS = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
+
+
+class RunLog:
+    """The run's loggers (none on ranks other than 0): one `log` and one `finish` for the loop."""
+
+    def __init__(self, cfg: Config, run_dir: Path, is_main: bool):
+        chosen: LoggerConfig = cfg.logger
+        self.loggers = [LOGGERS[name](getattr(chosen, name), run_dir, hyperparameters(cfg))
+                        for name in LOGGERS if is_main and getattr(chosen, name) is not None]
+
+    def log(self, record: dict) -> None:
+        for logger in self.loggers:
+            logger.log(record)
+
+    def finish(self, summary: dict) -> None:
+        for logger in self.loggers:
+            logger.finish(summary)
