@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer import distributed
 from trainer.run import in_group
@@ -52,3 +53,26 @@ def run_cli(*overrides: str, launcher: list[str] | None = None, timeout: int = 6
     cmd = (launcher or [sys.executable, "-m", "trainer"]) + list(overrides)
     full_env = {**os.environ, **CPU_ONLY, **(env or {})}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the payload of every c10d collective dispatched inside (DDP's reducer, FSDP2 and
+    DeepSpeed alike): a tensor's full size per all-reduce, reduce-scatter or all-gather."""
+
+    KINDS = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
+             "reduce_scatter_tensor_coalesced_": "reduce_scatter", "_allgather_base_": "all_gather",
+             "allgather_into_tensor_coalesced_": "all_gather"}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "other": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            sizes = []
+            for value in args:  # inputs and outputs: the larger is the collective's full tensor
+                tensors = [t for t in (value if isinstance(value, (list, tuple)) else [value])
+                           for t in (t if isinstance(t, (list, tuple)) else [t]) if isinstance(t, torch.Tensor)]
+                sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+            self.bytes[self.KINDS.get(func.__name__.split(".")[0], "other")] += max(sizes, default=0)
+        return func(*args, **(kwargs or {}))

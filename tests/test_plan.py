@@ -46,7 +46,7 @@ def test_parameter_counts_come_from_the_model_built_on_meta():
     assert count_params(to_config({})) == 136_960  # tiny
 
 
-def test_json_is_all_that_is_printed_and_marks_the_first_fit():
+def test_json_is_all_that_is_printed_and_marks_the_fastest_fit():
     result = run_cli("model=llama2_7b", "plan.world_size=64", "plan.gpu_memory_gb=80", "train.precision=bf16",
                      "train.micro_batch_size=1", "plan.json=true", launcher=[sys.executable, "-m", "trainer.plan"])
     assert result.returncode == 0, result.stderr
@@ -60,8 +60,10 @@ def test_json_is_all_that_is_printed_and_marks_the_first_fit():
         assert o["per_gpu_bytes"]["total"] == sum(v for k, v in o["per_gpu_bytes"].items() if k != "total")
         assert o["fits"] == (o["per_gpu_bytes"]["total"] <= 80 * GB)
     chosen = [o for o in plan["options"] if o["chosen"]]
-    assert len(chosen) == 1 and chosen[0] == next(o for o in plan["options"] if o["fits"])
-    assert chosen[0]["name"] == "zero1"  # DDP needs 127 GB per GPU at this size
+    fastest = min(o["step_s"] for o in plan["options"] if o["fits"])
+    assert len(chosen) == 1 and chosen[0] == next(o for o in plan["options"] if o["fits"] and o["step_s"] <= fastest * 1.01)
+    # DDP needs 127 GB per GPU at this size; ZeRO-1 moves as much as ZeRO-2/3 and comes first
+    assert (chosen[0]["name"], chosen[0]["activation_checkpointing"], chosen[0]["offload"]) == ("zero1", False, False)
 
 
 def test_table_names_the_choice():
@@ -107,9 +109,10 @@ def test_strategy_auto_plans_logs_and_trains_with_its_choice(tmp_path):
     result = run_cli("strategy=auto", "plan.gpu_memory_gb=0.005", "nproc=2", "train.max_steps=2", "train.log_every=1",
                      f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
-    # tiny at 2 ranks in 5 MB: only full sharding with AC fits; FSDP2 comes before ZeRO-3
-    assert "strategy=auto chose fsdp + activation checkpointing" in result.stdout
-    assert "strategy=fsdp world_size=2" in result.stdout
+    # tiny at 2 ranks in 5 MB: full sharding with AC fits (and offload); ZeRO-3 moves the least
+    # (its parameters are all below the persistence threshold: gathered once a step)
+    assert "strategy=auto chose zero3 + activation checkpointing" in result.stdout
+    assert "strategy=zero3 world_size=2" in result.stdout
     recorded = (tmp_path / ".hydra" / "config.yaml").read_text()  # what ran, not `auto`
-    assert "name: fsdp" in recorded and "activation_checkpointing: true" in recorded
+    assert "name: zero3" in recorded and "activation_checkpointing: true" in recorded
     assert [r["step"] for r in records(tmp_path)] == [1, 2]

@@ -208,6 +208,10 @@ class PlanConfig:
     gpu_memory_gb: float = 80.0  # the budget per device where no GPU reports one (CPU)
     master_weights: bool = True  # False: pure bf16 training, no fp32 copy of the weights
     json: bool = False
+    # Step-time estimate: compute at this rate per device, communication over these links.
+    flops_per_s: float = 4e14  # achieved, per device (H100 bf16 at ~40 % MFU)
+    link_gbps: float = 400.0  # per device, between ranks: NVLink ~7200, InfiniBand 400, 10 GbE 10
+    pcie_gbps: float = 256.0  # host <-> device, for offload (PCIe 4 x16)
 
 
 @dataclass

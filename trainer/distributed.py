@@ -20,6 +20,7 @@ import torch.distributed as dist
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 DEVICE_VARIABLE = "TRAINER_DEVICE"  # the run's device type, set once and inherited by its ranks
+_own_variables: dict[str, str] = {}  # rank variables `init` set for a process alone
 
 # Launchers that set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT themselves: torchrun,
 # accelerate launch, the deepspeed launcher. Under plain `srun`, SLURM's own variables are mapped.
@@ -126,9 +127,11 @@ def init() -> DistEnv:
     """Join (or, alone, create) the process group. Every run has one, world size 1 included,
     so DDP, FSDP2 and DeepSpeed all see the same kind of world."""
     env = launcher_env()
-    if not env:
+    if not env:  # alone: a group of one, whose variables `shutdown` takes away again (a Hydra
+        # multirun runs its next job in this process, which must not look launched by then)
         env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        _own_variables.update(env)
     os.environ.update(env)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env.get("LOCAL_RANK", rank))
@@ -165,6 +168,9 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    for key in _own_variables:
+        os.environ.pop(key, None)
+    _own_variables.clear()
 
 
 def seed_everything(seed: int) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 log = logging.getLogger("trainer")
-THIRD_PARTY = ("DeepSpeed", "torch", "transformers", "datasets", "accelerate", "hydra")
+THIRD_PARTY = ("DeepSpeed", "torch", "transformers", "datasets", "accelerate")
 _chatter_level = logging.WARNING
 _show_warning = warnings.showwarning
 _warnings_shown: set[tuple[type, str]] = set()

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from trainer.config import Config, LoggerConfig
+from trainer.config import Config, ConfigError, LoggerConfig
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
@@ -108,6 +108,8 @@ class MLflowLogger:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
+        if not cfg.tracking_uri:  # MLflow 3 keeps the file store, "in maintenance mode", behind this opt-in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri())
         experiment = self.client.get_experiment_by_name(cfg.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
@@ -135,12 +137,22 @@ LOGGERS = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": Wand
 
 
 class RunLog:
-    """The run's loggers (none on ranks other than 0): one `log` and one `finish` for the loop."""
+    """The run's loggers (none on ranks other than 0): one `log` and one `finish` for the loop.
+    Called on every rank: a logger that cannot start on rank 0 stops every rank, with its error."""
 
     def __init__(self, cfg: Config, run_dir: Path, is_main: bool):
+        from trainer.distributed import broadcast_object
+
         chosen: LoggerConfig = cfg.logger
-        self.loggers = [LOGGERS[name](getattr(chosen, name), run_dir, hyperparameters(cfg))
-                        for name in LOGGERS if is_main and getattr(chosen, name) is not None]
+        self.loggers, error = [], None
+        try:
+            self.loggers = [LOGGERS[name](getattr(chosen, name), run_dir, hyperparameters(cfg))
+                            for name in LOGGERS if is_main and getattr(chosen, name) is not None]
+        except Exception as e:  # shared, so that no rank waits for rank 0 in the next collective
+            error = f"{type(e).__name__}: {e}"
+        error = broadcast_object(error)
+        if error:
+            raise ConfigError(f"logger: {error}")
 
     def log(self, record: dict) -> None:
         for logger in self.loggers:

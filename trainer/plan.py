@@ -1,6 +1,7 @@
-"""`python -m trainer.plan [overrides]`: what each memory strategy costs per GPU, and the first
-one in the decision order (DDP -> activation checkpointing -> ZeRO-1/2 -> FSDP2 / ZeRO-3 ->
-CPU offload) that fits. Same configs as the trainer; `plan.json=true` prints JSON only.
+"""`python -m trainer.plan [overrides]`: what each memory strategy costs per GPU and per step,
+and the fastest that fits (options in the decision order DDP -> activation checkpointing ->
+ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties). Same configs as the trainer;
+`plan.json=true` prints JSON only.
 
 The parameter count comes from the real model built on the meta device. Bytes per parameter
 follow trainer/memory.py (what our backends keep; `plan.master_weights=false` for pure bf16).
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.config import Config, Precision, StrategyName
+from trainer.config import Config, GradReduce, Precision, StrategyName
+from trainer.memory import DTYPE_BYTES, activation_bytes, peak_gradient_bytes, per_rank_bytes
 
 GB = 1e9
 STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
@@ -35,6 +37,8 @@ class Option:
     offload: bool
     per_gpu_bytes: dict[str, int]
     host_bytes: int
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # payload per optimizer step (`step_traffic`)
+    step_s: float = 0.0  # estimated: compute + communication + offload copies, not overlapped
     fits: bool = False
     chosen: bool = False
 
@@ -46,6 +50,9 @@ class Plan:
     gpu_memory_bytes: int
     precision: str
     master_weights: bool
+    flops_per_s: float
+    link_gbps: float
+    pcie_gbps: float
     options: list[Option] = field(default_factory=list)
 
     @property
@@ -59,15 +66,60 @@ def count_params(cfg: Config) -> int:
     return model_facts(cfg.model, cfg.strategy.wrap).params
 
 
+def step_traffic(strategy: StrategyName, n_params: int, small_params: int, world_size: int, precision: Precision,
+                 grad_accum_steps: int, grad_reduce: GradReduce, offload: bool) -> dict[str, int]:
+    """Payload bytes of the collectives one rank joins per optimizer step (a tensor's full size per
+    all-reduce, reduce-scatter or all-gather), and bytes copied between host and device for
+    offload, as our backends do it (measured on gloo in tests/test_see_and_speed.py):
+    - DDP all-reduces fp32 gradients; FSDP2 all-gathers parameters in the training dtype for
+      forward and backward of every micro-step and reduce-scatters fp32 gradients;
+    - DeepSpeed ZeRO-1/2 all-reduce gradients and all-gather updated parameters once a step;
+      ZeRO-3 reduce-scatters gradients and all-gathers parameters per forward and backward,
+      except those below its persistence threshold, gathered once a step.
+    grad_reduce=micro_step reduces every micro-step (ZeRO-1: still once, at the boundary)."""
+    if world_size == 1:
+        return {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "host": 0}
+    train_bytes = DTYPE_BYTES[precision]
+    reductions = grad_accum_steps if GradReduce(grad_reduce) is GradReduce.micro_step else 1
+    traffic = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "host": 0}
+    if strategy is StrategyName.ddp:
+        traffic["all_reduce"] = 4 * n_params * reductions
+    elif strategy in (StrategyName.zero1, StrategyName.zero2):
+        traffic["all_reduce"] = train_bytes * n_params * (reductions if strategy is StrategyName.zero2 else 1)
+        traffic["all_gather"] = train_bytes * n_params
+        traffic["host"] = (4 + train_bytes) * n_params // world_size if offload else 0
+    elif strategy is StrategyName.fsdp:
+        traffic["all_gather"] = train_bytes * n_params * 2 * grad_accum_steps
+        traffic["reduce_scatter"] = 4 * n_params * reductions
+        traffic["host"] = 4 * n_params // world_size * (2 * grad_accum_steps + reductions) if offload else 0
+    else:  # zero3
+        gathered = n_params - small_params
+        traffic["all_gather"] = train_bytes * (gathered * 2 * grad_accum_steps + small_params)
+        traffic["reduce_scatter"] = train_bytes * n_params * reductions
+        traffic["host"] = (4 * n_params + train_bytes * n_params * 2 * grad_accum_steps) // world_size if offload else 0
+    return traffic
+
+
+def step_seconds(traffic: dict[str, int], world_size: int, compute_flops: float, cfg: Config) -> float:
+    """Compute at plan.flops_per_s, ring collectives over plan.link_gbps (an all-reduce moves
+    2 (N-1)/N of its payload per rank, the others (N-1)/N), offload copies over plan.pcie_gbps;
+    no overlap assumed, so an upper bound."""
+    ring = (world_size - 1) / world_size
+    moved = 2 * ring * traffic["all_reduce"] + ring * (traffic["reduce_scatter"] + traffic["all_gather"])
+    return (compute_flops / cfg.plan.flops_per_s + moved * 8 / (cfg.plan.link_gbps * 1e9)
+            + traffic["host"] * 8 / (cfg.plan.pcie_gbps * 1e9))
+
+
 def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int | None = None) -> Plan:
-    from trainer.memory import activation_bytes, peak_gradient_bytes, per_rank_bytes
     from trainer.models import model_facts
 
     m, t = cfg.model, cfg.train
     precision = Precision(t.precision)
     facts = model_facts(m, cfg.strategy.wrap)  # built on the meta device
     n_params = facts.params if n_params is None else n_params
-    plan = Plan(n_params, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights)
+    plan = Plan(n_params, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights,
+                cfg.plan.flops_per_s, cfg.plan.link_gbps, cfg.plan.pcie_gbps)
+    tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * m.seq_len
     # The decision order: cheaper in speed first; offload last of all.
     for offload in (False, True):
         for stage in STAGES:
@@ -82,12 +134,19 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
                 gpu["activations"] = activation_bytes(m.seq_len, facts.d_model, facts.n_layers, m.vocab_size,
                                                       t.micro_batch_size, precision, checkpointing)
                 gpu["total"] = sum(gpu.values())
-                option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved))
+                traffic = step_traffic(stage, n_params, min(facts.small_params, n_params), world_size, precision,
+                                       t.grad_accum_steps, cfg.strategy.grad_reduce, offload)
+                # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
+                flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
+                option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), traffic,
+                                step_seconds(traffic, world_size, flops, cfg))
                 option.fits = gpu["total"] <= gpu_memory_bytes
                 plan.options.append(option)
-    first = next((o for o in plan.options if o.fits), None)
-    if first:
-        first.chosen = True
+    # The fastest that fits; within 1 % of it, the decision order (the options' order) decides.
+    fitting = [o for o in plan.options if o.fits]
+    if fitting:
+        fastest = min(o.step_s for o in fitting)
+        next(o for o in fitting if o.step_s <= fastest * 1.01).chosen = True
     return plan
 
 
@@ -97,23 +156,27 @@ def format_plan(plan: Plan) -> str:
              f"per GPU, {plan.precision}"
              f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
              f"  {'strategy':<8}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
-             f"{'total':>9}{'host':>9}  fits"]
+             f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}  fits"]
     for o in plan.options:
         g = {k: v / size for k, v in o.per_gpu_bytes.items()}
         lines.append(f"  {o.name:<8}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
                      f"{g['params']:>9.2f}{g['grads']:>9.2f}{g['optim']:>9.2f}{g['activations']:>9.2f}"
-                     f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}  {'yes' if o.fits else 'no':<3}"
+                     f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}{sum(o.comm_bytes.values()) / size:>9.2f}"
+                     f"{o.step_s:>9.3g}  {'yes' if o.fits else 'no':<3}"
                      + ("  <- chosen" if o.chosen else ""))
     if not plan.choice:
         lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
+    lines.append(f"  comm: collective payload per step (offload copies included); step s: estimated at "
+                 f"{plan.flops_per_s:.3g} FLOP/s, {plan.link_gbps:g} Gbit/s links, {plan.pcie_gbps:g} Gbit/s PCIe, "
+                 "without overlap; chosen: the fastest that fits, the first of those within 1 %")
     return "\n".join(lines)
 
 
 def plan_as_json(plan: Plan) -> dict:
     return {"params": plan.params, "world_size": plan.world_size,
             "options": [{"name": o.name, "activation_checkpointing": o.activation_checkpointing, "offload": o.offload,
-                         "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "fits": o.fits,
-                         "chosen": o.chosen} for o in plan.options]}
+                         "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "comm_bytes": o.comm_bytes,
+                         "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen} for o in plan.options]}
 
 
 def device_memory_bytes(cfg: Config) -> int:

@@ -19,7 +19,9 @@ def job_summary(job_dir: Path) -> dict | None:
         return None
     last = steps[-1]
     overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    vals = [r["loss"] for r in rows if r.get("split") == "val"]
     return {"overrides": overrides, "finished": rows[-1].get("event") == "end", "loss": last["loss"],
+            "val_loss": vals[-1] if vals else None,
             "tokens_per_s": last["tokens_per_s"], **{k: last["mem"][k] for k in ("params", "grads", "optim")}}
 
 
@@ -31,13 +33,14 @@ def summary_table(sweep_dir: Path) -> str:
         if s:  # name each job by what the sweep varies
             s["job"] = " ".join(o for o in s["overrides"] if o not in shared)
     width = max([len(s["job"]) for _, s in rows if s] + [4])
-    lines = [f"{'#':>3}  {'job':<{width}}  {'loss':>8}  {'tokens/s':>9}  {'params MB':>9}  {'grads MB':>8}  "
-             f"{'optim MB':>8}  (bytes per rank)"]
+    lines = [f"{'#':>3}  {'job':<{width}}  {'loss':>8}  {'val loss':>8}  {'tokens/s':>9}  {'params MB':>9}  "
+             f"{'grads MB':>8}  {'optim MB':>8}  (bytes per rank)"]
     for num, s in rows:
         if s is None:
             lines.append(f"{num:>3}  no metrics (failed before its first logged step)")
             continue
-        lines.append(f"{num:>3}  {s['job']:<{width}}  {s['loss']:>8.4f}  {s['tokens_per_s']:>9.0f}  "
+        val = f"{s['val_loss']:>8.4f}" if s["val_loss"] is not None else f"{'-':>8}"
+        lines.append(f"{num:>3}  {s['job']:<{width}}  {s['loss']:>8.4f}  {val}  {s['tokens_per_s']:>9.0f}  "
                      f"{s['params'] / 1e6:>9.2f}  {s['grads'] / 1e6:>8.2f}  {s['optim'] / 1e6:>8.2f}"
                      + ("" if s["finished"] else "  (unfinished)"))
     return "\n".join(lines)

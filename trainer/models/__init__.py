@@ -70,12 +70,18 @@ def description(cfg: ModelConfig, tokenizer: str | None = None) -> dict:
     return {"kind": ModelKind(cfg.kind).value}
 
 
+# ZeRO-3 keeps parameters of fewer elements than this whole on every rank (DeepSpeed's default
+# stage3_param_persistence_threshold): they are gathered once per step, not per forward/backward.
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     params: int
     n_layers: int  # the blocks found by strategy.wrap / _no_split_modules
     d_model: int  # the width of the input embedding
     flops_per_token: int
+    small_params: int  # elements in parameters below ZERO3_PERSISTENCE_THRESHOLD
 
 
 def model_facts(cfg: ModelConfig, wrap: list[str] | None) -> ModelFacts:
@@ -91,4 +97,6 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None) -> ModelFacts:
     lookups = sum(e.weight.numel() for e in embeddings if id(e.weight) not in matmul_weights)
     n_layers = len(find_blocks(model, wrap))
     d_model = embeddings[0].embedding_dim if embeddings else 0
-    return ModelFacts(params, n_layers, d_model, 6 * (params - lookups) + 12 * n_layers * d_model * cfg.seq_len)
+    small = sum(p.numel() for p in model.parameters() if p.numel() < ZERO3_PERSISTENCE_THRESHOLD)
+    return ModelFacts(params, n_layers, d_model, 6 * (params - lookups) + 12 * n_layers * d_model * cfg.seq_len,
+                      small)

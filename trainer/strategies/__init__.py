@@ -1,7 +1,7 @@
 """One backend per file; `build_strategy` is the only place that maps a name to a backend."""
 from __future__ import annotations
 
-from trainer.config import Config, StrategyName
+from trainer.config import Config, ConfigError, StrategyName
 from trainer.distributed import DistEnv
 from trainer.strategies.base import Strategy
 
@@ -19,9 +19,24 @@ def build_strategy(cfg: Config, env: DistEnv) -> Strategy:
     return cls(cfg, env)
 
 
+MIN_DEEPSPEED = "0.19.5"  # engine.coalesce_grad_reduction (0.19.2); unmanaged accumulation, ZeRO-3 and offload (0.19.5)
+
+
+def check_deepspeed_version(installed: str) -> None:
+    from packaging.version import Version
+
+    if Version(installed) < Version(MIN_DEEPSPEED):
+        raise ConfigError(f"strategy: DeepSpeed {installed} is installed; the zero strategies need >= {MIN_DEEPSPEED} "
+                          f"(engine.coalesce_grad_reduction, unmanaged gradient accumulation): "
+                          f"pip install 'deepspeed>={MIN_DEEPSPEED}'")
+
+
 def preflight(cfg: Config, world_size: int) -> None:
     """Backend-specific checks of the settings, run once before any rank starts."""
     if StrategyName(cfg.strategy.name).value.startswith("zero"):
+        from importlib.metadata import version
+
+        check_deepspeed_version(version("deepspeed"))
         from trainer.strategies.deepspeed import build_ds_config
 
         build_ds_config(cfg, world_size)

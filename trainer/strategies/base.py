@@ -136,8 +136,9 @@ class Strategy(ABC):
         """Canonical parameter name -> full shape."""
 
     @abstractmethod
-    def state_dict(self) -> dict[str, Piece]:
-        """The ranges this rank saves; together the ranks' pieces cover every key once."""
+    def state_dict(self, model_only: bool = False) -> dict[str, Piece]:
+        """The ranges this rank saves; together the ranks' pieces cover every key once.
+        `model_only`: the parameters alone (export; also before the optimizer's first step)."""
 
     @abstractmethod
     def state_layout(self) -> dict[str, tuple[int, int]]:
@@ -150,7 +151,7 @@ class Strategy(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights on rank 0 ({} elsewhere), for export: the ranks' pieces, joined."""
         pieces = {k[len("model."):]: (p.start, p.tensor.detach().float().cpu())
-                  for k, p in self.state_dict().items() if k.startswith("model.")}
+                  for k, p in self.state_dict(model_only=True).items()}
         gathered = [None] * self.world_size if self.is_main else None
         dist.gather_object(pieces, gathered, dst=0)
         if not self.is_main:
@@ -223,18 +224,19 @@ class TorchStrategy(Strategy):
     def param_shapes(self):
         return {canonical_name(n): tuple(p.shape) for n, p in self.module.named_parameters()}
 
-    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(self, model_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.module.named_parameters():
-            state = self.optimizer.state[p]
-            for what, key in state_keys(canonical_name(name)).items():
-                yield key, p if what == "param" else state[what]
+            keys = state_keys(canonical_name(name))
+            yield keys["param"], p
+            if not model_only:
+                yield from ((keys[k], self.optimizer.state[p][k]) for k in ADAM_KEYS)
 
     def _adam_step(self) -> float:
         return float(next(iter(self.optimizer.state.values()))["step"])
 
-    def state_dict(self):
-        pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors()}
-        if self.is_main:
+    def state_dict(self, model_only=False):
+        pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors(model_only)}
+        if self.is_main and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
         return pieces
 

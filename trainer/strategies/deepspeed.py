@@ -208,7 +208,7 @@ class DeepSpeedStrategy(Strategy):
         start, numel = self._z3_range(p)
         return start, p.ds_tensor.data.view(-1)[:numel]
 
-    def _fragments(self):
+    def _fragments(self, model_only: bool = False):
         """(name, start, numel, {"param"|moment: this rank's fp32 range}) per owned parameter."""
         from deepspeed.utils import (
             lazy_init_hp_params_optimizer_state,
@@ -217,7 +217,8 @@ class DeepSpeedStrategy(Strategy):
         )
 
         zero = self.engine.optimizer
-        if self.stage < 3:
+        moments = () if model_only else ADAM_KEYS
+        if self.stage < 3 and moments:
             # Link every parameter's moment fragments. DeepSpeed links once, after stepping the
             # first param group only, so with two groups the second stays unlinked.
             for group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
@@ -226,20 +227,20 @@ class DeepSpeedStrategy(Strategy):
             if self.stage == 3:
                 start, numel = self._z3_range(p)
                 local = {"param": safe_get_local_fp32_param(p)}
-                local.update({k: safe_get_local_optimizer_state(p, k) for k in ADAM_KEYS})
+                local.update({k: safe_get_local_optimizer_state(p, k) for k in moments})
                 yield name, start, numel, {k: v.view(-1)[:numel] for k, v in local.items()}
             elif p._hp_mapping is not None:
                 m = p._hp_mapping
-                local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in ADAM_KEYS}}
+                local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in moments}}
                 yield name, m.lp_fragment_address.start, m.lp_fragment_address.numel, local
 
     def _adam_step(self) -> float:
         return float(next(iter(self.engine.optimizer.optimizer.state.values()))["step"])
 
-    def state_dict(self):
-        pieces = {state_keys(name)[what]: Piece(start, t) for name, start, numel, local in self._fragments()
+    def state_dict(self, model_only=False):
+        pieces = {state_keys(name)[what]: Piece(start, t) for name, start, numel, local in self._fragments(model_only)
                   for what, t in local.items() if numel}
-        if self.is_main:
+        if self.is_main and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
         return pieces
 
