@@ -41,9 +41,10 @@ def with_overrides(base: dict, **overrides) -> dict:
 
 
 def case(strategy: str, steps: int = 8, **overrides) -> dict:
-    """A config dict: the tiny model, fp32, every step logged."""
+    """A config dict: the tiny model, fp32, every step logged, batches loaded in the rank's own
+    process (the loader's worker processes are tested with the CLI runs of tests/test_your_data.py)."""
     base = {"strategy": {"name": strategy}, "train": {"max_steps": steps, "log_every": 1, "micro_batch_size": 4},
-            "logger": {"jsonl": {}},
+            "logger": {"jsonl": {}}, "data": {"num_workers": 0},
             "optim": {"warmup_steps": 2}}
     return with_overrides(base, **overrides)
 
@@ -76,3 +77,21 @@ class CollectiveBytes(TorchDispatchMode):
                 sizes.append(sum(t.numel() * t.element_size() for t in tensors))
             self.bytes[self.KINDS.get(func.__name__.split(".")[0], "other")] += max(sizes, default=0)
         return func(*args, **(kwargs or {}))
+
+
+def refusal(run_dir: Path, *overrides: str) -> str:
+    """The error the CLI stops with before any rank starts, found in this process: the same
+    overrides check, composition, resolution and checks as `trainer` (trainer/__main__.py)."""
+    from hydra import compose, initialize_config_module
+
+    from trainer.__main__ import CONFIG_MODULE, check_before_work, resolve_settings
+    from trainer.config import ConfigError, check_overrides
+
+    try:
+        check_overrides(list(overrides))
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        check_before_work(resolve_settings(cfg, int(cfg.nproc)), int(cfg.nproc), run_dir)
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError(f"not refused: {overrides}")

@@ -130,8 +130,20 @@ def test_a_zero3_run_prints_a_handful_of_lines(tmp_path):
     assert len(others) <= 4, others  # two warnings of two lines each, once each
     for warning in {line for line in others if "Warning" in line}:
         assert result.stderr.count(warning) == 1, warning
-    more = run_cli("strategy=zero3", "nproc=2", "train.max_steps=2", "log_level=info", f"hydra.run.dir={tmp_path}/2")
-    assert "built successfully" in more.stdout  # log_level=info lets DeepSpeed speak
+
+
+def test_log_level_lets_third_parties_speak(capsys):
+    import logging
+
+    from trainer.log import chatter, setup_logging
+
+    for level, shown in (("warning", False), ("info", True)):
+        setup_logging(None, is_main=True, level=level)
+        with chatter():
+            print("DeepSpeed op built")  # DeepSpeed announces its ops with print()
+        assert ("DeepSpeed op built" in capsys.readouterr().out) is shown
+        assert logging.getLogger("DeepSpeed").level == logging.getLevelName(level.upper())
+    setup_logging(None, is_main=True)
 
 
 def test_mfu_follows_the_flops_and_the_peak(tmp_path):
@@ -215,36 +227,46 @@ def test_micro_step_keeps_gradients_sharded_and_the_planner_knows(accumulated, s
 
 # -- the planner's traffic against what the collectives carry ---------------------------------------
 
-def traffic_per_step(env, overrides: dict):
-    from tests.test_core_behaviour import build, loss_of
-
-    cfg = to_config(overrides)
-    strategy, model, _ = build(env, overrides)
-    accum = cfg.train.grad_accum_steps
-    x = torch.randint(0, 256, (2 * accum, 65), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):  # the second step: first-step set-up collectives left out
-        counter = CollectiveBytes()
-        with counter:
-            for i, part in enumerate(x.chunk(accum)):
-                with strategy.no_sync(i < accum - 1):
-                    strategy.backward(loss_of(model, part) / accum)
-            strategy.step(1.0)
-    strategy.teardown()
-    return counter.bytes
-
-
 TRAFFIC_CASES = [(s, 1, "step") for s in STRATEGIES] + [
     (s, 4, mode) for s in ("ddp", "fsdp", "zero2", "zero3") for mode in ("step", "micro_step")]
 
 
+def traffic_case(strategy: str, accum: int, mode: str) -> dict:
+    return case(strategy, train__grad_accum_steps=accum, strategy__grad_reduce=mode)
+
+
+def traffic_per_step(env) -> dict:
+    """For each case, the collectives' payload in its second step (the first sets things up)."""
+    from tests.test_core_behaviour import build, loss_of
+
+    out = {}
+    for strategy_name, accum, mode in TRAFFIC_CASES:
+        strategy, model, _ = build(env, traffic_case(strategy_name, accum, mode))
+        x = torch.randint(0, 256, (2 * accum, 65), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            counter = CollectiveBytes()
+            with counter:
+                for i, part in enumerate(x.chunk(accum)):
+                    with strategy.no_sync(i < accum - 1):
+                        strategy.backward(loss_of(model, part) / accum)
+                strategy.step(1.0)
+        strategy.teardown()
+        out[(strategy_name, accum, mode)] = counter.bytes
+    return out
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    return on_ranks(2, traffic_per_step)[0]
+
+
 @pytest.mark.parametrize("strategy,accum,mode", TRAFFIC_CASES)
-def test_the_planned_traffic_is_what_the_collectives_carry(strategy, accum, mode):
+def test_the_planned_traffic_is_what_the_collectives_carry(traffic, strategy, accum, mode):
     from trainer.models import model_facts
     from trainer.plan import step_traffic
 
-    overrides = case(strategy, train__grad_accum_steps=accum, strategy__grad_reduce=mode)
-    measured = on_ranks(2, traffic_per_step, overrides)[0]
-    facts = model_facts(to_config(overrides).model, None)
+    measured = traffic[(strategy, accum, mode)]
+    facts = model_facts(to_config(traffic_case(strategy, accum, mode)).model, None)
     planned = step_traffic(StrategyName(strategy), facts.params, facts.small_params, 2, Precision.fp32, accum,
                            GradReduce(mode), offload=False)
     for kind in ("all_reduce", "reduce_scatter", "all_gather"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import case, on_ranks, records, run_cli, train_cases, with_overrides
+from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
 from examples.tiny_hf import BLOCKS, FAMILIES, VOCAB
 from trainer.checkpoint import read_manifest
 from trainer.config import to_config
@@ -88,31 +88,38 @@ def test_activation_checkpointing_keeps_losses(parity, family, strategy):
                  f"{family} {strategy} AC")
 
 
-def tied_after_setup(env, model_dict: dict, strategy: str):
-    """Is the output matrix still the input embedding, after sharding and two steps? And the
-    rotary inv_freq of the model (a non-persistent buffer) after the meta build."""
+def tied_after_setup(env, model_dict: dict) -> dict:
+    """Per strategy: is the output matrix still the input embedding, after sharding and two
+    steps? And the model's rotary inv_freq (a non-persistent buffer) after the meta build."""
     from tests.test_core_behaviour import build, loss_of
 
-    strategy_obj, model, _ = build(env, with_model(case(strategy), model_dict))
-    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    for _ in range(2):
-        x = torch.randint(0, VOCAB, (2, SEQ + 1))
-        strategy_obj.backward(loss_of(model, x))
-        strategy_obj.step(1.0)
-    tied = inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
-    inv_freq = inner.model.rotary_emb.inv_freq.cpu().clone()
-    strategy_obj.teardown()
-    return tied, inv_freq
+    out = {}
+    for strategy in STRATEGIES:
+        strategy_obj, model, _ = build(env, with_model(case(strategy), model_dict))
+        inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
+        for _ in range(2):
+            x = torch.randint(0, VOCAB, (2, SEQ + 1))
+            strategy_obj.backward(loss_of(model, x))
+            strategy_obj.step(1.0)
+        tied = inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
+        out[strategy] = tied, inner.model.rotary_emb.inv_freq.cpu().clone()
+        strategy_obj.teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tied(hf_assets):
+    return on_ranks(2, tied_after_setup, hf_model(hf_assets.pretrained["qwen2"]))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_tied_embeddings_stay_tied_and_buffers_are_right(hf_assets, strategy):
+def test_tied_embeddings_stay_tied_and_buffers_are_right(hf_assets, tied, strategy):
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(str(hf_assets.pretrained["qwen2"]))
-    got = on_ranks(2, tied_after_setup, hf_model(hf_assets.pretrained["qwen2"]), strategy)
-    for rank, (tied, inv_freq) in got.items():
-        assert tied, f"rank {rank}: lm_head.weight is no longer model.embed_tokens.weight"
+    for rank, per_strategy in tied.items():
+        is_tied, inv_freq = per_strategy[strategy]
+        assert is_tied, f"rank {rank}: lm_head.weight is no longer model.embed_tokens.weight"
         assert torch.equal(inv_freq, plain.model.rotary_emb.inv_freq), f"rank {rank}: inv_freq {inv_freq}"
 
 
@@ -286,11 +293,17 @@ BAD_MODELS = {
 
 
 @pytest.mark.parametrize("name", list(BAD_MODELS))
-def test_bad_model_input_fails_before_any_rank_starts(bad_model_dirs, hf_assets, tmp_path, name):
+def test_bad_model_input_is_refused_before_any_rank_starts(bad_model_dirs, hf_assets, tmp_path, name):
     overrides, fragments = BAD_MODELS[name]
     args = [o.format(root=bad_model_dirs, jsonl=hf_assets.jsonl, tok=hf_assets.tokenizer) for o in overrides]
-    result = run_cli(*args, "nproc=2", f"data.cache_dir={hf_assets.cache}", f"hydra.run.dir={tmp_path}")
-    assert result.returncode != 0
+    message = refusal(tmp_path, *args, "nproc=2", f"data.cache_dir={hf_assets.cache}")
     for fragment in fragments:
-        assert fragment in result.stderr, result.stderr[-2000:]
-    assert "world_size=" not in result.stdout and "Traceback" not in result.stderr
+        assert fragment in message, message
+
+
+def test_the_command_line_says_it_in_one_line(bad_model_dirs, tmp_path):
+    result = run_cli("model=hf", f"model.path={bad_model_dirs}/t5", "nproc=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert result.stderr.strip() == "trainer: error: model.path: a 't5' model is not a causal LM (AutoModelForCausalLM " \
+                                    "has no class for it)"
+    assert "world_size=" not in result.stdout
