@@ -377,3 +377,23 @@ def test_an_optuna_sweep_minimises_the_final_val_loss(tmp_path):
     finals = [json.loads((tmp_path / job / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
               for job in ("0", "1")]
     assert best["best_value"] == pytest.approx(min(finals))
+
+
+# -- where CUDA exists (skipped on the CPU machines) ------------------------------------------------
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@needs_two_gpus
+def test_fsdp_cpu_offload_on_cuda_reduces_its_cpu_gradient_norm(tmp_path):
+    """FSDP2's CPUOffloadPolicy keeps gradients on the CPU: the norm needs gloo beside NCCL."""
+    on_ranks(2, train_cases, {"offload": case("fsdp", steps=2, strategy__offload_params=True,
+                                              strategy__offload_optimizer=True)}, str(tmp_path))
+    assert all(math.isfinite(r["grad_norm"]) for r in records(tmp_path / "offload"))
+
+
+@needs_two_gpus
+def test_zero3_on_cuda_starts_from_the_weights_of_ddp():
+    expected = on_ranks(1, first_weights, "ddp")[0]
+    got = on_ranks(2, first_weights, "zero3")[0]
+    assert all(torch.equal(got[k].cpu(), expected[k].cpu()) for k in expected)
