@@ -5,6 +5,7 @@ alone with nproc=N it spawns N local ranks with torch's elastic launcher.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -17,14 +18,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
 from trainer.blocks import find_blocks
-from trainer.checkpoint import check_fingerprint, read_manifest, resolve_resume
+from trainer.checkpoint import check_fingerprint, check_writable, read_manifest, resolve_resume
 from trainer.config import Config, ConfigError, StrategyName, check_overrides, register_configs, to_config, validate
 from trainer.data import BatchStream, check_data
+from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
-from trainer.log import setup_logging
+from trainer.log import QuietStopExits, setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
-from trainer.run import worker
+from trainer.run import ERROR_EXIT_CODE, worker
 from trainer.strategies import preflight
 
 
@@ -35,13 +37,15 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path) -> None:
     model = build_model(cfg.model, torch.device("meta"))
     find_blocks(model, cfg.strategy.wrap)
     initial_weights(cfg.model, model, cfg.train.seed)  # pretrained files must fit the model
-    check_data(cfg)
+    check_data(cfg, world_size)
+    if cfg.checkpoint.dir:
+        check_writable(Path(cfg.checkpoint.dir))
     resume_from = resolve_resume(cfg.checkpoint)
     if resume_from:
         manifest = read_manifest(resume_from)
         check_fingerprint(manifest, param_shapes(model), resume_from)
         BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
-    elif (run_dir / "metrics.jsonl").exists():
+    elif (run_dir / "metrics.jsonl").exists() and not distributed.restart_count():
         raise ConfigError(f"hydra.run.dir: {run_dir} already holds another run's metrics.jsonl; give another "
                           "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
 
@@ -99,8 +103,33 @@ def app(cfg: DictConfig):
             sys.stderr.flush()
             os._exit(0)
     else:
-        summary = distributed.launch_local(typed.nproc, worker, cfg_dict, str(run_dir))[0]
+        summary = launch_ranks(typed, cfg_dict, run_dir)
     return objective(summary)
+
+
+def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
+    """nproc=N: the ranks under torch's elastic launcher. Ranks that stopped on a stop signal
+    (after saving) leave with its exit code, and so does this process, without a traceback."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    stop_codes = {128 + int(sig) for sig in STOP_SIGNALS}
+    quiet_codes = stop_codes | {ERROR_EXIT_CODE}  # the ranks said why (metrics.jsonl, `trainer: error:`)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(QuietStopExits(quiet_codes))
+    try:
+        return distributed.launch_local(cfg.nproc, worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
+                                        shutdown_timeout_s=cfg.shutdown_timeout_s)[0]
+    except SignalException as e:  # to this process: passed on to the ranks, which saved and stopped
+        exit_code = 128 + int(e.sigval)
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if not codes <= quiet_codes:
+            raise
+        exit_code = max(codes)
+        if exit_code == ERROR_EXIT_CODE:
+            sys.exit(exit_code)
+    sys.stderr.write(f"trainer: stopped by a signal; exit code {exit_code}; see {run_dir}/metrics.jsonl\n")
+    sys.exit(exit_code)
 
 
 def objective(summary: dict) -> float | None:

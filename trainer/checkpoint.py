@@ -15,6 +15,7 @@ would need DTensor's even chunks; DeepSpeed's flat partitions cut parameters any
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from safetensors import safe_open
 
 from trainer.config import CheckpointConfig, ConfigError
 from trainer.distributed import broadcast_object
+from trainer.log import log
 from trainer.models.weights import save_safetensors
 from trainer.strategies.base import STEP_KEY, Strategy, state_keys
 
@@ -35,6 +37,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a step dir being written: never resumed from, removed by the next save
+SUPERSEDED_PREFIX = "superseded-"  # newer than the step a run resumed from (see _set_aside_newer)
 
 
 class CheckpointError(ConfigError):
@@ -49,16 +52,29 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
+def readable_manifest(path: Path) -> bool:
+    """A step dir counts only when its manifest reads back whole (a save that died mid-write, a
+    truncated file on a full disk: skipped, with a warning)."""
+    try:
+        json.loads((path / MANIFEST).read_text())["tensors"]
+        return True
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning(f"checkpoint: skipping {path}: its {MANIFEST} cannot be read ({type(e).__name__}: {e})")
+        return False
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Step dirs with a manifest, oldest first (a manifest is written last, before the rename)."""
-    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / MANIFEST).is_file())
+    """Step dirs with a readable manifest, oldest first (the manifest is written last, before the rename)."""
+    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if readable_manifest(p))
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     latest = root / LATEST
     if latest.is_file():
         path = root / latest.read_text().strip()
-        if (path / MANIFEST).is_file():
+        if readable_manifest(path):
             return path
     done = complete_checkpoints(root)
     return done[-1] if done else None
@@ -70,11 +86,40 @@ def read_manifest(path: Path) -> dict:
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint: {path} has no {MANIFEST}: not a checkpoint, or one whose save "
                               "did not finish")
-    manifest = json.loads((path / MANIFEST).read_text())
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint: {path}/{MANIFEST} is damaged ({e}); resume from another step dir") from None
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint: {path} has format {manifest.get('format')!r}; this trainer reads "
                               f"format {FORMAT_VERSION}")
     return manifest
+
+
+def fsync(path: Path) -> None:
+    """Flush a file or a directory (its entries: a rename, a new file) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_writable(root: Path) -> None:
+    """checkpoint.dir must take files: tried by writing one (permission bits do not tell for root,
+    read-only mounts, /proc); whatever the try created is removed again."""
+    created = [p for p in (root, *root.parents) if not p.exists()][::-1]
+    probe = root / f"{TMP_PREFIX}write-test"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir={root}: cannot write there ({e.strerror or e})") from None
+    finally:
+        for path in reversed(created):
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def resolve_resume(cfg: CheckpointConfig) -> Path | None:
@@ -138,58 +183,85 @@ class PieceReader:
         return self.read(key, 0, math.prod(shape)).reshape(shape)
 
 
+def attempt(fn, who: str) -> list[str]:
+    """fn(), its failure (any exception) as a message for every rank instead of a raise on one."""
+    try:
+        fn()
+        return []
+    except Exception as e:
+        return [f"{who}: {type(e).__name__}: {e}"]
+
+
 class CheckpointManager:
     """Used by the loop with any strategy: saves and loads the strategy's portable state plus
     the trainer's state (step, data position, RNG). Every method is called on all ranks."""
 
-    def __init__(self, cfg: CheckpointConfig, strategy: Strategy, strategy_name: str, source: dict | None = None):
+    def __init__(self, cfg: CheckpointConfig, strategy: Strategy, strategy_name: str, source: dict | None = None,
+                 records=None):
         self.cfg, self.strategy, self.strategy_name = cfg, strategy, strategy_name
         self.source = source or {}  # where the model came from (trainer.models.description), for export
+        self.records = records  # the run's loggers: failed saves are recorded
         self.root = Path(cfg.dir) if cfg.dir else None
+        self.resumed_from: Path | None = None
+        self.failed_in_a_row = 0
 
     def due(self, step: int, total_steps: int) -> bool:
+        """Every `every_steps` steps, and always the last step, whenever checkpoint.dir is set."""
         every = self.cfg.every_steps
-        return self.root is not None and every > 0 and (step % every == 0 or step == total_steps)
+        return self.root is not None and (step == total_steps or (every > 0 and step % every == 0))
 
-    def save(self, step: int, trainer_state: dict) -> Path:
+    def save(self, step: int, trainer_state: dict) -> Path | None:
+        """Write step_N; a save that fails on any rank leaves the previous checkpoints and `latest`
+        as they were, is reported, and returns None: training goes on, unless it was the
+        `max_failed_saves`-th failure in a row (CheckpointError)."""
         s = self.strategy
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        if s.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a save that died
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        s.barrier()
-        outcome = self._write_rank_file(tmp)
-        outcomes = [None] * s.world_size
-        dist.all_gather_object(outcomes, outcome)
-        failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if "error" in o]
-        if not failed and s.is_main:
-            try:
-                self._commit(tmp, final, step, trainer_state, outcomes)
-            except OSError as e:
-                failed.append(f"rank 0: {e}")
+        failed = attempt(lambda: self._prepare(tmp), "rank 0") if s.is_main else []
+        if not broadcast_object(failed):
+            outcome = self._write_rank_file(tmp)
+            outcomes = [None] * s.world_size
+            dist.all_gather_object(outcomes, outcome)
+            failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if "error" in o]
+            if not failed and s.is_main:
+                failed = attempt(lambda: self._commit(tmp, final, step, trainer_state, outcomes), "rank 0")
         failed = broadcast_object(failed)
-        if failed:
-            if s.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"checkpoint: saving step {step} failed, previous checkpoints untouched: "
-                                  + "; ".join(failed))
-        return final
+        if not failed:
+            self.failed_in_a_row = 0
+            return final
+        if s.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.failed_in_a_row += 1
+        message = (f"checkpoint: saving step {step} failed ({self.failed_in_a_row} in a row); the previous "
+                   f"checkpoints and {LATEST} are untouched: " + "; ".join(failed))
+        if self.records:
+            self.records.log({"event": "save_failed", "step": step, "error": "; ".join(failed)})
+        if self.failed_in_a_row >= self.cfg.max_failed_saves:
+            raise CheckpointError(f"{message}. Stopping: checkpoint.max_failed_saves={self.cfg.max_failed_saves}")
+        if s.is_main:
+            log.error(f"{message}. Training goes on")
+        return None
+
+    def _prepare(self, tmp: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a save that died
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
 
     def _write_rank_file(self, tmp: Path) -> dict:
         s = self.strategy
         try:
             pieces = s.state_dict()
             tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu().clone() for key, p in pieces.items()}
+            bad = [key for key, t in tensors.items() if not torch.isfinite(t).all()]
+            if bad:  # never saved: a checkpoint must be one to go back to
+                raise ValueError(f"non-finite values in {', '.join(bad[:3])}")
             tensors["rng.torch"] = torch.get_rng_state()
             if self.strategy.device.type == "cuda":
                 tensors["rng.cuda"] = torch.cuda.get_rng_state()
             path = tmp / rank_file(s.rank)
             save_safetensors(tensors, path)
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            fsync(path)
             return {"pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}}
         except Exception as e:  # reported to all ranks, so that none waits forever
             return {"error": f"{type(e).__name__}: {e}"}
@@ -212,24 +284,45 @@ class CheckpointManager:
             "files": [rank_file(r) for r in range(len(outcomes))], "tensors": tensors,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        fsync(tmp / MANIFEST)
+        fsync(tmp)
+        self._set_aside_newer(step)
         old = None
         if final.exists():  # the same step saved again (a resume from an older one): keep it until replaced
             old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
             final.rename(old)
         tmp.rename(final)
+        fsync(self.root)
         latest_tmp = self.root / f"{TMP_PREFIX}{LATEST}"
         latest_tmp.write_text(final.name + "\n")
+        fsync(latest_tmp)
         os.replace(latest_tmp, self.root / LATEST)
+        fsync(self.root)
         if old:
             shutil.rmtree(old, ignore_errors=True)
         self._prune(keep=final)
 
+    def _set_aside_newer(self, step: int) -> None:
+        """A run resumed from an older step: step dirs newer than the one it saves belong to the
+        history it left. Renamed `superseded-step_N` (kept, never resumed from nor pruned) rather
+        than deleted, at its first save, so they no longer count as its newest."""
+        if self.resumed_from is None:
+            return
+        for path in self.root.glob(f"{STEP_PREFIX}*"):
+            if path.name > step_dir_name(step):
+                aside = path.with_name(f"{SUPERSEDED_PREFIX}{path.name}")
+                shutil.rmtree(aside, ignore_errors=True)
+                path.rename(aside)
+                log.warning(f"checkpoint: {path.name} is newer than this run, which resumed from "
+                            f"{self.resumed_from.name}: renamed {aside.name}")
+
     def _prune(self, keep: Path) -> None:
+        """Keep the newest `keep_last`, the one just written and the one this run resumed from."""
         if self.cfg.keep_last <= 0:
             return
         done = complete_checkpoints(self.root)
         for path in done[:-self.cfg.keep_last]:
-            if path != keep:
+            if path not in (keep, self.resumed_from):
                 shutil.rmtree(path)
 
     def load(self, path: Path) -> dict:
@@ -237,6 +330,8 @@ class CheckpointManager:
         s = self.strategy
         manifest = read_manifest(path)
         check_fingerprint(manifest, s.param_shapes(), path)
+        if self.root and path.parent.resolve() == self.root.resolve():
+            self.resumed_from = path
         reader = PieceReader(path, manifest)
         s.load_state_dict({key: reader.read(key, start, numel) for key, (start, numel) in s.state_layout().items()})
         rng_rank = s.rank if s.rank < manifest["world_size"] else 0

@@ -158,6 +158,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each block (regional), before sharding
     peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16 peak, else no mfu
     profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
+    max_bad_steps: int = 10  # steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run
 
 
 @dataclass
@@ -166,6 +167,7 @@ class CheckpointConfig:
     every_steps: int = 0
     keep_last: int = 2
     resume: str = "auto"  # auto | none | PATH
+    max_failed_saves: int = 3  # failed saves in a row that stop the run (fewer: reported, training goes on)
 
 
 @dataclass
@@ -227,6 +229,9 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     nproc: int = 1  # local ranks to spawn when no launcher started this process
+    max_restarts: int = 0  # nproc > 1: restarts of all ranks after one fails, each resuming from the newest checkpoint
+    shutdown_timeout_s: int = 120  # nproc > 1: after a stop signal, how long ranks may take to save before SIGKILL
+    collective_timeout_s: int = 600  # a rank waiting this long in a collective (a dead or hung peer) ends the job
     log_level: LogLevel = LogLevel.warning  # third-party libraries' console output (DeepSpeed, torch, HF)
 
 
@@ -274,8 +279,25 @@ def validate(cfg: Config) -> None:
     _require(t.profile is None or profile_steps(t.profile) is not None, "train.profile",
              f"START:STOP, the first and last step to trace (1 <= START <= STOP), got {t.profile!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
+    _require(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
     _require(cfg.nproc >= 1, "nproc", f"must be >= 1, got {cfg.nproc}")
+    _require(cfg.max_restarts >= 0, "max_restarts", f"must be >= 0, got {cfg.max_restarts}")
+    _require(cfg.shutdown_timeout_s >= 0, "shutdown_timeout_s", f"must be >= 0, got {cfg.shutdown_timeout_s}")
+    _require(cfg.collective_timeout_s > 0, "collective_timeout_s", f"must be > 0, got {cfg.collective_timeout_s}")
+    o, c = cfg.optim, cfg.checkpoint
+    _require(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"two values in [0, 1), got {list(o.betas)}")
+    _require(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _require(c.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0 (0: the last step only), got {c.every_steps}")
+    _require(c.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0 (0: keep all), got {c.keep_last}")
+    _require(c.max_failed_saves >= 1, "checkpoint.max_failed_saves", f"must be >= 1, got {c.max_failed_saves}")
     if m.kind is ModelKind.reference:
+        for key in ("d_model", "n_layers", "n_heads", "d_ff"):
+            _require(getattr(m, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
         _require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}")
         _require(m.mlp in ("gelu", "swiglu"), "model.mlp", f"allowed values: gelu, swiglu; got {m.mlp!r}")
         _require(m.norm in ("layernorm", "rmsnorm"), "model.norm",

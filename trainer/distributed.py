@@ -65,6 +65,11 @@ def launched_externally() -> bool:
     return bool(launcher_env())
 
 
+def restart_count() -> int:
+    """How often torch's elastic agent restarted this group (torchrun --max-restarts, max_restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def launcher_rank() -> int:
     return int(launcher_env().get("RANK", "0"))
 
@@ -123,9 +128,10 @@ def pick_device(local_rank: int, local_world_size: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init() -> DistEnv:
+def init(timeout_s: float = 600) -> DistEnv:
     """Join (or, alone, create) the process group. Every run has one, world size 1 included,
-    so DDP, FSDP2 and DeepSpeed all see the same kind of world."""
+    so DDP, FSDP2 and DeepSpeed all see the same kind of world. A collective that waits longer
+    than `timeout_s` (a peer died or hangs) raises instead of hanging the job."""
     env = launcher_env()
     if not env:  # alone: a group of one, whose variables `shutdown` takes away again (a Hydra
         # multirun runs its next job in this process, which must not look launched by then)
@@ -142,7 +148,7 @@ def init() -> DistEnv:
     if not dist.is_initialized():
         # On CUDA, gloo beside NCCL: FSDP2's CPU offload reduces CPU tensors (the gradient norm).
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=timedelta(minutes=10))
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
@@ -152,15 +158,39 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def launch_local(nproc: int, fn, *args) -> dict:
+def on_main(fn):
+    """fn() decided once, on rank 0: its result on every rank, or its exception raised on every
+    rank (none is left waiting in a collective for a rank that failed)."""
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = (fn(), None)
+        except Exception as e:
+            outcome = (None, e)
+    value, error = broadcast_object(outcome)
+    if error is not None:
+        raise error
+    return value
+
+
+# Signals torch's elastic agent passes on to the ranks (then waits `shutdown_timeout` before
+# SIGKILL): its defaults plus SLURM's warning signal. torchrun takes the same list as
+# --signals-to-handle (launch/torchrun.sh, launch/slurm.sbatch).
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_s: int = 30) -> dict:
     """fn(*args) in `nproc` fresh local processes under torch's elastic launcher, which sets the
-    rank variables for `init`. A static rendezvous on a fresh free port: back-to-back launches
-    (a Hydra sweep, a test suite) never clash. `fn` must be importable (not from __main__)."""
+    rank variables for `init`, restarts all of them up to `max_restarts` times when one fails,
+    and passes stop signals on to them. A static rendezvous on a fresh free port: back-to-back
+    launches (a Hydra sweep, a test suite) never clash. `fn` must be importable (not from __main__)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                          rdzv_configs={"rank": 0, "timeout": 120}, max_restarts=0, monitor_interval=0.1)
+                          rdzv_configs={"rank": 0, "timeout": 120}, max_restarts=max_restarts,
+                          monitor_interval=0.1, signals_to_handle=SIGNALS_TO_HANDLE,
+                          shutdown_timeout=shutdown_timeout_s)
     return elastic_launch(config, fn)(*args)
 
 

@@ -60,3 +60,16 @@ def chatter() -> Iterator[None]:
         return
     with contextlib.redirect_stdout(io.StringIO()):
         yield
+
+
+class QuietStopExits(logging.Filter):
+    """Drops torch elastic's failure report (with a traceback) for ranks that left with one of
+    `exit_codes`: a stop signal's (they saved and stopped as asked) or a bad setting's (rank 0
+    said which)."""
+
+    def __init__(self, exit_codes: set[int]):
+        super().__init__()
+        self.needles = [f"exitcode: {code})" for code in exit_codes]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(needle in record.getMessage() for needle in self.needles)

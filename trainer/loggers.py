@@ -62,6 +62,9 @@ class JsonlLogger:
         self.log({"event": "end", **summary})
         self.file.close()
 
+    def stop(self) -> None:
+        self.file.close()
+
 
 class TensorBoardLogger:
     def __init__(self, cfg, run_dir: Path, hparams: dict):
@@ -78,6 +81,9 @@ class TensorBoardLogger:
     def finish(self, summary: dict) -> None:
         self.writer.add_hparams({k: "None" if v is None else v for k, v in self.hparams.items()},
                                 final_numbers(summary), run_name=".")
+        self.writer.close()
+
+    def stop(self) -> None:
         self.writer.close()
 
 
@@ -99,6 +105,9 @@ class WandbLogger:
     def finish(self, summary: dict) -> None:
         self.run.summary.update(final_numbers(summary))
         self.run.finish()
+
+    def stop(self) -> None:
+        self.run.finish(exit_code=1)  # W&B's mark for a run that did not finish
 
 
 class MLflowLogger:
@@ -132,6 +141,9 @@ class MLflowLogger:
         self._metrics(final_numbers(summary), summary["step"])
         self.client.set_terminated(self.run_id)
 
+    def stop(self) -> None:
+        self.client.set_terminated(self.run_id, status="KILLED")
+
 
 LOGGERS = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
 
@@ -161,3 +173,8 @@ class RunLog:
     def finish(self, summary: dict) -> None:
         for logger in self.loggers:
             logger.finish(summary)
+
+    def stop(self) -> None:
+        """The run stops unfinished (a stop signal; the last record says why)."""
+        for logger in self.loggers:
+            logger.stop()

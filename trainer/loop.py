@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from trainer.blocks import apply_checkpointing, find_blocks
 from trainer.checkpoint import CheckpointManager, read_manifest, resolve_resume
 from trainer.config import Config, OptimConfig, StrategyName, profile_steps
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
-from trainer.distributed import DistEnv, peak_flops, seed_everything
+from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
+from trainer.faults import StepGuard, Stopped
 from trainer.loggers import RunLog
 from trainer.log import log, setup_logging
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
@@ -124,34 +126,38 @@ class StepProfiler:
 def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     t = cfg.train
     setup_logging(run_dir, env.is_main, cfg.log_level.value)
+    guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
     seed_everything(t.seed)
     strategy = build_strategy(cfg, env)
     train_set, val_set = load_data(cfg, env.local_rank)
     stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
                          num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
     total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
-    resume_from = resolve_resume(cfg.checkpoint)
+    resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
     resume_step = read_manifest(resume_from)["step"] if resume_from else 0
     if resume_step >= total_steps:
         log.info(f"nothing to do: {resume_from} is at step {resume_step}, and this run ends at step {total_steps}; "
                  "to train longer, raise train.max_steps (or train.epochs)")
         stream.close()
+        guard.close()
         strategy.teardown()
         return {}
     model, optimizer, _, weights_from = setup_model(cfg, strategy)
     flops_per_token = model_facts(cfg.model, cfg.strategy.wrap).flops_per_token
     peak = t.peak_flops or peak_flops(env.device)  # per device; None: no mfu
 
+    records = RunLog(cfg, run_dir, env.is_main)
     checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
-                                    description(cfg.model, cfg.data.tokenizer))
+                                    description(cfg.model, cfg.data.tokenizer), records)
     step, tokens = 0, 0
     if resume_from:
         state = checkpoints.load(resume_from)
-        step, tokens = state["step"], state.get("tokens", 0)
+        step, tokens, guard.skipped = state["step"], state.get("tokens", 0), state.get("skipped", 0)
         stream.load_state_dict(state["data"])
 
-    records = RunLog(cfg, run_dir, env.is_main)
     log.info(f"{describe(cfg, env, total_steps)}; run dir: {run_dir}")
+    if restart_count():
+        records.log({"event": "restarted", "restart": restart_count(), "step": step})
     if resume_from:
         log.info(f"resumed from {resume_from} at step {step}: model, optimizer state, schedule and data position")
         records.log({"event": "resumed", "step": step, "from": str(resume_from)})
@@ -166,72 +172,96 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         records.log({"step": step, "split": "val", "loss": val_loss, "ppl": math.exp(min(val_loss, 700))})
         return val_loss
 
+    def save() -> Path | None:
+        return checkpoints.save(step, {"step": step, "epoch": stream.epoch, "skipped": guard.skipped,
+                                       "tokens": tokens + int(tokens_since.item()), "data": stream.state_dict()})
+
+    def stop(checkpoint: Path | None) -> None:
+        name = signal.Signals(guard.stop_signal).name
+        records.log({"event": "preempted", "step": step, "signal": name,
+                     "checkpoint": str(checkpoint) if checkpoint else None})
+        log.info(f"{name}: all ranks stopped after step {step}; " + (
+            f"saved {checkpoint}: the same command resumes from it" if checkpoint else
+            "nothing saved (" + ("the save failed" if checkpoints.root else "no checkpoint.dir") + ")"))
+        progress.close()
+        records.stop()
+        stream.close()
+        guard.close()
+        strategy.teardown()
+        raise Stopped(guard.stop_signal, step)
+
     progress = tqdm(total=total_steps, initial=step, disable=not env.is_main, desc="train", dynamic_ncols=True)
     last, val_loss, first_step = {}, None, step + 1
     since, steps_since = time.perf_counter(), 0
     tokens_since = torch.zeros((), dtype=torch.long, device=env.device)  # read at log steps only
-    while step < total_steps:
-        profiler.before(step + 1)
-        log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
-        strategy.track_memory = log_now
-        lr = lr_at(step, total_steps, cfg.optim)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True))
-                         for x, y in stream.next_step()]
-        # The loss is the sum of token losses over the target tokens of the whole step, all
-        # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
-        targets = strategy.all_reduce(sum(target_count(y) for _, y in micro_batches))
-        scale = env.world_size / targets
-        loss_sum = torch.zeros((), device=env.device)
-        mem = None
-        for i, (x, y) in enumerate(micro_batches):
-            with strategy.no_sync(i < len(micro_batches) - 1):
-                with strategy.autocast():
-                    micro_loss = token_loss_sum(logits_of(model(x)), y)
-                strategy.backward(micro_loss * scale)
-            loss_sum += micro_loss.detach()
-            if log_now:  # the bytes held after each backward: gradients peak before they are reduced
-                held = strategy.memory_bytes()
-                mem = held if mem is None or held["grads"] > mem["grads"] else mem
-        step += 1
-        tokens_since += targets
-        grad_norm = strategy.step(t.grad_clip)
-        steps_since += 1
-        progress.update()
-        profiler.after(step)
-        paused = time.perf_counter()
-        if t.compile and step == first_step:  # the first step compiles: timed apart, left out of step times
-            log.info(f"first step, with torch.compile: {paused - since:.1f} s")
-            records.log({"event": "compiled", "step": step, "first_step_s": paused - since})
-            since, steps_since = paused, 0
-        if val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
-            val_loss = validate()
-        if checkpoints.due(step, total_steps):
-            checkpoints.save(step, {"step": step, "epoch": stream.epoch, "tokens": tokens + int(tokens_since.item()),
-                                    "data": stream.state_dict()})
-        since += time.perf_counter() - paused  # step times leave evaluations and saves out
-        if not log_now:
-            continue
-        mean_loss = (strategy.all_reduce(loss_sum) / targets).item()  # the one host sync, at log steps
-        elapsed = time.perf_counter() - since
-        new_tokens = int(tokens_since.item())
-        tokens += new_tokens
-        tokens_since.zero_()
-        tokens_per_s = new_tokens / elapsed if steps_since else None
-        last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens": tokens, "tokens_per_s": tokens_per_s,
-                "step_time_s": elapsed / steps_since if steps_since else None,
-                "mfu": tokens_per_s * flops_per_token / (peak * env.world_size) if peak and tokens_per_s else None,
-                "mem": mem}
-        records.log(last)
-        postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
-        if val_loss is not None:
-            postfix["val_loss"] = f"{val_loss:.4f}"
-        progress.set_postfix(postfix)
-        since, steps_since = time.perf_counter(), 0
-    progress.close()
+    try:  # the bar ends its line before anything else is printed
+        while step < total_steps:
+            profiler.before(step + 1)
+            log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
+            strategy.track_memory = log_now
+            lr = lr_at(step, total_steps, cfg.optim)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True))
+                             for x, y in stream.next_step()]
+            # The loss is the sum of token losses over the target tokens of the whole step, all
+            # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
+            targets = strategy.all_reduce(sum(target_count(y) for _, y in micro_batches))
+            scale = env.world_size / targets
+            loss_sum = torch.zeros((), device=env.device)
+            mem = None
+            for i, (x, y) in enumerate(micro_batches):
+                with strategy.no_sync(i < len(micro_batches) - 1):
+                    with strategy.autocast():
+                        micro_loss = token_loss_sum(logits_of(model(x)), y)
+                    strategy.backward(micro_loss * scale)
+                loss_sum += micro_loss.detach()
+                if log_now:  # the bytes held after each backward: gradients peak before they are reduced
+                    held = strategy.memory_bytes()
+                    mem = held if mem is None or held["grads"] > mem["grads"] else mem
+            step += 1
+            tokens_since += targets
+            # Every rank learns here whether the step is finite everywhere (else no update is made)
+            # and whether a stop signal reached any rank.
+            grad_norm = strategy.step(t.grad_clip, lambda norm: guard.check(torch.isfinite(loss_sum) & torch.isfinite(norm)))
+            guard.count(step)
+            steps_since += 1
+            progress.update()
+            profiler.after(step)
+            paused = time.perf_counter()
+            if t.compile and step == first_step:  # the first step compiles: timed apart, left out of step times
+                log.info(f"first step, with torch.compile: {paused - since:.1f} s")
+                records.log({"event": "compiled", "step": step, "first_step_s": paused - since})
+                since, steps_since = paused, 0
+            if val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
+                val_loss = validate()
+            saved = save() if checkpoints.due(step, total_steps) else None
+            if guard.stop_signal:
+                stop(saved or (save() if checkpoints.root else None))
+            since += time.perf_counter() - paused  # step times leave evaluations and saves out
+            if not log_now:
+                continue
+            mean_loss = (strategy.all_reduce(loss_sum) / targets).item()  # the one host sync, at log steps
+            elapsed = time.perf_counter() - since
+            new_tokens = int(tokens_since.item())
+            tokens += new_tokens
+            tokens_since.zero_()
+            tokens_per_s = new_tokens / elapsed if steps_since else None
+            last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
+                    "skipped": guard.skipped, "tokens": tokens, "tokens_per_s": tokens_per_s,
+                    "step_time_s": elapsed / steps_since if steps_since else None,
+                    "mfu": tokens_per_s * flops_per_token / (peak * env.world_size) if peak and tokens_per_s else None,
+                    "mem": mem}
+            records.log(last)
+            postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
+            if val_loss is not None:
+                postfix["val_loss"] = f"{val_loss:.4f}"
+            progress.set_postfix(postfix)
+            since, steps_since = time.perf_counter(), 0
+    finally:
+        progress.close()
     stream.close()
+    guard.close()
     strategy.barrier()
     summary = {"step": step, "loss": last["loss"], "tokens": tokens,
                **({"val_loss": val_loss} if val_loss is not None else {})}

@@ -44,14 +44,16 @@ def _tokens(cfg: Config, path: str | None, key: str) -> tuple[Tokens, int]:
     return text_tokens(path, key), 0
 
 
-def check_data(cfg: Config) -> None:
-    """What can be wrong with the data settings, found before any rank starts."""
-    if DataName(cfg.data.name) is not DataName.hf:
+def check_data(cfg: Config, world_size: int) -> None:
+    """What can be wrong with the data settings, found before any rank starts: files, and one
+    step's worth of samples (text to tokenise: once it is, at the start of the run)."""
+    if DataName(cfg.data.name) is DataName.hf:
         for key, path in _paths(cfg):
-            _tokens(cfg, path, key)  # memory maps and checks; reads nothing
+            _tokenized(cfg, path, key).check(cfg.model.vocab_size)
         return
-    for key, path in _paths(cfg):
-        _tokenized(cfg, path, key).check(cfg.model.vocab_size)
+    train, _ = load_data(cfg, local_rank=0)  # memory maps: reads nothing
+    t = cfg.train
+    BatchStream.check_size(len(train), t.micro_batch_size, t.grad_accum_steps, world_size)
 
 
 def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:

@@ -45,17 +45,23 @@ class BatchStream:
     """Yields, per optimizer step, this rank's `grad_accum_steps` micro-batches; a step never
     spans two epochs (the tail that cannot fill a whole step is dropped, the same on all ranks)."""
 
+    @staticmethod
+    def check_size(samples: int, micro_batch_size: int, grad_accum_steps: int, world_size: int) -> int:
+        """Steps per epoch (each rank takes len // world_size samples, the sampler's drop_last); at least one."""
+        steps = samples // world_size // (micro_batch_size * grad_accum_steps)
+        if steps == 0:
+            raise ConfigError(
+                f"train.micro_batch_size: {micro_batch_size} x grad_accum_steps {grad_accum_steps} x world size "
+                f"{world_size} exceeds the {samples} samples of one epoch: the data set is too small for one step")
+        return steps
+
     def __init__(self, dataset: Dataset, micro_batch_size: int, grad_accum_steps: int, rank: int, world_size: int,
                  seed: int, num_workers: int = 0, pin_memory: bool = False):
         self.micro_batch_size, self.grad_accum_steps, self.world_size = micro_batch_size, grad_accum_steps, world_size
         self.per_step = micro_batch_size * grad_accum_steps
         self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                           seed=seed, drop_last=True)
-        self.steps_per_epoch = len(self.sampler) // self.per_step
-        if self.steps_per_epoch == 0:
-            raise ConfigError(
-                f"train.micro_batch_size: {micro_batch_size} x grad_accum_steps {grad_accum_steps} x world size "
-                f"{world_size} exceeds the {len(dataset)} samples of one epoch")
+        self.steps_per_epoch = self.check_size(len(dataset), micro_batch_size, grad_accum_steps, world_size)
         self.epoch = 0
         self.samples_consumed = 0  # global (all ranks), in this epoch
         self.last_indices: list[list[int]] = []  # this rank's sample indices of the last step

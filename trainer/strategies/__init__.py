@@ -1,8 +1,8 @@
 """One backend per file; `build_strategy` is the only place that maps a name to a backend."""
 from __future__ import annotations
 
-from trainer.config import Config, ConfigError, StrategyName
-from trainer.distributed import DistEnv
+from trainer.config import Config, ConfigError, Sharding, StrategyName
+from trainer.distributed import DistEnv, launcher_env
 from trainer.strategies.base import Strategy
 
 
@@ -33,6 +33,11 @@ def check_deepspeed_version(installed: str) -> None:
 
 def preflight(cfg: Config, world_size: int) -> None:
     """Backend-specific checks of the settings, run once before any rank starts."""
+    if StrategyName(cfg.strategy.name) is StrategyName.fsdp and Sharding(cfg.strategy.sharding) is Sharding.HYBRID_SHARD:
+        node = int(launcher_env().get("LOCAL_WORLD_SIZE", cfg.nproc))  # HSDP shards within a node
+        if world_size % node:
+            raise ConfigError(f"strategy.sharding: HYBRID_SHARD shards within a node ({node} ranks) and replicates "
+                              f"across nodes, so the world size {world_size} must be a multiple of {node}")
     if StrategyName(cfg.strategy.name).value.startswith("zero"):
         from importlib.metadata import version
 

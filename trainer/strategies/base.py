@@ -120,9 +120,9 @@ class Strategy(ABC):
         """`loss` is already divided by the accumulation steps; backends must not divide again."""
 
     @abstractmethod
-    def step(self, max_grad_norm: float) -> torch.Tensor | float:
-        """Clip (0: don't), step, zero grads; return the global gradient norm before clipping,
-        left where it is (on the device: the loop reads it at log steps only)."""
+    def step(self, max_grad_norm: float, allowed: Callable[[torch.Tensor], bool]) -> torch.Tensor | float:
+        """Clip (0: don't), step if `allowed(global gradient norm)` (the same answer on every rank:
+        False for a non-finite step), zero grads; return the norm before clipping."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
@@ -198,17 +198,16 @@ class TorchStrategy(Strategy):
     def backward(self, loss):
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, max_grad_norm):
+    def step(self, max_grad_norm, allowed):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm or float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor reduced over the mesh
             norm = norm.full_tensor()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
+        if allowed(norm):
+            (self.scaler.step if self.scaler else lambda opt: opt.step())(self.optimizer)
+        if self.scaler:  # a skipped fp16 step lowers the loss scale, as the scaler's own skip does
             self.scaler.update()
-        else:
-            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -93,7 +93,14 @@ def build_ds_config(cfg, world_size: int) -> dict:
     path = Path(s.deepspeed_config)
     if not path.is_file():
         raise ConfigError(f"strategy.deepspeed_config: no file {path}")
-    return _merge(ours, json.loads(path.read_text()))
+    merged = _merge(ours, json.loads(path.read_text()))
+    for key, setting in (("offload_optimizer", "strategy.offload_optimizer"), ("offload_param", "strategy.offload_params")):
+        theirs = (merged["zero_optimization"].get(key) or {}).get("device", "none") != "none"
+        if theirs != (key in zero):
+            raise ConfigError(f"strategy.deepspeed_config: zero_optimization.{key} turns offload "
+                              f"{'on' if theirs else 'off'}, {setting}={str(key in zero).lower()} turns it "
+                              f"{'on' if key in zero else 'off'}; choose with {setting}")
+    return merged
 
 
 class DeepSpeedStrategy(Strategy):
@@ -158,11 +165,16 @@ class DeepSpeedStrategy(Strategy):
     def _note_gradient_peak(self) -> None:
         self._gradient_peak = max(self._gradient_peak, self._gradient_bytes())
 
-    def step(self, max_grad_norm):
+    def step(self, max_grad_norm, allowed):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
+        # The norm is computed inside its step, which skips a step whose gradient norm is not
+        # finite itself (ZeRO's overflow check, every stage and precision): `allowed` is asked
+        # after, for the same verdict on every rank. (A non-finite loss makes non-finite gradients.)
         self._gradient_peak = 0
         self.engine.step()
-        return self.engine.get_global_grad_norm()
+        norm = torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float32)
+        allowed(norm)
+        return norm
 
     def _masters(self) -> list[torch.Tensor]:
         """The fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently."""

@@ -1,0 +1,27 @@
+"""A model that goes wrong on purpose: non-finite logits on one rank at chosen training steps.
+
+    model=custom model._target_=tests.faulty.build +model.nan_steps=[3] +model.rank=1 strategy.wrap=[ToyBlock]
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from examples.toy_model import ToyLM
+
+
+class NaNAtSteps(ToyLM):
+    def __init__(self, vocab: int, dim: int, layers: int, nan_steps: list[int], rank: int):
+        super().__init__(vocab, dim, layers)
+        self.nan_steps, self.rank, self.calls = set(nan_steps), rank, 0
+
+    def forward(self, ids):
+        logits = super().forward(ids)
+        if self.training:  # one forward per step (no accumulation in these tests)
+            self.calls += 1
+            if self.calls in self.nan_steps and dist.get_rank() == self.rank:
+                logits = logits * float("nan")
+        return logits
+
+
+def build(vocab: int = 256, dim: int = 32, layers: int = 2, nan_steps: list[int] = (), rank: int = 0) -> NaNAtSteps:
+    return NaNAtSteps(vocab, dim, layers, list(nan_steps), rank)

@@ -1,0 +1,217 @@
+"""Issue 9, DESIGN §7: faults injected into real runs (a signal, a NaN, a save that fails, a
+damaged manifest), the outcome checked on disk and in metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from tests.harness import CPU_ONLY, REPO, case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
+from trainer.checkpoint import resolve_resume
+from trainer.config import CheckpointConfig
+
+STEPS = 40  # long enough that a signal sent at step 3 lands well before the end
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" in r]
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer", *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **CPU_ONLY})
+
+
+def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and any(r["step"] >= step for r in records(run_dir)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {metrics}: {process.communicate()}")
+
+
+def rank_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The rank processes the elastic launcher spawned (not multiprocessing's resource tracker)."""
+    return sorted((child for child in psutil.Process(launcher.pid).children()
+                   if "spawn_main" in " ".join(child.cmdline())), key=lambda p: p.pid)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir)}
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_with_a_checkpoint_and_resuming_is_the_run_that_never_stopped(
+        tmp_path):
+    args = ("nproc=2", "strategy=fsdp", f"train.max_steps={STEPS}", "train.log_every=1", "data.num_workers=0")
+    reference = run_cli(*args, f"hydra.run.dir={tmp_path / 'reference'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    run_dir, ckpt = tmp_path / "stopped", tmp_path / "ckpt"
+    stopped = start(run_dir, *args, f"checkpoint.dir={ckpt}")
+    wait_for_step(run_dir, 3, stopped)
+    ranks = rank_processes(stopped)
+    assert len(ranks) == 2
+    ranks[-1].send_signal(signal.SIGTERM)
+    _, stderr = stopped.communicate(timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    preempted = events(run_dir)[-1]
+    stop_step = preempted["step"]
+    assert preempted == {"event": "preempted", "step": stop_step, "signal": "SIGTERM",
+                         "checkpoint": str(ckpt / f"step_{stop_step:08d}")}
+    assert 3 <= stop_step < STEPS and (ckpt / "latest").read_text().strip() == f"step_{stop_step:08d}"
+
+    resumed = run_cli(*args, f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = {step: loss for step, loss in losses(run_dir).items() if step > stop_step}
+    assert after == {step: loss for step, loss in losses(tmp_path / "reference").items() if step > stop_step}
+    assert len(after) == STEPS - stop_step
+
+
+def test_sigterm_to_the_launcher_of_zero3_ranks_saves_and_exits_without_a_traceback(tmp_path):
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    launcher = start(run_dir, "nproc=2", "strategy=zero3", f"train.max_steps={STEPS}", "train.log_every=1",
+                     "data.num_workers=0", f"checkpoint.dir={ckpt}")
+    wait_for_step(run_dir, 2, launcher)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
+    assert "stopped by a signal; exit code 143" in stderr
+    preempted = events(run_dir)[-1]
+    assert preempted["event"] == "preempted" and preempted["signal"] == "SIGTERM"
+    assert (Path(preempted["checkpoint"]) / "manifest.json").is_file()
+
+
+def test_sigusr1_to_a_single_process_run_saves_and_exits_with_138(tmp_path):
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    process = start(run_dir, f"train.max_steps={STEPS}", "train.log_every=1", "data.num_workers=0",
+                    f"checkpoint.dir={ckpt}")
+    wait_for_step(run_dir, 2, process)
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    preempted = events(run_dir)[-1]
+    assert preempted["signal"] == "SIGUSR1" and (Path(preempted["checkpoint"]) / "manifest.json").is_file()
+
+
+def faulty_case(strategy: str, nan_steps: list[int], **overrides) -> dict:
+    """The toy model of examples/, with NaN logits on rank 1 at `nan_steps`, on synthetic data."""
+    cfg = with_overrides(case(strategy, steps=5), data__name="synthetic", data__num_samples=256,
+                         strategy__wrap=["ToyBlock"], **overrides)
+    cfg["model"] = {"name": "faulty", "kind": "custom", "_target_": "tests.faulty.build", "vocab": 64, "dim": 16,
+                    "layers": 2, "nan_steps": nan_steps, "rank": 1, "vocab_size": 64, "seq_len": 32}
+    return cfg
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank_and_never_saved(tmp_path):
+    configs = {name: faulty_case(name, [3], checkpoint__dir=str(tmp_path / name / "ckpt"))
+               for name in ("fsdp", "zero2", "zero3")}
+    on_ranks(2, train_cases, configs, str(tmp_path))
+    after = {}
+    for name in configs:
+        steps = records(tmp_path / name)
+        assert [r["skipped"] for r in steps] == [0, 0, 1, 1, 1], name
+        assert steps[2]["loss"] != steps[2]["loss"], name  # NaN: recorded as it was
+        assert all(r["loss"] == r["loss"] and r["grad_norm"] < 1e3 for r in steps[3:]), name
+        after[name] = [r["loss"] for r in steps[3:]]
+        saved = {}
+        for file in (tmp_path / name / "ckpt" / "step_00000005").glob("rank_*.safetensors"):
+            saved |= load_file(file)
+        assert saved and all(t.isfinite().all() for t in saved.values()), name
+    # Skipped alike everywhere: the steps after it agree across backends.
+    assert after["zero2"] == pytest.approx(after["fsdp"], rel=1e-5)
+    assert after["zero3"] == pytest.approx(after["fsdp"], rel=1e-5)
+
+
+def test_max_bad_steps_in_a_row_stop_the_run_naming_the_step(tmp_path):
+    result = run_cli("model=custom", "model._target_=tests.faulty.build", "+model.nan_steps=[2,3,4,5]",
+                     "+model.rank=0", "strategy.wrap=[ToyBlock]", "train.max_bad_steps=3", "train.max_steps=8",
+                     "data.num_workers=0", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "trainer: error: step 4: 3 steps in a row with a non-finite loss or gradient norm (train.max_bad_steps=3); "
+        "no update was made from any of them. Lower optim.lr, check the data, or resume from a checkpoint")
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on_until_too_many_fail(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".tmp-step_00000004").write_text("a file where the save wants its dir")  # rank 0's mkdir fails
+    cfg = with_overrides(case("fsdp", steps=6), checkpoint__dir=str(ckpt), checkpoint__every_steps=2)
+    on_ranks(2, train_cases, {"goes_on": cfg}, str(tmp_path))
+    failed = [e for e in events(tmp_path / "goes_on") if e["event"] == "save_failed"]
+    assert [e["step"] for e in failed] == [4] and "rank 0: FileExistsError" in failed[0]["error"]
+    assert records(tmp_path / "goes_on")[-1]["step"] == 6  # trained on
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000006"]
+    assert (ckpt / "latest").read_text().strip() == "step_00000006"
+
+    ckpt2 = tmp_path / "ckpt2"
+    ckpt2.mkdir()
+    for step in (2, 4):
+        (ckpt2 / f".tmp-step_{step:08d}").write_text("blocked")
+    result = run_cli("train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.max_failed_saves=2",
+                     f"checkpoint.dir={ckpt2}", "data.num_workers=0", f"hydra.run.dir={tmp_path / 'stops'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "saving step 4 failed (2 in a row)" in result.stderr and "checkpoint.max_failed_saves=2" in result.stderr
+    assert not list(ckpt2.glob("step_*")) and not (ckpt2 / "latest").exists()
+
+
+def test_auto_resume_skips_a_damaged_manifest_and_a_resume_from_an_older_step_keeps_what_it_came_from(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cfg = with_overrides(case("ddp", steps=6), checkpoint__dir=str(ckpt), checkpoint__every_steps=2,
+                         checkpoint__keep_last=2)
+    on_ranks(1, train_cases, {"first": cfg}, str(tmp_path))
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]
+    manifest = ckpt / "step_00000006" / "manifest.json"
+    whole = manifest.read_text()
+    manifest.write_text(whole[:100])  # a disk that filled up mid-write
+    assert resolve_resume(CheckpointConfig(dir=str(ckpt))) == ckpt / "step_00000004"
+    manifest.write_text(whole)
+
+    resumed = with_overrides(cfg, train__max_steps=8, checkpoint__every_steps=1, checkpoint__keep_last=1,
+                             checkpoint__resume=str(ckpt / "step_00000004"))
+    on_ranks(1, train_cases, {"older": resumed}, str(tmp_path))
+    # Resumed from 4 on purpose: its saves 5..8 pruned to the newest (keep_last=1), 4 kept (where
+    # it came from), and 6, of the history it left, set aside rather than deleted.
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == [
+        "step_00000004", "step_00000008", "superseded-step_00000006"]
+    assert (ckpt / "latest").read_text().strip() == "step_00000008"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lr=-1"], "optim.lr: must be >= 0, got -1.0"),
+    (["optim.warmup_steps=-2"], "optim.warmup_steps: must be >= 0, got -2"),
+    (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio: must be in [0, 1], got 1.5"),
+    (["checkpoint.every_steps=-1"], "checkpoint.every_steps: must be >= 0 (0: the last step only), got -1"),
+    (["checkpoint.keep_last=-1"], "checkpoint.keep_last: must be >= 0 (0: keep all), got -1"),
+    (["model.n_heads=0"], "model.n_heads: must be >= 1, got 0"),
+    (["data=tokens"], "data.path: data=tokens needs a file of uint16 token ids, e.g. data.path=train.bin"),
+    (["data=synthetic", "data.num_samples=3"], "exceeds the 3 samples of one epoch: the data set is too small"),
+    (["checkpoint.dir=/proc/trainer"], "checkpoint.dir=/proc/trainer: cannot write there"),
+    (["train.max_bad_steps=0"], "train.max_bad_steps: must be >= 1, got 0"),
+    (["strategy=zero2", "strategy.deepspeed_config=DS_OFFLOAD"],
+     "zero_optimization.offload_optimizer turns offload on, strategy.offload_optimizer=false turns it off"),
+])
+def test_bad_settings_are_refused_before_any_rank_starts(tmp_path, overrides, message):
+    ds_offload = tmp_path / "ds.json"
+    ds_offload.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    overrides = [o.replace("DS_OFFLOAD", str(ds_offload)) for o in overrides]
+    assert message in refusal(tmp_path / "run", *overrides)
+
+
+def test_hybrid_shard_needs_a_world_size_that_is_a_multiple_of_the_node_size(tmp_path, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}.items():  # a launcher's rank 0
+        monkeypatch.setenv(key, value)
+    assert "the world size 3 must be a multiple of 2" in refusal(
+        tmp_path / "run", "strategy=fsdp", "strategy.sharding=HYBRID_SHARD", "nproc=3")

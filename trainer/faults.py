@@ -1,0 +1,76 @@
+"""Faults (DESIGN §7) that every rank must agree on: a stop signal, a non-finite step.
+
+Each step ends with one small all-reduce of a CPU tensor (gloo, also beside NCCL on CUDA), so
+all ranks take the same decision at the same step boundary whichever rank saw the fault.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+# SIGTERM: what schedulers and launchers send before SIGKILL. SIGUSR1: SLURM's warning before
+# the time limit (`#SBATCH --signal`), which the trainer treats the same way.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopped(Exception):
+    """All ranks stopped at a step boundary on a stop signal, after saving."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.signum, self.step = signum, step
+
+    @property
+    def exit_code(self) -> int:
+        """What a process killed by the signal would return (143 for SIGTERM): not 0, the run is unfinished."""
+        return 128 + self.signum
+
+
+class TooManyBadSteps(RuntimeError):
+    pass
+
+
+class StepGuard:
+    """Notes stop signals as they arrive (the handler only sets a flag) and, at each step
+    boundary, shares with every rank whether one arrived anywhere and whether this step's loss
+    and gradient norm were finite everywhere."""
+
+    def __init__(self, max_bad_steps: int):
+        self.max_bad_steps, self.bad_in_a_row, self.skipped = max_bad_steps, 0, 0
+        self.signum = 0  # received here
+        self.good, self.stop_signal = True, 0  # agreed by all ranks at the last check
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def check(self, finite: torch.Tensor) -> bool:
+        """Whether this step is finite on every rank (then the optimizer steps), and the stop signal
+        any rank received (`stop_signal`, 0: none). `finite` is read here: the one host sync of a
+        step, needed to decide before the update."""
+        flags = torch.tensor([0 if bool(finite) else 1, self.signum], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.good, self.stop_signal = not flags[0].item(), int(flags[1].item())
+        return self.good
+
+    def count(self, step: int) -> None:
+        """Count a skipped step; too many in a row end the run."""
+        if self.good:
+            self.bad_in_a_row = 0
+            return
+        self.bad_in_a_row += 1
+        self.skipped += 1
+        if self.bad_in_a_row >= self.max_bad_steps:
+            raise TooManyBadSteps(f"step {step}: {self.bad_in_a_row} steps in a row with a non-finite loss or "
+                                  f"gradient norm (train.max_bad_steps={self.max_bad_steps}); no update was made "
+                                  "from any of them. Lower optim.lr, check the data, or resume from a checkpoint")
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
