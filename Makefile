@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,9 @@ test: setup
 
 bench: setup
 	$(PY) bench/strategies.py --threads 1 $(ARGS)
+
+soak: setup  # the multi-process fault paths, many times (not part of `make test`)
+	$(PY) tests/soak.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

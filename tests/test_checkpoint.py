@@ -124,7 +124,7 @@ def save_with_a_failing_rank(env, ckpt_dir: str) -> str:
     import trainer.checkpoint as checkpoint
     from tests.test_core_behaviour import build
 
-    cfg = case("ddp", checkpoint__dir=ckpt_dir)
+    cfg = case("ddp", checkpoint__dir=ckpt_dir, checkpoint__max_failed_saves=1)  # the first failure stops
     strategy, _, _ = build(env, cfg)
     manager = checkpoint.CheckpointManager(to_config(cfg).checkpoint, strategy, "ddp")
     state = manager.load(checkpoint.resolve_resume(to_config(cfg).checkpoint))

@@ -134,6 +134,20 @@ def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank_and_never_saved(
     assert after["zero3"] == pytest.approx(after["fsdp"], rel=1e-5)
 
 
+def test_the_fp16_loss_scale_is_saved_and_restored_under_another_backend(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = faulty_case("fsdp", [2], train__precision="fp16", train__max_steps=3, checkpoint__dir=str(ckpt))
+    on_ranks(2, train_cases, {"first": first}, str(tmp_path))
+
+    def loss_scale(step: int) -> dict:
+        return json.loads((ckpt / f"step_{step:08d}" / "manifest.json").read_text())["trainer"]["loss_scale"]
+
+    assert loss_scale(3) == {"scale": 2.0 ** 15, "good_steps": 1}  # halved by the NaN of step 2
+    resumed = with_overrides(first, strategy__name="ddp", train__max_steps=4)
+    on_ranks(2, train_cases, {"resumed": resumed}, str(tmp_path))
+    assert loss_scale(4) == {"scale": 2.0 ** 15, "good_steps": 2}
+
+
 def test_max_bad_steps_in_a_row_stop_the_run_naming_the_step(tmp_path):
     result = run_cli("model=custom", "model._target_=tests.faulty.build", "+model.nan_steps=[2,3,4,5]",
                      "+model.rank=0", "strategy.wrap=[ToyBlock]", "train.max_bad_steps=3", "train.max_steps=8",
@@ -215,3 +229,41 @@ def test_hybrid_shard_needs_a_world_size_that_is_a_multiple_of_the_node_size(tmp
         monkeypatch.setenv(key, value)
     assert "the world size 3 must be a multiple of 2" in refusal(
         tmp_path / "run", "strategy=fsdp", "strategy.sharding=HYBRID_SHARD", "nproc=3")
+
+
+RESTART_ARGS = ("strategy=fsdp", "train.max_steps=12", "train.log_every=1", "data.num_workers=0",
+                "checkpoint.every_steps=3")
+
+
+def kill_a_rank_after_step(run_dir: Path, launcher: subprocess.Popen, step: int) -> None:
+    wait_for_step(run_dir, step, launcher)
+    ranks = rank_processes(launcher)
+    assert len(ranks) == 2, ranks
+    ranks[-1].kill()  # SIGKILL: no handler, no save
+
+
+@pytest.mark.parametrize("launcher", ["nproc", "torchrun"])
+def test_a_rank_killed_mid_run_is_restarted_and_the_group_resumes_with_the_losses_of_a_run_never_killed(
+        tmp_path, launcher):
+    reference = tmp_path / "reference"
+    done = run_cli("nproc=2", *RESTART_ARGS, f"hydra.run.dir={reference}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = (*RESTART_ARGS, f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}")
+    if launcher == "nproc":
+        process = start(run_dir, "nproc=2", "max_restarts=2", "shutdown_timeout_s=10", *args[:-1])
+    else:
+        torchrun = Path(sys.executable).parent / "torchrun"
+        process = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node", "2", "--max-restarts", "2",
+                                    "-m", "trainer", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env={**os.environ, **CPU_ONLY})
+    kill_a_rank_after_step(run_dir, process, 7)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    restarted = [e for e in events(run_dir) if e["event"] in ("restarted", "resumed")]
+    assert restarted and restarted[0]["event"] == "restarted" and restarted[-1]["step"] in (6, 9)
+    resumed_at = restarted[-1]["step"]
+    after = [r for r in records(run_dir)][-(12 - resumed_at):]
+    assert [r["step"] for r in after] == list(range(resumed_at + 1, 13))
+    assert {r["step"]: r["loss"] for r in after} == {s: l for s, l in losses(reference).items() if s > resumed_at}
+    assert events(run_dir)[-1]["event"] == "end"

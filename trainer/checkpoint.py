@@ -202,7 +202,7 @@ class CheckpointManager:
         self.source = source or {}  # where the model came from (trainer.models.description), for export
         self.records = records  # the run's loggers: failed saves are recorded
         self.root = Path(cfg.dir) if cfg.dir else None
-        self.resumed_from: Path | None = None
+        self.resumed_older: Path | None = None  # the step dir this run resumed from, when newer ones exist
         self.failed_in_a_row = 0
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -306,7 +306,7 @@ class CheckpointManager:
         """A run resumed from an older step: step dirs newer than the one it saves belong to the
         history it left. Renamed `superseded-step_N` (kept, never resumed from nor pruned) rather
         than deleted, at its first save, so they no longer count as its newest."""
-        if self.resumed_from is None:
+        if self.resumed_older is None:
             return
         for path in self.root.glob(f"{STEP_PREFIX}*"):
             if path.name > step_dir_name(step):
@@ -314,15 +314,15 @@ class CheckpointManager:
                 shutil.rmtree(aside, ignore_errors=True)
                 path.rename(aside)
                 log.warning(f"checkpoint: {path.name} is newer than this run, which resumed from "
-                            f"{self.resumed_from.name}: renamed {aside.name}")
+                            f"{self.resumed_older.name}: renamed {aside.name}")
 
     def _prune(self, keep: Path) -> None:
-        """Keep the newest `keep_last`, the one just written and the one this run resumed from."""
+        """Keep the newest `keep_last`, the one just written and an older one this run resumed from."""
         if self.cfg.keep_last <= 0:
             return
         done = complete_checkpoints(self.root)
         for path in done[:-self.cfg.keep_last]:
-            if path not in (keep, self.resumed_from):
+            if path not in (keep, self.resumed_older):
                 shutil.rmtree(path)
 
     def load(self, path: Path) -> dict:
@@ -330,8 +330,9 @@ class CheckpointManager:
         s = self.strategy
         manifest = read_manifest(path)
         check_fingerprint(manifest, s.param_shapes(), path)
-        if self.root and path.parent.resolve() == self.root.resolve():
-            self.resumed_from = path
+        if self.root and path.parent.resolve() == self.root.resolve() and any(
+                newer.name > path.name for newer in self.root.glob(f"{STEP_PREFIX}*")):
+            self.resumed_older = path  # not the newest: see _set_aside_newer
         reader = PieceReader(path, manifest)
         s.load_state_dict({key: reader.read(key, start, numel) for key, (start, numel) in s.state_layout().items()})
         rng_rank = s.rank if s.rank < manifest["world_size"] else 0

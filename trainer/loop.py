@@ -153,6 +153,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     if resume_from:
         state = checkpoints.load(resume_from)
         step, tokens, guard.skipped = state["step"], state.get("tokens", 0), state.get("skipped", 0)
+        if state.get("loss_scale"):
+            strategy.load_loss_scale_state(state["loss_scale"])
         stream.load_state_dict(state["data"])
 
     log.info(f"{describe(cfg, env, total_steps)}; run dir: {run_dir}")
@@ -174,6 +176,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
 
     def save() -> Path | None:
         return checkpoints.save(step, {"step": step, "epoch": stream.epoch, "skipped": guard.skipped,
+                                       "loss_scale": strategy.loss_scale_state(),
                                        "tokens": tokens + int(tokens_since.item()), "data": stream.state_dict()})
 
     def stop(checkpoint: Path | None) -> None:
@@ -235,29 +238,32 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                 since, steps_since = paused, 0
             if val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
                 val_loss = validate()
+            since += time.perf_counter() - paused  # step times leave evaluations out
+            if log_now:
+                mean_loss = (strategy.all_reduce(loss_sum) / targets).item()  # at log steps only
+                elapsed = time.perf_counter() - since
+                new_tokens = int(tokens_since.item())
+                tokens += new_tokens
+                tokens_since.zero_()
+                tokens_per_s = new_tokens / elapsed if steps_since else None
+                last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr,
+                        "grad_norm": float(grad_norm), "skipped": guard.skipped, "tokens": tokens,
+                        "tokens_per_s": tokens_per_s, "step_time_s": elapsed / steps_since if steps_since else None,
+                        "mfu": tokens_per_s * flops_per_token / (peak * env.world_size) if peak and tokens_per_s
+                        else None, "mem": mem}
+                records.log(last)
+                postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
+                if val_loss is not None:
+                    postfix["val_loss"] = f"{val_loss:.4f}"
+                progress.set_postfix(postfix)
+                since, steps_since = time.perf_counter(), 0
+            # Recorded before saved: a rank killed during a save leaves the step's record behind
+            # (the restart resumes from the checkpoint before and records those steps again).
+            paused = time.perf_counter()
             saved = save() if checkpoints.due(step, total_steps) else None
             if guard.stop_signal:
                 stop(saved or (save() if checkpoints.root else None))
-            since += time.perf_counter() - paused  # step times leave evaluations and saves out
-            if not log_now:
-                continue
-            mean_loss = (strategy.all_reduce(loss_sum) / targets).item()  # the one host sync, at log steps
-            elapsed = time.perf_counter() - since
-            new_tokens = int(tokens_since.item())
-            tokens += new_tokens
-            tokens_since.zero_()
-            tokens_per_s = new_tokens / elapsed if steps_since else None
-            last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
-                    "skipped": guard.skipped, "tokens": tokens, "tokens_per_s": tokens_per_s,
-                    "step_time_s": elapsed / steps_since if steps_since else None,
-                    "mfu": tokens_per_s * flops_per_token / (peak * env.world_size) if peak and tokens_per_s else None,
-                    "mem": mem}
-            records.log(last)
-            postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
-            if val_loss is not None:
-                postfix["val_loss"] = f"{val_loss:.4f}"
-            progress.set_postfix(postfix)
-            since, steps_since = time.perf_counter(), 0
+            since += time.perf_counter() - paused  # ... and saves
     finally:
         progress.close()
     stream.close()

@@ -120,9 +120,10 @@ class Strategy(ABC):
         """`loss` is already divided by the accumulation steps; backends must not divide again."""
 
     @abstractmethod
-    def step(self, max_grad_norm: float, allowed: Callable[[torch.Tensor], bool]) -> torch.Tensor | float:
-        """Clip (0: don't), step if `allowed(global gradient norm)` (the same answer on every rank:
-        False for a non-finite step), zero grads; return the norm before clipping."""
+    def step(self, max_grad_norm: float,
+             allowed: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor | float:
+        """Clip (0: don't), step unless `allowed(global gradient norm)` says no (the same answer on
+        every rank: no for a non-finite step), zero grads; return the norm before clipping."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
@@ -162,7 +163,16 @@ class Strategy(ABC):
                 full[name][start:start + values.numel()] = values
         return {name: flat.view(self.param_shapes()[name]) for name, flat in full.items()}
 
+    def loss_scale_state(self) -> dict | None:
+        """fp16's loss scaler as {"scale", "good_steps"} (steps since it last backed off or grew),
+        the same for every backend, kept in the trainer state of a checkpoint; None without one."""
+        return None
+
+    def load_loss_scale_state(self, state: dict) -> None:
+        """Take a `loss_scale_state` (from any backend) into this backend's scaler."""
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+
         dist.all_reduce(tensor, op=op)
         return tensor
 
@@ -198,18 +208,29 @@ class TorchStrategy(Strategy):
     def backward(self, loss):
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, max_grad_norm, allowed):
+    def step(self, max_grad_norm, allowed=None):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm or float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor reduced over the mesh
             norm = norm.full_tensor()
-        if allowed(norm):
+        if allowed is None or allowed(norm):
             (self.scaler.step if self.scaler else lambda opt: opt.step())(self.optimizer)
         if self.scaler:  # a skipped fp16 step lowers the loss scale, as the scaler's own skip does
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def loss_scale_state(self):
+        if not self.scaler:
+            return None
+        state = self.scaler.state_dict()
+        return {"scale": float(state["scale"]), "good_steps": int(state["_growth_tracker"])}
+
+    def load_loss_scale_state(self, state):
+        if self.scaler:  # GradScaler and FSDP's ShardedGradScaler alike
+            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": state["scale"],
+                                         "_growth_tracker": state["good_steps"]})
 
     @property
     @abstractmethod

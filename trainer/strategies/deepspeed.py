@@ -165,7 +165,7 @@ class DeepSpeedStrategy(Strategy):
     def _note_gradient_peak(self) -> None:
         self._gradient_peak = max(self._gradient_peak, self._gradient_bytes())
 
-    def step(self, max_grad_norm, allowed):
+    def step(self, max_grad_norm, allowed=None):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
         # The norm is computed inside its step, which skips a step whose gradient norm is not
         # finite itself (ZeRO's overflow check, every stage and precision): `allowed` is asked
@@ -173,7 +173,8 @@ class DeepSpeedStrategy(Strategy):
         self._gradient_peak = 0
         self.engine.step()
         norm = torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float32)
-        allowed(norm)
+        if allowed is not None:
+            allowed(norm)
         return norm
 
     def _masters(self) -> list[torch.Tensor]:
@@ -314,6 +315,18 @@ class DeepSpeedStrategy(Strategy):
                 inner.step()
         for f in missing:
             f.grad = None
+
+    def loss_scale_state(self):
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if self.precision is not Precision.fp16 or scaler is None:
+            return None
+        return {"scale": float(scaler.cur_scale), "good_steps": int(scaler.cur_iter - scaler.last_overflow_iter - 1)}
+
+    def load_loss_scale_state(self, state):
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if self.precision is Precision.fp16 and scaler is not None:  # DeepSpeed's DynamicLossScaler
+            scaler.cur_scale = state["scale"]
+            scaler.cur_iter, scaler.last_overflow_iter = state["good_steps"], -1
 
     def teardown(self):
         if self.engine is not None:
