@@ -41,9 +41,9 @@ def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen) -> None:
 
 
 def rank_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
-    """The rank processes the elastic launcher spawned (not multiprocessing's resource tracker)."""
+    """The rank processes an elastic launcher (nproc=N, torchrun) started, not multiprocessing's resource tracker."""
     return sorted((child for child in psutil.Process(launcher.pid).children()
-                   if "spawn_main" in " ".join(child.cmdline())), key=lambda p: p.pid)
+                   if "resource_tracker" not in " ".join(child.cmdline())), key=lambda p: p.pid)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -26,12 +26,13 @@ from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietStopExits, setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
-from trainer.run import ERROR_EXIT_CODE, worker
+from trainer.run import ERROR_EXIT_CODE, check_run_dir, worker
 from trainer.strategies import preflight
 
 
-def check_before_work(cfg: Config, world_size: int, run_dir: Path) -> None:
-    """Everything that can be wrong with the settings, found before a rank is started."""
+def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> None:
+    """Everything that can be wrong with the settings, found before a rank is started (the same
+    on every rank of a launcher; the run dir, rank 0's alone, is then checked by `worker`)."""
     validate(cfg)
     preflight(cfg, world_size)
     model = build_model(cfg.model, torch.device("meta"))
@@ -45,9 +46,8 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path) -> None:
         manifest = read_manifest(resume_from)
         check_fingerprint(manifest, param_shapes(model), resume_from)
         BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
-    elif (run_dir / "metrics.jsonl").exists() and not distributed.restart_count():
-        raise ConfigError(f"hydra.run.dir: {run_dir} already holds another run's metrics.jsonl; give another "
-                          "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
+    if run_dir is not None:
+        check_run_dir(cfg, run_dir)
 
 
 def remove_refused_run_dir(run_dir: Path) -> None:
@@ -84,7 +84,7 @@ def app(cfg: DictConfig):
     try:
         distributed.use_device(cfg.train.device)  # before DeepSpeed is imported
         typed = resolve_settings(cfg, world)
-        check_before_work(typed, world, run_dir)
+        check_before_work(typed, world, None if distributed.launched_externally() else run_dir)
     except ConfigError as e:
         if first:
             remove_refused_run_dir(run_dir)

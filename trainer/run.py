@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from trainer import distributed
-from trainer.config import ConfigError, to_config
+from trainer.config import Config, ConfigError, to_config
 from trainer.faults import Stopped, TooManyBadSteps
 
 
@@ -16,8 +16,11 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
 
     env = distributed.init(cfg_dict["collective_timeout_s"])
     try:
-        run_dir = distributed.broadcast_object(run_dir)
-        return train(to_config(cfg_dict), env, Path(run_dir))
+        run_dir = Path(distributed.broadcast_object(run_dir))
+        cfg = to_config(cfg_dict)
+        if distributed.launched_externally():  # rank 0's run dir, its answer for every rank
+            distributed.on_main(lambda: check_run_dir(cfg, run_dir))
+        return train(cfg, env, run_dir)
     except Stopped as stopped:  # saved and recorded: leave with the signal's exit code, quietly
         leave(stopped.exit_code)
     except (ConfigError, TooManyBadSteps) as e:  # the same on every rank: said once, in one line
@@ -26,6 +29,16 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
         leave(ERROR_EXIT_CODE)
     finally:
         distributed.shutdown()
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> None:
+    """A run dir holds one run: a new run refuses one with another run's metrics.jsonl. A run that
+    resumes, or a group restarted by torch's elastic agent, appends to its own."""
+    from trainer.checkpoint import resolve_resume
+
+    if (run_dir / "metrics.jsonl").exists() and not resolve_resume(cfg.checkpoint) and not distributed.restart_count():
+        raise ConfigError(f"hydra.run.dir: {run_dir} already holds another run's metrics.jsonl; give another "
+                          "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
 
 
 ERROR_EXIT_CODE = 2  # stopped with a message: as `trainer` does on a bad setting before any rank starts
