@@ -103,10 +103,16 @@ OPTION_CASES = {
 }
 
 
+# fp32 offload moves where the optimizer steps, not what it computes: the same losses and
+# gradient norms as the run without offload at the same global batch.
+OFFLOAD_REFERENCE = {"fsdp_offload": "fp32", "zero3_offload": "fp32", "zero1_offload": "fp32",
+                     "zero2_offload_accum": "fp32_accum"}
+
+
 @pytest.fixture(scope="module")
 def option_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("options")
-    reference = {"fp32": case("ddp")}
+    reference = {"fp32": case("ddp"), "fp32_accum": case("ddp", train__grad_accum_steps=2)}
     on_ranks(2, train_cases, {**reference, **OPTION_CASES}, str(out))
     return {name: records(out / name) for name in [*reference, *OPTION_CASES]}
 
@@ -117,5 +123,12 @@ def test_precision_and_offload_options_train(option_runs, name):
     reference = [r["loss"] for r in option_runs["fp32"]]
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0] - 0.5, f"{name} does not learn: {losses}"
-    # Lower precision moves the curve a little, offload (CPU Adam) barely: both stay near fp32.
+    # Lower precision moves the curve a little; fp32 offload must not move it (below).
     assert abs(losses[-1] - reference[-1]) < 0.15 * reference[-1], (losses, reference)
+
+
+@pytest.mark.parametrize("name", list(OFFLOAD_REFERENCE))
+def test_fp32_offload_gives_the_losses_and_gradient_norms_of_the_run_without_it(option_runs, name):
+    run, reference = option_runs[name], option_runs[OFFLOAD_REFERENCE[name]]
+    assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in reference], rel=2e-6, abs=0)
+    assert [r["grad_norm"] for r in run] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5, abs=0)

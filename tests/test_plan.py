@@ -84,14 +84,14 @@ RUNTIME_MODEL = {"model__vocab_size": 64, "model__d_model": 32, "model__n_layers
 def runtime_bytes(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan")
     got = {}
-    for world in (1, 2, 4):
+    for world in (2, 4):  # the 1/N terms; at 1 rank nothing is sharded
         cases = {f"{s}@{world}": case(s, steps=2, train__micro_batch_size=2, **RUNTIME_MODEL) for s in STRATEGIES}
         on_ranks(world, train_cases, cases, str(out))
         got.update({name: records(out / name)[-1]["mem"] for name in cases})
     return got
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_runtime_bytes_agree_with_the_plan(runtime_bytes, strategy, world):
     cfg = to_config(case(strategy, **RUNTIME_MODEL))

@@ -333,12 +333,23 @@ class CheckpointManager:
         if self.root and path.parent.resolve() == self.root.resolve() and any(
                 newer.name > path.name for newer in self.root.glob(f"{STEP_PREFIX}*")):
             self.resumed_older = path  # not the newest: see _set_aside_newer
-        reader = PieceReader(path, manifest)
-        s.load_state_dict({key: reader.read(key, start, numel) for key, (start, numel) in s.state_layout().items()})
-        rng_rank = s.rank if s.rank < manifest["world_size"] else 0
-        with safe_open(str(path / rank_file(rng_rank)), framework="pt") as f:
-            torch.set_rng_state(f.get_tensor("rng.torch"))
-            if s.device.type == "cuda" and "rng.cuda" in f.keys():
-                torch.cuda.set_rng_state(f.get_tensor("rng.cuda"))
+        layout, values, rng = s.state_layout(), {}, {}
+
+        def read() -> None:  # this rank's ranges and RNG, from any rank's files
+            reader = PieceReader(path, manifest)
+            values.update({key: reader.read(key, start, numel) for key, (start, numel) in layout.items()})
+            rng_rank = s.rank if s.rank < manifest["world_size"] else 0
+            with safe_open(str(path / rank_file(rng_rank)), framework="pt") as f:
+                rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})
+
+        failed = [None] * s.world_size  # a rank that cannot read stops every rank, none is left waiting
+        dist.all_gather_object(failed, attempt(read, f"rank {s.rank}"))
+        failed = [message for messages in failed for message in messages]
+        if failed:
+            raise CheckpointError(f"checkpoint: cannot read {path}: " + "; ".join(failed))
+        s.load_state_dict(values)
+        torch.set_rng_state(rng["rng.torch"])
+        if s.device.type == "cuda" and "rng.cuda" in rng:
+            torch.cuda.set_rng_state(rng["rng.cuda"])
         s.barrier()
         return manifest["trainer"]

@@ -146,9 +146,15 @@ def init(timeout_s: float = 600) -> DistEnv:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # ranks share the cores
     if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        # The launcher's store (env://) under a key space of this restart round: torch's elastic
+        # agent keeps one store across rounds, and a restarted group reading the dead ranks'
+        # addresses from it hangs in init_process_group (seen with torchrun and nproc restarts).
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
         # On CUDA, gloo beside NCCL: FSDP2's CPU offload reduces CPU tensors (the gradient norm).
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore(f"trainer/round_{restart_count()}", store), rank=rank,
+                                world_size=world, timeout=timeout)
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
@@ -182,13 +188,17 @@ SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_s: int = 30) -> dict:
     """fn(*args) in `nproc` fresh local processes under torch's elastic launcher, which sets the
     rank variables for `init`, restarts all of them up to `max_restarts` times when one fails,
-    and passes stop signals on to them. A static rendezvous on a fresh free port: back-to-back
-    launches (a Hydra sweep, a test suite) never clash. `fn` must be importable (not from __main__)."""
+    and passes stop signals on to them. The rendezvous is on a fresh free port, so back-to-back
+    launches (a Hydra sweep, a test suite) never clash: static (the quickest) for one round;
+    with restarts torchrun --standalone's (c10d), which gives each round a store of its own (the
+    static one keeps the first round's keys: seen, a restarted group hanging in
+    init_process_group). `fn` must be importable (not from __main__)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    rendezvous = ({"rdzv_backend": "c10d", "rdzv_configs": {"timeout": 120}} if max_restarts else
+                  {"rdzv_backend": "static", "rdzv_configs": {"rank": 0, "timeout": 120}})
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                          rdzv_configs={"rank": 0, "timeout": 120}, max_restarts=max_restarts,
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}", **rendezvous, max_restarts=max_restarts,
                           monitor_interval=0.1, signals_to_handle=SIGNALS_TO_HANDLE,
                           shutdown_timeout=shutdown_timeout_s)
     return elastic_launch(config, fn)(*args)

@@ -47,6 +47,8 @@ class StepGuard:
             for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._note)
 
+    # Forked loader workers inherit this handler: a signal to the whole process group (SLURM, a
+    # terminal) does not kill them mid-batch before the save; their loader stops them after.
     def _note(self, signum, frame) -> None:
         self.signum = self.signum or signum
 
