@@ -53,13 +53,16 @@ def losses(run_dir: Path) -> dict[int, float]:
 ARGS = ("strategy=fsdp", f"train.max_steps={STEPS}", "train.log_every=1", "data.num_workers=0")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference_losses(run_dir: Path) -> dict[int, float]:
     """The losses of a 2-rank run that nothing stops: what every interrupted run must reproduce."""
-    run_dir = tmp_path_factory.mktemp("reference")
     done = run_cli("nproc=2", *ARGS, f"hydra.run.dir={run_dir}")
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    return reference_losses(tmp_path_factory.mktemp("reference"))
 
 
 def test_a_stop_signal_to_one_rank_stops_every_rank_with_a_checkpoint_and_resuming_is_the_run_that_never_stopped(
