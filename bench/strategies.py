@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -161,6 +162,12 @@ def print_table(results: dict) -> None:
         print("".join(f"{fmt.format(**values):>{width}}" for _, fmt, width in columns))
     print("ratio: trainer / raw loop, of the median and of the fastest step times; loss diff: the largest "
           "difference of their per-step losses")
+    runs = results["runs"]
+    if runs:
+        geomean = {key: math.exp(statistics.fmean(math.log(r[key]) for r in runs))
+                   for key in ("overhead_ratio", "overhead_ratio_fastest")}
+        print(f"geometric mean of the ratios over {len(runs)} runs: {geomean['overhead_ratio']:.3f} (median steps), "
+              f"{geomean['overhead_ratio_fastest']:.3f} (fastest steps)")
 
 
 def plot(results: dict, path: Path) -> None:
