@@ -282,3 +282,25 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_group_resumes_with_the_losse
     assert [r["step"] for r in after] == list(range(resumed_at + 1, STEPS + 1))
     assert {r["step"]: r["loss"] for r in after} == {s: l for s, l in reference.items() if s > resumed_at}
     assert events(run_dir)[-1]["event"] == "end"
+
+
+def test_without_restarts_a_killed_rank_ends_the_job_naming_the_rank(tmp_path):
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    process = start(run_dir, "nproc=2", *ARGS, "checkpoint.every_steps=3", f"checkpoint.dir={ckpt}")
+    kill_a_rank_after_step(run_dir, process, 4)  # step 4's record follows step 3's save
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 1, stderr[-3000:]
+    assert "trainer: error: rank 1 (pid" in stderr and "was killed by SIGKILL" in stderr, stderr[-3000:]
+    assert f"resumes from the newest checkpoint in {ckpt}" in stderr and "Traceback" not in stderr
+    assert "end" not in {e["event"] for e in events(run_dir)}
+    assert resolve_resume(CheckpointConfig(dir=str(ckpt))) is not None  # what the same command resumes from
+
+
+def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "nproc=2", *ARGS, "collective_timeout_s=5")
+    wait_for_step(run_dir, 3, process)
+    rank_processes(process)[-1].suspend()  # SIGSTOP: alive, never answers
+    _, stderr = process.communicate(timeout=300)  # then torch's launcher kills it (SIGTERM, 30 s, SIGKILL)
+    assert process.returncode == 1, stderr[-3000:]
+    assert "Timed out waiting 5000ms" in stderr and "trainer: error: rank 0 (pid" in stderr, stderr[-3000:]

@@ -23,7 +23,7 @@ from trainer.config import Config, ConfigError, StrategyName, check_overrides, r
 from trainer.data import BatchStream, check_data
 from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
-from trainer.log import QuietStopExits, setup_logging
+from trainer.log import QuietRankExits, setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
 from trainer.run import ERROR_EXIT_CODE, check_run_dir, worker
@@ -109,13 +109,14 @@ def app(cfg: DictConfig):
 
 def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
     """nproc=N: the ranks under torch's elastic launcher. Ranks that stopped on a stop signal
-    (after saving) leave with its exit code, and so does this process, without a traceback."""
+    (after saving) leave with its exit code, and so does this process, without a traceback. A rank
+    that dies or fails stops the others (torch's launcher does) and is named in one line."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     stop_codes = {128 + int(sig) for sig in STOP_SIGNALS}
     quiet_codes = stop_codes | {ERROR_EXIT_CODE}  # the ranks said why (metrics.jsonl, `trainer: error:`)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(QuietStopExits(quiet_codes))
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(QuietRankExits(quiet_codes))
     try:
         return distributed.launch_local(cfg.nproc, worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
                                         shutdown_timeout_s=cfg.shutdown_timeout_s)[0]
@@ -124,12 +125,23 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         if not codes <= quiet_codes:
-            raise
+            sys.exit(rank_failure(cfg, *e.get_first_failure()))
         exit_code = max(codes)
         if exit_code == ERROR_EXIT_CODE:
             sys.exit(exit_code)
     sys.stderr.write(f"trainer: stopped by a signal; exit code {exit_code}; see {run_dir}/metrics.jsonl\n")
     sys.exit(exit_code)
+
+
+def rank_failure(cfg: Config, rank: int, failure) -> str:
+    """The line that ends a launch whose rank died (a signal: no traceback to show) or raised (its
+    traceback was logged above, by torch's launcher)."""
+    cause = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else
+             f"failed with exit code {failure.exitcode} (its traceback is above)")
+    restarts = f" after max_restarts={cfg.max_restarts} restarts" if cfg.max_restarts else ""
+    resume = (f"; the same command resumes from the newest checkpoint in {cfg.checkpoint.dir}"
+              if cfg.checkpoint.dir else "")
+    return f"trainer: error: rank {rank} (pid {failure.pid}) {cause}{restarts}; the other ranks were stopped{resume}"
 
 
 def objective(summary: dict) -> float | None:

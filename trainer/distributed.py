@@ -204,9 +204,10 @@ def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_
     return elastic_launch(config, fn)(*args)
 
 
-def shutdown() -> None:
+def shutdown(wait_for_peers: bool = True) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
     for key in _own_variables:
         os.environ.pop(key, None)

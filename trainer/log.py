@@ -62,14 +62,15 @@ def chatter() -> Iterator[None]:
         yield
 
 
-class QuietStopExits(logging.Filter):
+class QuietRankExits(logging.Filter):
     """Drops torch elastic's failure report (with a traceback) for ranks that left with one of
-    `exit_codes`: a stop signal's (they saved and stopped as asked) or a bad setting's (rank 0
-    said which)."""
+    `exit_codes` (a stop signal's: they saved and stopped as asked; a bad setting's: rank 0 said
+    which) or were killed by a signal (the launcher names the rank in one line; there is no
+    traceback to show)."""
 
     def __init__(self, exit_codes: set[int]):
         super().__init__()
-        self.needles = [f"exitcode: {code})" for code in exit_codes]
+        self.needles = [f"exitcode: {code})" for code in exit_codes] + ["exitcode: -"]
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(needle in record.getMessage() for needle in self.needles)

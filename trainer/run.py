@@ -20,15 +20,20 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
         cfg = to_config(cfg_dict)
         if distributed.launched_externally():  # rank 0's run dir, its answer for every rank
             distributed.on_main(lambda: check_run_dir(cfg, run_dir))
-        return train(cfg, env, run_dir)
+        summary = train(cfg, env, run_dir)
     except Stopped as stopped:  # saved and recorded: leave with the signal's exit code, quietly
         leave(stopped.exit_code)
     except (ConfigError, TooManyBadSteps) as e:  # the same on every rank: said once, in one line
         if env.is_main:
             print(f"trainer: error: {e}", file=sys.stderr)
         leave(ERROR_EXIT_CODE)
-    finally:
-        distributed.shutdown()
+    except BaseException:
+        # A peer may be dead or hung (a collective failed): leave now, with the traceback for the
+        # launcher, rather than wait for it at a barrier for another collective_timeout_s.
+        distributed.shutdown(wait_for_peers=False)
+        raise
+    distributed.shutdown()
+    return summary
 
 
 def check_run_dir(cfg: Config, run_dir: Path) -> None:
