@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.harness import CPU_ONLY, REPO, case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
@@ -159,6 +160,51 @@ def test_the_fp16_loss_scale_is_saved_and_restored_under_another_backend(tmp_pat
     resumed = with_overrides(first, strategy__name="ddp", train__max_steps=4)
     on_ranks(2, train_cases, {"resumed": resumed}, str(tmp_path))
     assert loss_scale(4) == {"scale": 2.0 ** 15, "good_steps": 2}
+
+
+def deepspeed_loss_scale_resumes(env, overflows: list[bool]) -> list[int]:
+    """DeepSpeed's own DynamicLossScaler (as its fp16 optimizers hold it; no fp16 on CPU to run
+    them) through the strategy's save and load, cut after each step: the cuts where the scale
+    that follows differs from the scaler that was never cut."""
+    import types
+
+    import deepspeed
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from trainer.config import Precision
+    from trainer.strategies.deepspeed import DeepSpeedStrategy
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def fresh() -> DynamicLossScaler:  # DeepSpeed's defaults but a short window
+        return DynamicLossScaler(init_scale=2 ** 16, scale_window=4, min_scale=1, delayed_shift=2,
+                                 consecutive_hysteresis=False, dtype=torch.half)
+
+    def holding(scaler: DynamicLossScaler) -> DeepSpeedStrategy:
+        strategy = object.__new__(DeepSpeedStrategy)
+        strategy.precision = Precision.fp16
+        strategy.engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(loss_scaler=scaler))
+        return strategy
+
+    def scales(scaler: DynamicLossScaler, steps: list[bool]) -> list[float]:
+        return [scaler.update_scale(overflow) or scaler.cur_scale for overflow in steps]
+
+    never_cut = scales(fresh(), overflows)
+    assert len(set(never_cut)) > 2  # it backed off and grew
+    wrong = []
+    for cut in range(1, len(overflows)):
+        before = fresh()
+        scales(before, overflows[:cut])
+        after = fresh()
+        holding(after).load_loss_scale_state(json.loads(json.dumps(holding(before).loss_scale_state())))
+        if scales(after, overflows[cut:]) != never_cut[cut:]:
+            wrong.append(cut)
+    return wrong
+
+
+def test_deepspeeds_fp16_loss_scale_resumes_exactly():
+    overflows = [bool(int(c)) for c in "001000001100000000010000"]
+    assert on_ranks(1, deepspeed_loss_scale_resumes, overflows)[0] == []
 
 
 def test_max_bad_steps_in_a_row_stop_the_run_naming_the_step(tmp_path):

@@ -165,7 +165,8 @@ class Strategy(ABC):
 
     def loss_scale_state(self) -> dict | None:
         """fp16's loss scaler as {"scale", "good_steps"} (steps since it last backed off or grew),
-        the same for every backend, kept in the trainer state of a checkpoint; None without one."""
+        the same for every backend, kept in the trainer state of a checkpoint; None without one.
+        A backend may add keys of its own (DeepSpeed: "hysteresis"); the others ignore them."""
         return None
 
     def load_loss_scale_state(self, state: dict) -> None:
