@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -350,3 +351,53 @@ def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     _, stderr = process.communicate(timeout=300)  # then torch's launcher kills it (SIGTERM, 30 s, SIGKILL)
     assert process.returncode == 1, stderr[-3000:]
     assert "Timed out waiting 5000ms" in stderr and "trainer: error: rank 0 (pid" in stderr, stderr[-3000:]
+
+
+FAKE_SLURM = {  # what launch/slurm.sbatch calls of SLURM, on one node: srun runs its command here
+    "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+    "scontrol": '#!/bin/bash\ncase "$1" in\n  show) echo localhost ;;\n  requeue) echo "$2" >> "$REQUEUED" ;;\n'
+                'esac\n',
+}
+
+
+def test_the_sbatch_script_passes_the_time_limit_warning_on_requeues_and_the_requeued_job_resumes(
+        tmp_path, reference):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in FAKE_SLURM.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    job_id = next(i for i in range(1000) if port_is_free(29500 + i))  # the script's MASTER_PORT
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    env = {**os.environ, **CPU_ONLY, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
+           "SLURM_GPUS_ON_NODE": "2", "TRAINER_RUN_DIR": str(run_dir), "REQUEUED": str(tmp_path / "requeued")}
+
+    def submit() -> subprocess.Popen:  # the same command line both times, as a requeued job has
+        return subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), *ARGS, f"checkpoint.dir={ckpt}"],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    job = submit()
+    wait_for_step(run_dir, 3, job)
+    job.send_signal(signal.SIGUSR1)  # SLURM's `--signal=B:USR1@300`: to the batch script
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    assert (tmp_path / "requeued").read_text().split() == [str(job_id)]
+    stop_step = events(run_dir)[-1]["step"]
+    assert events(run_dir)[-1]["event"] == "preempted" and 3 <= stop_step < STEPS
+
+    requeued = submit()
+    _, stderr = requeued.communicate(timeout=600)
+    assert requeued.returncode == 0, stderr[-3000:]
+    assert (tmp_path / "requeued").read_text().split() == [str(job_id)]  # not again: it finished
+    after = {step: loss for step, loss in losses(run_dir).items() if step > stop_step}
+    assert after == {step: loss for step, loss in reference.items() if step > stop_step}
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
