@@ -47,7 +47,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
         check_fingerprint(manifest, param_shapes(model), resume_from)
         BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
     if run_dir is not None:
-        check_run_dir(cfg, run_dir)
+        check_run_dir(run_dir, resume_from)
 
 
 def remove_refused_run_dir(run_dir: Path) -> None:

@@ -133,14 +133,18 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
                          num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
     total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
+
+    def release() -> None:  # on every way out: the loader's workers, the signal handlers, the backend's state
+        stream.close()
+        guard.close()
+        strategy.teardown()
+
     resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
     resume_step = read_manifest(resume_from)["step"] if resume_from else 0
     if resume_step >= total_steps:
         log.info(f"nothing to do: {resume_from} is at step {resume_step}, and this run ends at step {total_steps}; "
                  "to train longer, raise train.max_steps (or train.epochs)")
-        stream.close()
-        guard.close()
-        strategy.teardown()
+        release()
         return {}
     model, optimizer, _, weights_from = setup_model(cfg, strategy)
     flops_per_token = model_facts(cfg.model, cfg.strategy.wrap).flops_per_token
@@ -188,9 +192,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             "nothing saved (" + ("the save failed" if checkpoints.root else "no checkpoint.dir") + ")"))
         progress.close()
         records.stop()
-        stream.close()
-        guard.close()
-        strategy.teardown()
+        release()
         raise Stopped(guard.stop_signal, step)
 
     progress = tqdm(total=total_steps, initial=step, disable=not env.is_main, desc="train", dynamic_ncols=True)
@@ -266,13 +268,11 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             since += time.perf_counter() - paused  # ... and saves
     finally:
         progress.close()
-    stream.close()
-    guard.close()
     strategy.barrier()
     summary = {"step": step, "loss": last["loss"], "tokens": tokens,
                **({"val_loss": val_loss} if val_loss is not None else {})}
     records.finish(summary)
     log.info(f"done: {step} steps, final loss {last['loss']:.4f}"
              + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; run dir: {run_dir}")
-    strategy.teardown()
+    release()
     return summary

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from trainer import distributed
+from trainer.checkpoint import resolve_resume
 from trainer.config import Config, ConfigError, to_config
 from trainer.faults import Stopped, TooManyBadSteps
 
@@ -19,7 +20,7 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
         run_dir = Path(distributed.broadcast_object(run_dir))
         cfg = to_config(cfg_dict)
         if distributed.launched_externally():  # rank 0's run dir, its answer for every rank
-            distributed.on_main(lambda: check_run_dir(cfg, run_dir))
+            distributed.on_main(lambda: check_run_dir(run_dir, resolve_resume(cfg.checkpoint)))
         summary = train(cfg, env, run_dir)
     except Stopped as stopped:  # saved and recorded: leave with the signal's exit code, quietly
         leave(stopped.exit_code)
@@ -36,12 +37,10 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
     return summary
 
 
-def check_run_dir(cfg: Config, run_dir: Path) -> None:
+def check_run_dir(run_dir: Path, resume_from: Path | None) -> None:
     """A run dir holds one run: a new run refuses one with another run's metrics.jsonl. A run that
     resumes, or a group restarted by torch's elastic agent, appends to its own."""
-    from trainer.checkpoint import resolve_resume
-
-    if (run_dir / "metrics.jsonl").exists() and not resolve_resume(cfg.checkpoint) and not distributed.restart_count():
+    if (run_dir / "metrics.jsonl").exists() and not resume_from and not distributed.restart_count():
         raise ConfigError(f"hydra.run.dir: {run_dir} already holds another run's metrics.jsonl; give another "
                           "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
 
