@@ -6,6 +6,11 @@ ARGS ?=
 
 .PHONY: setup train test bench soak clean
 
+# DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
+# zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
+# setup instead, where there is no CUDA (the build lands in ~/.cache/torch_extensions).
+CPU_OPS := import torch; from deepspeed.accelerator import get_accelerator; torch.cuda.is_available() or [get_accelerator().create_op_builder(name).load(verbose=False) for name in ("ShareMemCommBuilder", "CPUAdamBuilder")]
+
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -13,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	DS_ACCELERATOR=cpu $(PY) -c '$(CPU_OPS)'
 	touch $@
 
 train: setup

@@ -347,8 +347,13 @@ def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     run_dir = tmp_path / "run"
     process = start(run_dir, "nproc=2", *ARGS, "collective_timeout_s=5")
     wait_for_step(run_dir, 3, process)
-    rank_processes(process)[-1].suspend()  # SIGSTOP: alive, never answers
-    _, stderr = process.communicate(timeout=300)  # then torch's launcher kills it (SIGTERM, 30 s, SIGKILL)
+    waiting, hung = rank_processes(process)
+    hung.suspend()  # SIGSTOP: alive, never answers
+    waiting.wait(timeout=120)  # its next collective fails after collective_timeout_s
+    # Freed now, the hung rank meets the SIGTERM torch's launcher sent it and fails its collective
+    # with the rank that left; one that never wakes is killed 30 s later (SIGKILL; seen: 38 s in all).
+    hung.resume()
+    _, stderr = process.communicate(timeout=300)
     assert process.returncode == 1, stderr[-3000:]
     assert "Timed out waiting 5000ms" in stderr and "trainer: error: rank 0 (pid" in stderr, stderr[-3000:]
 

@@ -119,10 +119,12 @@ def test_jsonl_ends_with_the_summary(logged):
 def test_a_zero3_run_prints_a_handful_of_lines(tmp_path):
     """Before: 75 copies of torch's FutureWarning (DeepSpeed calls deprecated collectives every
     step), DeepSpeed's 'built successfully' from each rank, all interleaved with the bar."""
-    result = run_cli("strategy=zero3", "nproc=2", "train.max_steps=20", f"hydra.run.dir={tmp_path}")
+    result = run_cli("strategy=zero3", "nproc=2", "train.max_steps=20", "train.log_every=5",
+                     f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout.splitlines()
     assert len(out) == 3 and all(line.startswith("[trainer] ") for line in out), out
+    assert "strategy=zero3 world_size=2" in out[0] and [r["step"] for r in records(tmp_path)] == [5, 10, 15, 20]
     lines = [line for line in result.stderr.replace("\r", "\n").split("\n") if line.strip()]
     bar = [line for line in lines if line.startswith("train:")]
     assert len(bar) <= 2 * 20 + 2, bar  # rank 0's bar only (tqdm writes an update per step to a pipe)
