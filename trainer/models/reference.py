@@ -42,14 +42,22 @@ class Linear(nn.Linear):
         super().__init__(d_in, d_out, bias=bias)
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        normal_unless_meta(self.weight, self.std)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
 
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+        normal_unless_meta(self.weight, 0.02)
+
+
+def normal_unless_meta(weight: torch.Tensor, std: float) -> None:
+    # On meta (a build to count or to shard: InitWeights fills the values later, on a real device)
+    # torch's normal_ runs its Python reference, whose first call imports torch._dynamo: 1.6 s
+    # of every launch.
+    if not weight.is_meta:
+        nn.init.normal_(weight, mean=0.0, std=std)
 
 
 class CausalSelfAttention(nn.Module):
