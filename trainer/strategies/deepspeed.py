@@ -316,18 +316,24 @@ class DeepSpeedStrategy(Strategy):
         for f in missing:
             f.grad = None
 
-    def loss_scale_state(self):
+    def _dynamic_loss_scaler(self):
+        """DeepSpeed's DynamicLossScaler under fp16, else None (a static scale is a setting of
+        ds_config, not state)."""
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-        if self.precision is not Precision.fp16 or not getattr(scaler, "dynamic", False):
-            return None  # a static loss scale is a setting (ds_config), not state
-        # DynamicLossScaler: steps since the last overflow, and the overflows it still tolerates
-        # before it backs off (fp16.hysteresis), which torch's scaler does not have
+        return scaler if self.precision is Precision.fp16 and getattr(scaler, "dynamic", False) else None
+
+    def loss_scale_state(self):
+        scaler = self._dynamic_loss_scaler()
+        if scaler is None:
+            return None
+        # Steps since the last overflow, and the overflows it still tolerates before it backs off
+        # (fp16.hysteresis), which torch's scaler does not have
         return {"scale": float(scaler.cur_scale), "good_steps": int(scaler.cur_iter - scaler.last_overflow_iter - 1),
                 "hysteresis": int(scaler.cur_hysteresis)}
 
     def load_loss_scale_state(self, state):
-        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-        if self.precision is Precision.fp16 and getattr(scaler, "dynamic", False):
+        scaler = self._dynamic_loss_scaler()
+        if scaler is not None:
             scaler.cur_scale = state["scale"]
             scaler.cur_iter, scaler.last_overflow_iter = state["good_steps"], -1
             scaler.cur_hysteresis = state.get("hysteresis", scaler.delayed_shift)  # from torch's: a fresh one
