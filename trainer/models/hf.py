@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError, ModelConfig, require_hf
-from trainer.models.weights import SafetensorsWeights, safetensors_files, save_safetensors
+from trainer.models.weights import SafetensorsWeights, persistent_buffers, safetensors_files, save_safetensors
 
 DEFAULT_MAX_SEQ_LEN = 2048
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -67,12 +67,28 @@ def pretrained_weights(cfg: ModelConfig, model: nn.Module,
                        shapes: dict[str, tuple[int, ...]]) -> SafetensorsWeights | None:
     """The folder's safetensors weights, checked against the model; None when it has none."""
     path = Path(cfg.path)
+    quantisation = getattr(model.config, "quantization_config", None)
+    if quantisation:
+        method = quantisation.get("quant_method", "?") if isinstance(quantisation, dict) else type(quantisation).__name__
+        raise ConfigError(f"model.path: {path}/config.json has a quantization_config ({method}): its weights are "
+                          "quantised, and the trainer trains from float weights only; dequantise them first")
     if safetensors_files(path):
-        return SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes))
+        return SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), known_extra_keys(model))
     if list(path.glob("*.bin")):
         raise ConfigError(f"model.path: {path} holds *.bin weights; the trainer reads safetensors only "
                           "(save_pretrained(..., safe_serialization=True) writes them)")
     return None
+
+
+def known_extra_keys(model: nn.Module) -> Callable[[str], bool]:
+    """Keys a Hugging Face file may hold besides the parameters: persistent buffers, the second
+    name of a tied parameter, and what the model's class ignores on load (GPT-2's old `attn.bias`)."""
+    import re
+
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    names |= set(persistent_buffers(model))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    return lambda name: name in names or any(p.search(name) for p in ignored)
 
 
 def checkpoint_key_renamer(model: nn.Module, shapes: dict) -> Callable[[str], str]:

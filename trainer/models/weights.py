@@ -38,6 +38,14 @@ def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds (`register_buffer(..., persistent=True)`: BatchNorm's running
+    statistics, Gemma4's `layer_scalar`), by canonical name; recomputed ones are left out."""
+    return {canonical_name(f"{prefix}.{name}" if prefix else name): b
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for name, b in module._buffers.items() if b is not None and name not in module._non_persistent_buffers_set}
+
+
 class WeightSource(Protocol):
     description: str
 
@@ -105,9 +113,13 @@ def module_seed(seed: int, module_name: str) -> int:
 
 
 class InitWeights:
-    """The model's own initialisation, module by module: `reset_parameters()` (torch's layers;
-    `_reset_parameters()` for MultiheadAttention), then the model's `_init_weights(module)` where it has one (Hugging Face, nanoGPT). Values
-    are made for one module at a time, on full-size CPU tensors swapped in for its parameters."""
+    """The model's own initialisation, module by module, as `from_config` runs it: `reset_parameters()`
+    (torch's layers; `_reset_parameters()` for MultiheadAttention), then the model's `_init_weights`
+    (Hugging Face, nanoGPT) on the module and then on each of its ancestors, nearest first, as
+    transformers' post-order walk does (GPT-2's attention and MLP rescale their `c_proj` from
+    there). Values are made for one module at a time, on full-size CPU tensors swapped in for its
+    parameters; every other parameter an ancestor's init reaches is a meta stand-in, which draws
+    no random numbers."""
 
     description = "initialised from the model's config"
 
@@ -115,9 +127,11 @@ class InitWeights:
         self.seed = seed
         self.owner: dict[str, tuple[str, nn.Module, str]] = {}  # param name -> (module name, module, attr)
         self.init_fn: dict[str, Callable[[nn.Module], None] | None] = {}
+        self.modules: dict[str, nn.Module] = {}
         seen = set()
         for module_name, module in model.named_modules():
             module_name = canonical_name(module_name)
+            self.modules[module_name] = module
             parent = self.init_fn.get(module_name.rpartition(".")[0]) if module_name else None
             # A Hugging Face sub-model (a PreTrainedModel inside) brings its own _init_weights.
             self.init_fn[module_name] = getattr(module, "_init_weights", None) or parent
@@ -133,6 +147,12 @@ class InitWeights:
             self.cached = (module_name, self._initialise(module_name, module))
         return self.cached[1][attr].view(-1)[start:start + numel]
 
+    def ancestors(self, module_name: str) -> Iterator[tuple[str, nn.Module]]:
+        """The modules above `module_name`, nearest first, the root last."""
+        while module_name:
+            module_name = module_name.rpartition(".")[0]
+            yield module_name, self.modules[module_name]
+
     def _initialise(self, module_name: str, module: nn.Module) -> dict[str, torch.Tensor]:
         own = {attr: p for attr, p in module._parameters.items() if p is not None}
         plain = {attr: nn.Parameter(torch.full(full_shape(p), math.nan)) for attr, p in own.items()}
@@ -146,6 +166,10 @@ class InitWeights:
                         break
                 if self.init_fn[module_name] is not None:
                     self.init_fn[module_name](module)
+                for ancestor_name, ancestor in self.ancestors(module_name):
+                    if self.init_fn[ancestor_name] is not None:
+                        with meta_stand_ins(ancestor, keep=module):
+                            self.init_fn[ancestor_name](ancestor)
         finally:
             module._parameters.update(own)
         for attr, value in plain.items():
@@ -155,6 +179,26 @@ class InitWeights:
                                   "reset_parameters() nor the model's _init_weights(module) sets it; give its "
                                   "module a reset_parameters(), or start from weights (model=hf with *.safetensors)")
         return {attr: value.detach() for attr, value in plain.items()}
+
+
+@contextmanager
+def meta_stand_ins(root: nn.Module, keep: nn.Module) -> Iterator[None]:
+    """Every parameter under `root`, but those of `keep`, replaced by a meta tensor of its full
+    shape (a ZeRO-3 partition or an FSDP2 shard is not what an initialiser expects to see)."""
+    swapped = []
+    for module in root.modules():
+        if module is keep:
+            continue
+        for attr, p in module._parameters.items():
+            if p is not None:
+                swapped.append((module, attr, p))
+                module._parameters[attr] = nn.Parameter(torch.empty(full_shape(p), device="meta"),
+                                                        requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        for module, attr, p in swapped:
+            module._parameters[attr] = p
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
@@ -176,20 +220,41 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names; others hold quantised values
+QUANTISATION_SUFFIXES = ("_scale_inv", "_scale", ".absmax", ".quant_map", ".quant_state")
+
+
 class SafetensorsWeights:
     """Pretrained weights from safetensors files, read by row ranges (never a whole file).
-    `rename` maps a key of the files to the model's parameter name."""
+    `rename` maps a key of the files to the model's parameter name; `also_known` says whether a
+    key that is no parameter is still the model's (a persistent buffer, a tied alias, a key the
+    model's class ignores). Any other key, and any quantised tensor, is refused."""
 
-    def __init__(self, directory: Path, shapes: dict[str, tuple[int, ...]], rename: Callable[[str], str] = str):
+    def __init__(self, directory: Path, shapes: dict[str, tuple[int, ...]], rename: Callable[[str], str] = str,
+                 also_known: Callable[[str], bool] = lambda name: False):
         from safetensors import safe_open
 
         self.files = safetensors_files(directory)
         self.description = f"weights from {directory} ({len(self.files)} safetensors file(s))"
         stored: dict[str, tuple[Path, str, tuple[int, ...]]] = {}  # model name -> (file, key, shape)
+        quantised, unknown = [], []
         for f in self.files:
             with safe_open(str(f), framework="pt") as handle:
                 for key in handle.keys():
-                    stored[rename(key)] = (f, key, tuple(handle.get_slice(key).get_shape()))
+                    name, stored_slice = rename(key), handle.get_slice(key)
+                    if stored_slice.get_dtype() not in FLOAT_DTYPES or (
+                            name not in shapes and key.endswith(QUANTISATION_SUFFIXES)):
+                        quantised.append(f"{key} ({stored_slice.get_dtype()})")
+                    elif name not in shapes and not also_known(name):
+                        unknown.append(key)
+                    stored[name] = (f, key, tuple(stored_slice.get_shape()))
+        if quantised:
+            raise ConfigError(f"model.path: {directory} holds quantised weights ({len(quantised)} tensors, e.g. "
+                              f"{', '.join(quantised[:3])}); the trainer trains from float weights only: "
+                              "dequantise them first")
+        if unknown:
+            raise ConfigError(f"model.path: {len(unknown)} tensors in {directory} are neither a parameter nor a "
+                              f"persistent buffer of the model built from its config.json: {', '.join(unknown[:10])}")
         problems = [f"{name}: not in the files" if name not in stored else
                     f"{name}: files {list(stored[name][2])}, model {list(shape)}"
                     for name, shape in shapes.items() if stored.get(name, (None, None, shape))[2] != shape]
