@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.harness import refusal
+from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
 
 FRESH_INIT_FAMILIES = {
     # 12 layers: GPT-2's residual projections are scaled by 1/sqrt(2 x 12) from their parent module.
@@ -99,3 +99,57 @@ def test_quantised_weights_are_refused(model_dir, tmp_path, how):
 def test_the_unchanged_folder_is_accepted(model_dir, tmp_path):
     with pytest.raises(AssertionError, match="not refused"):
         refused(model_dir, tmp_path)
+
+
+FROZEN_STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]
+# (source, source world size) -> (target, target world size)
+FROZEN_CROSS = [("ddp", 2, "zero3", 2), ("zero3", 2, "fsdp", 1), ("fsdp", 2, "zero2", 2), ("zero2", 2, "ddp", 1)]
+
+
+def frozen_case(strategy: str, world: int, **overrides) -> dict:
+    """The toy model with its embedding frozen, 6 steps, global batch 8 at any world size."""
+    cfg = with_overrides(case(strategy, steps=6), data__name="synthetic", data__num_samples=256,
+                         strategy__wrap=["ToyBlock"], train__micro_batch_size=8 // world, **overrides)
+    cfg["model"] = {"name": "frozen", "kind": "custom", "_target_": "tests.frozen.build", "vocab": 64, "dim": 16,
+                    "layers": 2, "frozen": ["embed"], "vocab_size": 64, "seq_len": 32}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def frozen_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frozen")
+    ckpt = {s: root / f"{s}@2" for s in FROZEN_STRATEGIES}
+    straight = {f"{s}@2": frozen_case(s, 2, checkpoint__dir=str(ckpt[s]), checkpoint__every_steps=3,
+                                      checkpoint__keep_last=0) for s in FROZEN_STRATEGIES}
+    on_ranks(2, train_cases, straight, str(root / "runs"))
+    resumed = {m: {f"{a}->{b}@{m}": frozen_case(b, m, checkpoint__resume=str(ckpt[a] / "step_00000003"))
+                   for a, _, b, mm in FROZEN_CROSS if mm == m} for m in (1, 2)}
+    for world, configs in resumed.items():
+        on_ranks(world, train_cases, configs, str(root / "runs"))
+    return root, ckpt
+
+
+def test_frozen_parameters_save_resume_anywhere_and_never_change(frozen_runs):
+    from examples.toy_model import ToyLM
+    from trainer.checkpoint import PieceReader, read_manifest
+    from trainer.config import TrainConfig
+    from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
+
+    root, ckpt = frozen_runs
+    with params_on_meta():
+        model = ToyLM(64, 16, 2)
+    allocate(model, torch.device("cpu"))
+    fill(model, InitWeights(model, seed=TrainConfig().seed))
+    for strategy, path in ckpt.items():
+        for step in ("step_00000003", "step_00000006"):
+            manifest = read_manifest(path / step)
+            reader = PieceReader(path / step, manifest)
+            assert torch.equal(reader.read_full("model.embed.weight"), model.embed.weight), (strategy, step)
+            assert not any(k.startswith("optim.embed.") for k in manifest["tensors"]), strategy  # no moments
+            assert "optim.head.weight.exp_avg" in manifest["tensors"]
+            assert not torch.equal(reader.read_full("model.head.weight"), model.head.weight)  # that one trains
+    full = {s: records(root / "runs" / f"{s}@2") for s in FROZEN_STRATEGIES}
+    for source, _, target, world in FROZEN_CROSS:
+        tail = [r["loss"] for r in records(root / "runs" / f"{source}->{target}@{world}")]
+        expected = [r["loss"] for r in full[target]][3:]
+        assert tail == pytest.approx(expected, rel=2e-6), (source, target, world)

@@ -38,6 +38,7 @@ LATEST = "latest"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a step dir being written: never resumed from, removed by the next save
 SUPERSEDED_PREFIX = "superseded-"  # newer than the step a run resumed from (see _set_aside_newer)
+REPLACED_PREFIX = "replaced-"  # a complete step dir while the same step is saved again (see _commit)
 
 
 class CheckpointError(ConfigError):
@@ -210,10 +211,10 @@ class CheckpointManager:
         every = self.cfg.every_steps
         return self.root is not None and (step == total_steps or (every > 0 and step % every == 0))
 
-    def save(self, step: int, trainer_state: dict) -> Path | None:
+    def save(self, step: int, trainer_state: dict, last: bool = False) -> Path | None:
         """Write step_N; a save that fails on any rank leaves the previous checkpoints and `latest`
         as they were, is reported, and returns None: training goes on, unless it was the
-        `max_failed_saves`-th failure in a row (CheckpointError)."""
+        `max_failed_saves`-th failure in a row or the `last` step's (CheckpointError)."""
         s = self.strategy
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
@@ -228,6 +229,8 @@ class CheckpointManager:
         failed = broadcast_object(failed)
         if not failed:
             self.failed_in_a_row = 0
+            if s.is_main:
+                self._prune(keep=final)
             return final
         if s.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -238,6 +241,10 @@ class CheckpointManager:
             self.records.log({"event": "save_failed", "step": step, "error": "; ".join(failed)})
         if self.failed_in_a_row >= self.cfg.max_failed_saves:
             raise CheckpointError(f"{message}. Stopping: checkpoint.max_failed_saves={self.cfg.max_failed_saves}")
+        if last:
+            newest = latest_checkpoint(self.root)
+            raise CheckpointError(f"{message}. It was the last step: the run is not saved"
+                                  + (f"; the newest checkpoint is {newest}" if newest else ""))
         if s.is_main:
             log.error(f"{message}. Training goes on")
         return None
@@ -246,6 +253,12 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a save that died
             shutil.rmtree(stale, ignore_errors=True)
+        for replaced in self.root.glob(f"{REPLACED_PREFIX}*"):  # a save of the same step died: ...
+            original = replaced.with_name(replaced.name[len(REPLACED_PREFIX):])
+            if original.exists():  # ... after its rename: the new one is complete
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:  # ... before it: the old one is the checkpoint
+                replaced.rename(original)
         tmp.mkdir()
 
     def _write_rank_file(self, tmp: Path) -> dict:
@@ -289,7 +302,7 @@ class CheckpointManager:
         self._set_aside_newer(step)
         old = None
         if final.exists():  # the same step saved again (a resume from an older one): keep it until replaced
-            old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+            old = final.with_name(f"{REPLACED_PREFIX}{final.name}")
             final.rename(old)
         tmp.rename(final)
         fsync(self.root)
@@ -300,7 +313,6 @@ class CheckpointManager:
         fsync(self.root)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-        self._prune(keep=final)
 
     def _set_aside_newer(self, step: int) -> None:
         """A run resumed from an older step: step dirs newer than the one it saves belong to the
@@ -311,19 +323,27 @@ class CheckpointManager:
         for path in self.root.glob(f"{STEP_PREFIX}*"):
             if path.name > step_dir_name(step):
                 aside = path.with_name(f"{SUPERSEDED_PREFIX}{path.name}")
-                shutil.rmtree(aside, ignore_errors=True)
+                n = 1
+                while aside.exists():  # set aside by an earlier resume of an older step: kept too
+                    n += 1
+                    aside = path.with_name(f"{SUPERSEDED_PREFIX}{n}-{path.name}")
                 path.rename(aside)
                 log.warning(f"checkpoint: {path.name} is newer than this run, which resumed from "
                             f"{self.resumed_older.name}: renamed {aside.name}")
 
     def _prune(self, keep: Path) -> None:
-        """Keep the newest `keep_last`, the one just written and an older one this run resumed from."""
+        """Keep the newest `keep_last`, the one just written and an older one this run resumed from.
+        The save is complete by now: a step dir that cannot be removed is a warning, not a failed save."""
         if self.cfg.keep_last <= 0:
             return
         done = complete_checkpoints(self.root)
         for path in done[:-self.cfg.keep_last]:
             if path not in (keep, self.resumed_older):
-                shutil.rmtree(path)
+                try:
+                    shutil.rmtree(path)
+                except OSError as e:
+                    log.warning(f"checkpoint: saved {keep.name}, but could not remove the older {path.name} "
+                                f"(checkpoint.keep_last={self.cfg.keep_last}): {e}")
 
     def load(self, path: Path) -> dict:
         """Load model and optimizer state into the strategy; return the trainer's state."""

@@ -181,7 +181,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     def save() -> Path | None:
         return checkpoints.save(step, {"step": step, "epoch": stream.epoch, "skipped": guard.skipped,
                                        "loss_scale": strategy.loss_scale_state(),
-                                       "tokens": tokens + int(tokens_since.item()), "data": stream.state_dict()})
+                                       "tokens": tokens + int(tokens_since.item()), "data": stream.state_dict()},
+                                last=step == total_steps)
 
     def stop(checkpoint: Path | None) -> None:
         name = signal.Signals(guard.stop_signal).name

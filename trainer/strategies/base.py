@@ -246,11 +246,14 @@ class TorchStrategy(Strategy):
         return {canonical_name(n): tuple(p.shape) for n, p in self.module.named_parameters()}
 
     def _tensors(self, model_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, and the Adam moments of the trainable ones: zeros for a parameter that
+        has had no gradient yet (Adam's own start), none for a frozen one."""
         for name, p in self.module.named_parameters():
             keys = state_keys(canonical_name(name))
             yield keys["param"], p
-            if not model_only:
-                yield from ((keys[k], self.optimizer.state[p][k]) for k in ADAM_KEYS)
+            if not model_only and p.requires_grad:
+                state = self.optimizer.state.get(p, {})
+                yield from ((keys[k], state[k] if k in state else torch.zeros_like(p)) for k in ADAM_KEYS)
 
     def _adam_step(self) -> float:
         return float(next(iter(self.optimizer.state.values()))["step"])
@@ -281,7 +284,8 @@ class TorchStrategy(Strategy):
         if self.optimizer.state:
             return
         for p in self.model.parameters():
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:  # a frozen parameter gets no state
+                p.grad = torch.zeros_like(p)
         with zero_lr(self.optimizer):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -25,6 +25,7 @@ from trainer.strategies.base import (
     canonical_name,
     optimizer_state_tensors,
     peak_device_bytes,
+    replica_slice,
     state_keys,
     tensor_bytes,
     zero_lr,
@@ -237,12 +238,18 @@ class DeepSpeedStrategy(Strategy):
             for group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
                 lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
         for name, p in self._params():
-            if self.stage == 3:
+            if not p.requires_grad:  # frozen: no master, no moments; the parameter itself
+                if self.stage == 3:
+                    start, local = self._z3_local(p)
+                else:
+                    start, local = replica_slice(0, p.detach().view(-1), self.world_size, self.rank)
+                yield name, start, local.numel(), {"param": local}
+            elif self.stage == 3:
                 start, numel = self._z3_range(p)
                 local = {"param": safe_get_local_fp32_param(p)}
                 local.update({k: safe_get_local_optimizer_state(p, k) for k in moments})
                 yield name, start, numel, {k: v.view(-1)[:numel] for k, v in local.items()}
-            elif p._hp_mapping is not None:
+            elif getattr(p, "_hp_mapping", None) is not None:
                 m = p._hp_mapping
                 local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in moments}}
                 yield name, m.lp_fragment_address.start, m.lp_fragment_address.numel, local
@@ -271,6 +278,10 @@ class DeepSpeedStrategy(Strategy):
 
         for name, p in self._params():
             keys = state_keys(name)
+            if self.stage == 3 and not p.requires_grad:
+                if self._z3_range(p)[1]:
+                    self._z3_local(p)[1].copy_(values[keys["param"]])
+                continue
             if self.stage == 3:
                 start, numel = self._z3_range(p)
                 if not numel:
@@ -286,7 +297,7 @@ class DeepSpeedStrategy(Strategy):
                 continue
             full = values[keys["param"]]
             p.data.view(-1).copy_(full)
-            m = p._hp_mapping
+            m = getattr(p, "_hp_mapping", None)  # None: frozen, or held by another rank
             if m is not None:
                 start, numel = m.lp_fragment_address.start, m.lp_fragment_address.numel
                 m.get_hp_fragment().copy_(full[start:start + numel])

@@ -1,0 +1,68 @@
+"""The edges of a save: the last step's save failing, pruning that fails after the save is
+complete, a step saved again, and a second resume of an older step."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+
+from tests.harness import run_cli
+from trainer.checkpoint import REPLACED_PREFIX, CheckpointManager
+from trainer.config import CheckpointConfig
+
+
+def manager(root, **cfg) -> CheckpointManager:
+    return CheckpointManager(CheckpointConfig(dir=str(root), **cfg), strategy=None, strategy_name="ddp")
+
+
+def step_dir(root, step: int, prefix: str = ""):
+    path = root / f"{prefix}step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text('{"tensors": {}}')
+    return path
+
+
+def test_a_run_whose_last_save_fails_does_not_end_with_exit_0(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".tmp-step_00000003").write_text("a file where the last save wants its dir")
+    result = run_cli("train.max_steps=3", f"checkpoint.dir={ckpt}", "data.num_workers=0",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainer: error: checkpoint: saving step 3 failed") and "the run is not saved" in last, last
+
+
+def test_a_prune_that_fails_after_the_save_is_a_warning(tmp_path, monkeypatch, caplog):
+    old, new = step_dir(tmp_path, 2), step_dir(tmp_path, 4)
+
+    def cannot_remove(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", cannot_remove)
+    with caplog.at_level(logging.WARNING):
+        manager(tmp_path, keep_last=1)._prune(keep=new)
+    assert old.is_dir() and "saved step_00000004, but could not remove the older step_00000002" in caplog.text
+
+
+@pytest.mark.parametrize("renamed_back", [True, False])
+def test_a_step_saved_again_is_never_lost_to_a_save_that_dies(tmp_path, renamed_back):
+    # The complete step dir set aside while the same step is saved again: not named .tmp-, which a
+    # save removes. Died before the new one was renamed in: the old one comes back; after: it goes.
+    replaced = step_dir(tmp_path, 6, prefix=REPLACED_PREFIX)
+    if not renamed_back:
+        step_dir(tmp_path, 6)
+    manager(tmp_path)._prepare(tmp_path / ".tmp-step_00000007")
+    assert (tmp_path / "step_00000006" / "manifest.json").is_file() and not replaced.exists()
+
+
+def test_a_second_resume_of_an_older_step_keeps_the_first_superseded_set(tmp_path):
+    step_dir(tmp_path, 4)
+    first = step_dir(tmp_path, 6, prefix="superseded-")  # set aside by the first resume from step 4
+    step_dir(tmp_path, 6)  # written by that resumed run
+    m = manager(tmp_path)
+    m.resumed_older = tmp_path / "step_00000004"
+    m._set_aside_newer(5)
+    assert first.is_dir() and (tmp_path / "superseded-2-step_00000006").is_dir()
+    assert not (tmp_path / "step_00000006").exists()
