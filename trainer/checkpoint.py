@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -150,6 +151,13 @@ def check_fingerprint(manifest: dict, shapes: dict[str, tuple[int, ...]], path: 
         problems += [f"{n}: not in the model" for n in unexpected[:10]]
         raise CheckpointError(f"checkpoint: {path} holds another model ({len(differ)} shapes differ, "
                               f"{len(missing)} missing, {len(unexpected)} unexpected):\n  " + "\n  ".join(problems))
+
+
+def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "cpu") -> torch.Tensor:
+    """An RNG state for a rank beyond the saved world size: seeded by rank 0's state and the rank,
+    so it is the same on every resume and differs from every other rank's."""
+    seed = (zlib.crc32(rank0_state.numpy().tobytes()) * 1_000_003 + rank) % 2 ** 63
+    return torch.Generator(device=device).manual_seed(seed).get_state()
 
 
 class PieceReader:
@@ -358,9 +366,12 @@ class CheckpointManager:
         def read() -> None:  # this rank's ranges and RNG, from any rank's files
             reader = PieceReader(path, manifest)
             values.update({key: reader.read(key, start, numel) for key, (start, numel) in layout.items()})
-            rng_rank = s.rank if s.rank < manifest["world_size"] else 0
-            with safe_open(str(path / rank_file(rng_rank)), framework="pt") as f:
+            saved_rank = s.rank if s.rank < manifest["world_size"] else 0
+            with safe_open(str(path / rank_file(saved_rank)), framework="pt") as f:
                 rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})
+            if saved_rank != s.rank:  # a rank the saving run did not have: a stream of its own
+                rng.update({key: rng_state_of_new_rank(state, s.rank, "cuda" if key == "rng.cuda" else "cpu")
+                            for key, state in rng.items()})
 
         failed = [None] * s.world_size  # a rank that cannot read stops every rank, none is left waiting
         dist.all_gather_object(failed, attempt(read, f"rank {s.rank}"))

@@ -156,7 +156,7 @@ class TrainConfig:
     log_every: int = 10
     device: Device = Device.auto
     compile: bool = False  # torch.compile each block (regional), before sharding
-    peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16 peak, else no mfu
+    peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16/fp16 peak, else (fp32) no mfu
     profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
     max_bad_steps: int = 10  # steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run
 

@@ -88,12 +88,14 @@ def device_type() -> str:
     return chosen
 
 
-# Dense bf16 peak FLOP/s per GPU, by name (vendor figures), for MFU when train.peak_flops is not given.
+# Dense bf16 (= fp16) peak FLOP/s per GPU, by name (vendor figures), for MFU when train.peak_flops is not given.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
 
 
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak FLOP/s at the precision that runs; None where unknown: any CPU,
+    and fp32 (whether matmuls use TF32 is a setting, and the peaks differ 8x)."""
+    if device.type != "cuda" or precision == "fp32":
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)

@@ -24,10 +24,11 @@ from trainer.strategies import Strategy, build_strategy
 
 
 def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
-    """Linear warmup over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps`,
+    then cosine decay to `lr * min_lr_ratio` at the last step (`total_steps - 1`)."""
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
-    progress = (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps)
+    progress = (step - o.warmup_steps) / max(1, total_steps - 1 - o.warmup_steps)
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -148,7 +149,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         return {}
     model, optimizer, _, weights_from = setup_model(cfg, strategy)
     flops_per_token = model_facts(cfg.model, cfg.strategy.wrap).flops_per_token
-    peak = t.peak_flops or peak_flops(env.device)  # per device; None: no mfu
+    peak = t.peak_flops or peak_flops(env.device, t.precision)  # per device; None: no mfu
 
     records = RunLog(cfg, run_dir, env.is_main)
     checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,

@@ -68,6 +68,9 @@ class BatchStream:
         self._order: tuple[int, list[int]] = (-1, [])
         self.loader = DataLoader(dataset, batch_sampler=_EpochBatches(self), num_workers=num_workers,
                                  pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                                 # Each new iterator draws its workers' base seed: from a generator of
+                                 # its own, not torch's, which dropout draws from (a resume would differ).
+                                 generator=torch.Generator().manual_seed(seed),
                                  # Ranks started by the elastic launcher default to spawn, which
                                  # imports torch again in every worker (seen: 2 s); fork is Linux's default.
                                  multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None)

@@ -110,7 +110,7 @@ def frozen_case(strategy: str, world: int, **overrides) -> dict:
     """The toy model with its embedding frozen, 6 steps, global batch 8 at any world size."""
     cfg = with_overrides(case(strategy, steps=6), data__name="synthetic", data__num_samples=256,
                          strategy__wrap=["ToyBlock"], train__micro_batch_size=8 // world, **overrides)
-    cfg["model"] = {"name": "frozen", "kind": "custom", "_target_": "tests.frozen.build", "vocab": 64, "dim": 16,
+    cfg["model"] = {"name": "frozen", "kind": "custom", "_target_": "tests.toys.build", "vocab": 64, "dim": 16,
                     "layers": 2, "frozen": ["embed"], "vocab_size": 64, "seq_len": 32}
     return cfg
 
@@ -153,3 +153,52 @@ def test_frozen_parameters_save_resume_anywhere_and_never_change(frozen_runs):
         tail = [r["loss"] for r in records(root / "runs" / f"{source}->{target}@{world}")]
         expected = [r["loss"] for r in full[target]][3:]
         assert tail == pytest.approx(expected, rel=2e-6), (source, target, world)
+
+
+def dropout_case(**overrides) -> dict:
+    cfg = frozen_case("ddp", 1, **overrides)
+    cfg["model"].update(frozen=[], dropout=0.2)
+    return cfg
+
+
+def test_a_model_with_dropout_resumes_bit_exact(tmp_path):
+    # A resume makes a new loader iterator, which must not draw from the RNG dropout draws from.
+    ckpt = tmp_path / "ckpt"
+    on_ranks(1, train_cases, {"straight": dropout_case(checkpoint__dir=str(ckpt), checkpoint__every_steps=3,
+                                                        checkpoint__keep_last=0)}, str(tmp_path))
+    on_ranks(1, train_cases, {"resumed": dropout_case(checkpoint__resume=str(ckpt / "step_00000003"))}, str(tmp_path))
+    straight, resumed = ([r["loss"] for r in records(tmp_path / name)] for name in ("straight", "resumed"))
+    assert resumed == straight[3:]  # bitwise
+
+
+def test_ranks_beyond_the_saved_world_size_get_rng_states_of_their_own():
+    from trainer.checkpoint import rng_state_of_new_rank
+
+    rank0 = torch.get_rng_state()
+    states = [rng_state_of_new_rank(rank0, rank) for rank in (2, 3)]
+    draws = []
+    for state in [rank0, *states]:
+        torch.set_rng_state(state)
+        draws.append(torch.rand(4))
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    assert torch.equal(rng_state_of_new_rank(rank0, 2), states[0])  # the same on every resume
+
+
+def test_the_cosine_reaches_its_floor_at_the_last_step():
+    from trainer.config import OptimConfig
+    from trainer.loop import lr_at
+
+    o = OptimConfig(lr=1e-3, warmup_steps=2, min_lr_ratio=0.1)
+    lrs = [lr_at(step, 10, o) for step in range(10)]
+    assert lrs[1] == o.lr and lrs[-1] == pytest.approx(o.lr * o.min_lr_ratio, rel=1e-12)
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # from the end of warmup down
+
+
+def test_mfu_divides_by_the_peak_of_the_precision_that_runs(monkeypatch):
+    from trainer.distributed import PEAK_BF16_FLOPS, peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    gpu = torch.device("cuda", 0)
+    assert peak_flops(gpu, "bf16") == peak_flops(gpu, "fp16") == PEAK_BF16_FLOPS["H200"]
+    assert peak_flops(gpu, "fp32") is None  # TF32 or not is a setting: no mfu rather than a wrong one
+    assert peak_flops(torch.device("cpu"), "bf16") is None
