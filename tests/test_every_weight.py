@@ -104,60 +104,100 @@ def test_the_unchanged_folder_is_accepted(model_dir, tmp_path):
 FROZEN_STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]
 # (source, source world size) -> (target, target world size)
 FROZEN_CROSS = [("ddp", 2, "zero3", 2), ("zero3", 2, "fsdp", 1), ("fsdp", 2, "zero2", 2), ("zero2", 2, "ddp", 1)]
+TOY = {"vocab": 64, "dim": 16, "layers": 2}
 
 
-def frozen_case(strategy: str, world: int, **overrides) -> dict:
-    """The toy model with its embedding frozen, 6 steps, global batch 8 at any world size."""
+def toy_case(strategy: str, world: int, **overrides) -> dict:
+    """The toy model with its embedding frozen and running statistics in buffers, 6 steps,
+    global batch 8 at any world size."""
     cfg = with_overrides(case(strategy, steps=6), data__name="synthetic", data__num_samples=256,
                          strategy__wrap=["ToyBlock"], train__micro_batch_size=8 // world, **overrides)
-    cfg["model"] = {"name": "frozen", "kind": "custom", "_target_": "tests.toys.build", "vocab": 64, "dim": 16,
-                    "layers": 2, "frozen": ["embed"], "vocab_size": 64, "seq_len": 32}
+    cfg["model"] = {"name": "toy", "kind": "custom", "_target_": "tests.toys.build", **TOY, "frozen": ["embed"],
+                    "stats": True, "vocab_size": 64, "seq_len": 32}
     return cfg
 
 
 @pytest.fixture(scope="module")
-def frozen_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("frozen")
-    ckpt = {s: root / f"{s}@2" for s in FROZEN_STRATEGIES}
-    straight = {f"{s}@2": frozen_case(s, 2, checkpoint__dir=str(ckpt[s]), checkpoint__every_steps=3,
-                                      checkpoint__keep_last=0) for s in FROZEN_STRATEGIES}
+def toy_runs(tmp_path_factory):
+    """Each strategy at 2 ranks, saving at steps 3 and 6; resumed from step 3 under another."""
+    root = tmp_path_factory.mktemp("toys")
+    every_3 = dict(checkpoint__every_steps=3, checkpoint__keep_last=0)
+    straight = {f"{s}@2": toy_case(s, 2, checkpoint__dir=str(root / f"{s}@2"), **every_3) for s in FROZEN_STRATEGIES}
     on_ranks(2, train_cases, straight, str(root / "runs"))
-    resumed = {m: {f"{a}->{b}@{m}": frozen_case(b, m, checkpoint__resume=str(ckpt[a] / "step_00000003"))
-                   for a, _, b, mm in FROZEN_CROSS if mm == m} for m in (1, 2)}
-    for world, configs in resumed.items():
-        on_ranks(world, train_cases, configs, str(root / "runs"))
-    return root, ckpt
+    for world in (1, 2):
+        on_ranks(world, train_cases, {
+            f"{a}->{b}@{m}": toy_case(b, m, checkpoint__resume=str(root / f"{a}@2" / "step_00000003"),
+                                      checkpoint__dir=str(root / f"{a}->{b}@{m}"), **every_3)
+            for a, _, b, m in FROZEN_CROSS if m == world}, str(root / "runs"))
+    return root
 
 
-def test_frozen_parameters_save_resume_anywhere_and_never_change(frozen_runs):
-    from examples.toy_model import ToyLM
-    from trainer.checkpoint import PieceReader, read_manifest
+def start_values():
+    from tests.toys import build
     from trainer.config import TrainConfig
     from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
 
-    root, ckpt = frozen_runs
     with params_on_meta():
-        model = ToyLM(64, 16, 2)
+        model = build(**TOY, stats=True)
     allocate(model, torch.device("cpu"))
     fill(model, InitWeights(model, seed=TrainConfig().seed))
-    for strategy, path in ckpt.items():
+    return model
+
+
+def test_frozen_parameters_save_resume_anywhere_and_never_change(toy_runs):
+    from trainer.checkpoint import PieceReader, read_manifest
+
+    model = start_values()
+    for strategy in FROZEN_STRATEGIES:
         for step in ("step_00000003", "step_00000006"):
-            manifest = read_manifest(path / step)
-            reader = PieceReader(path / step, manifest)
+            path = toy_runs / f"{strategy}@2" / step
+            manifest = read_manifest(path)
+            reader = PieceReader(path, manifest)
             assert torch.equal(reader.read_full("model.embed.weight"), model.embed.weight), (strategy, step)
             assert not any(k.startswith("optim.embed.") for k in manifest["tensors"]), strategy  # no moments
             assert "optim.head.weight.exp_avg" in manifest["tensors"]
             assert not torch.equal(reader.read_full("model.head.weight"), model.head.weight)  # that one trains
-    full = {s: records(root / "runs" / f"{s}@2") for s in FROZEN_STRATEGIES}
     for source, _, target, world in FROZEN_CROSS:
-        tail = [r["loss"] for r in records(root / "runs" / f"{source}->{target}@{world}")]
-        expected = [r["loss"] for r in full[target]][3:]
+        tail = [r["loss"] for r in records(toy_runs / "runs" / f"{source}->{target}@{world}")]
+        expected = [r["loss"] for r in records(toy_runs / "runs" / f"{target}@2")][3:]
         assert tail == pytest.approx(expected, rel=2e-6), (source, target, world)
 
 
+def buffers_at(path) -> dict[str, torch.Tensor]:
+    from trainer.checkpoint import PieceReader, read_manifest
+
+    manifest = read_manifest(path)
+    return {name: PieceReader(path, manifest).read_full(f"buffer.{name}") for name in manifest["buffers"]}
+
+
+def test_persistent_buffers_are_saved_restored_under_another_strategy_and_exported(toy_runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer.export import export
+
+    names = {"stats.mean", "stats.count"}
+    for strategy in FROZEN_STRATEGIES:
+        saved = buffers_at(toy_runs / f"{strategy}@2" / "step_00000006")
+        assert set(saved) == names and saved["stats.count"].item() == 6, strategy
+        assert saved["stats.mean"].abs().min() > 0, strategy  # moved from its start (zeros)
+    # Same world size, so rank 0 (whose buffers are saved) sees the same batches: the statistics
+    # after step 6 of a run resumed at 3 are those of the run that never stopped only if step 3's
+    # were restored (else 3 steps of momentum 0.1 from zeros, and a count of 3).
+    for source, _, target, world in FROZEN_CROSS:
+        if world == 2:
+            resumed = buffers_at(toy_runs / f"{source}->{target}@2" / "step_00000006")
+            straight = buffers_at(toy_runs / f"{target}@2" / "step_00000006")
+            for name in names:
+                assert torch.allclose(resumed[name], straight[name], rtol=1e-5, atol=1e-7), (source, target, name)
+    export(toy_runs / "zero3@2" / "step_00000006", tmp_path / "toy.safetensors")
+    exported = load_file(tmp_path / "toy.safetensors")
+    assert exported["stats.count"].dtype == torch.int64 and exported["stats.count"] == 6
+    assert torch.equal(exported["stats.mean"], buffers_at(toy_runs / "zero3@2" / "step_00000006")["stats.mean"])
+
+
 def dropout_case(**overrides) -> dict:
-    cfg = frozen_case("ddp", 1, **overrides)
-    cfg["model"].update(frozen=[], dropout=0.2)
+    cfg = toy_case("ddp", 1, **overrides)
+    cfg["model"].update(frozen=[], stats=False, dropout=0.2)
     return cfg
 
 
@@ -202,3 +242,32 @@ def test_mfu_divides_by_the_peak_of_the_precision_that_runs(monkeypatch):
     assert peak_flops(gpu, "bf16") == peak_flops(gpu, "fp16") == PEAK_BF16_FLOPS["H200"]
     assert peak_flops(gpu, "fp32") is None  # TF32 or not is a setting: no mfu rather than a wrong one
     assert peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def test_persistent_buffers_are_read_from_a_pretrained_folder(tmp_path):
+    """Gemma4's `layer_scalar` (a persistent buffer that scales each layer's output), saved with
+    values other than its start value: the model the trainer builds gives transformers' logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.config import ModelConfig, ModelKind
+    from trainer.models import build_model, initial_weights, logits_of
+    from trainer.models.weights import allocate, fill, params_on_meta
+
+    config = AutoConfig.for_model("gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  max_position_embeddings=128, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for i, layer in enumerate(theirs.model.layers):
+            layer.layer_scalar.fill_(0.5 / (i + 1))
+    theirs.save_pretrained(str(tmp_path / "gemma4"), safe_serialization=True)
+    cfg = ModelConfig(name="hf", kind=ModelKind.hf, path=str(tmp_path / "gemma4"), seq_len=16, vocab_size=128)
+    ours = build_model(cfg, params_on_meta())
+    weights = initial_weights(cfg, ours, seed=0)
+    allocate(ours, torch.device("cpu"))
+    fill(ours, weights)
+    assert [layer.layer_scalar.item() for layer in ours.model.layers] == [0.5, 0.25]
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(logits_of(ours.eval()(ids)), logits_of(theirs.eval()(ids)))

@@ -1,29 +1,49 @@
 """The toy model of examples/ with what some users' models have: frozen parameters
-(`requires_grad=False`) and dropout.
+(`requires_grad=False`), dropout, and running statistics in persistent buffers.
 
-    model=custom model._target_=tests.toys.build +model.frozen=[embed] +model.dropout=0.1 strategy.wrap=[ToyBlock]
+    model=custom model._target_=tests.toys.build +model.frozen=[embed] +model.dropout=0.1 +model.stats=true strategy.wrap=[ToyBlock]
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from examples.toy_model import ToyLM
 
 
-class DropoutToyLM(ToyLM):
-    def __init__(self, vocab: int, dim: int, layers: int, dropout: float):
+class RunningStats(nn.Module):
+    """BatchNorm's bookkeeping without its effect on the output (which would depend on the
+    micro-batch size, so on the world size): a running mean of its input and a step count."""
+
+    def __init__(self, dim: int, momentum: float = 0.1):
+        super().__init__()
+        self.momentum = momentum
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.mean.lerp_(x.detach().float().mean(dim=(0, 1)), self.momentum)
+            self.count += 1
+        return x
+
+
+class Toy(ToyLM):
+    def __init__(self, vocab: int, dim: int, layers: int, dropout: float, stats: bool):
         super().__init__(vocab, dim, layers)
         self.dropout = nn.Dropout(dropout)
+        self.stats = RunningStats(dim) if stats else nn.Identity()
 
     def forward(self, ids):
-        x = self.dropout(self.embed(ids))
+        x = self.stats(self.dropout(self.embed(ids)))
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
 
 
-def build(vocab: int = 64, dim: int = 16, layers: int = 2, frozen: list[str] = (), dropout: float = 0.0) -> ToyLM:
-    model = DropoutToyLM(vocab, dim, layers, dropout)
+def build(vocab: int = 64, dim: int = 16, layers: int = 2, frozen: list[str] = (), dropout: float = 0.0,
+          stats: bool = False) -> ToyLM:
+    model = Toy(vocab, dim, layers, dropout, stats)
     for name, p in model.named_parameters():
         if any(name == f or name.startswith(f"{f}.") for f in frozen):
             p.requires_grad_(False)

@@ -31,7 +31,7 @@ from trainer.config import CheckpointConfig, ConfigError
 from trainer.distributed import broadcast_object
 from trainer.log import log
 from trainer.models.weights import save_safetensors
-from trainer.strategies.base import STEP_KEY, Strategy, state_keys
+from trainer.strategies.base import STEP_KEY, Piece, Strategy, buffer_key, state_keys
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -273,6 +273,8 @@ class CheckpointManager:
         s = self.strategy
         try:
             pieces = s.state_dict()
+            if s.is_main:
+                pieces.update({buffer_key(name): Piece(0, b.view(-1)) for name, b in s.buffers().items()})
             tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu().clone() for key, p in pieces.items()}
             bad = [key for key, t in tensors.items() if not torch.isfinite(t).all()]
             if bad:  # never saved: a checkpoint must be one to go back to
@@ -295,12 +297,16 @@ class CheckpointManager:
                 tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), start, numel])
         key_shapes = {key: shape for name, shape in shapes.items() for key in state_keys(name).values()}
         key_shapes[STEP_KEY] = (1,)
+        buffers = self.strategy.buffers()
+        key_shapes.update({buffer_key(name): tuple(b.shape) for name, b in buffers.items()})
         for key, spec in tensors.items():
             spec["shape"] = list(key_shapes[key])
         manifest = {
             "format": FORMAT_VERSION, "step": step, "epoch": trainer_state["epoch"], "strategy": self.strategy_name,
             "world_size": self.strategy.world_size, "trainer": trainer_state,
             "model": {name: {"shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()},
+            "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                        for name, b in buffers.items()},
             "source": self.source,
             "files": [rank_file(r) for r in range(len(outcomes))], "tensors": tensors,
         }
@@ -362,6 +368,13 @@ class CheckpointManager:
                 newer.name > path.name for newer in self.root.glob(f"{STEP_PREFIX}*")):
             self.resumed_older = path  # not the newest: see _set_aside_newer
         layout, values, rng = s.state_layout(), {}, {}
+        buffers = s.buffers()
+        saved_buffers = {name for name in buffers if buffer_key(name) in manifest["tensors"]}
+        if s.is_main and len(saved_buffers) < len(buffers):  # a checkpoint from before buffers were saved
+            log.warning(f"checkpoint: {path} holds no value for {len(buffers) - len(saved_buffers)} persistent "
+                        f"buffers of the model (e.g. {sorted(set(buffers) - saved_buffers)[0]}); they keep their "
+                        "start values")
+        layout.update({buffer_key(name): (0, buffers[name].numel()) for name in saved_buffers})
 
         def read() -> None:  # this rank's ranges and RNG, from any rank's files
             reader = PieceReader(path, manifest)
@@ -378,6 +391,9 @@ class CheckpointManager:
         failed = [message for messages in failed for message in messages]
         if failed:
             raise CheckpointError(f"checkpoint: cannot read {path}: " + "; ".join(failed))
+        with torch.no_grad():
+            for name in saved_buffers:
+                buffers[name].copy_(values.pop(buffer_key(name)).view_as(buffers[name]))
         s.load_state_dict(values)
         torch.set_rng_state(rng["rng.torch"])
         if s.device.type == "cuda" and "rng.cuda" in rng:

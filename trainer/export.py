@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from trainer.checkpoint import CheckpointError, PieceReader, latest_checkpoint, read_manifest
 from trainer.models.weights import save_safetensors
 
@@ -30,6 +32,9 @@ def export(checkpoint: Path, out: Path) -> str:
     reader = PieceReader(checkpoint, manifest)
     weights = {name: reader.read_full(f"model.{name}").contiguous() for name in manifest["model"]}
     count = sum(w.numel() for w in weights.values())
+    # Persistent buffers (running statistics, Gemma4's layer_scalar) in the dtype the model keeps them in.
+    weights.update({name: reader.read_full(f"buffer.{name}").to(getattr(torch, spec["dtype"])).contiguous()
+                    for name, spec in manifest.get("buffers", {}).items()})
     what = (f"{count:,} fp32 parameters of step {manifest['step']} ({manifest['strategy']}, world size "
             f"{manifest['world_size']}, {checkpoint})")
     if not as_folder:

@@ -73,7 +73,8 @@ def pretrained_weights(cfg: ModelConfig, model: nn.Module,
         raise ConfigError(f"model.path: {path}/config.json has a quantization_config ({method}): its weights are "
                           "quantised, and the trainer trains from float weights only; dequantise them first")
     if safetensors_files(path):
-        return SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), known_extra_keys(model))
+        buffers = {name: tuple(b.shape) for name, b in persistent_buffers(model).items()}
+        return SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), buffers, known_extra_keys(model))
     if list(path.glob("*.bin")):
         raise ConfigError(f"model.path: {path} holds *.bin weights; the trainer reads safetensors only "
                           "(save_pretrained(..., safe_serialization=True) writes them)")
@@ -81,12 +82,11 @@ def pretrained_weights(cfg: ModelConfig, model: nn.Module,
 
 
 def known_extra_keys(model: nn.Module) -> Callable[[str], bool]:
-    """Keys a Hugging Face file may hold besides the parameters: persistent buffers, the second
-    name of a tied parameter, and what the model's class ignores on load (GPT-2's old `attn.bias`)."""
+    """Keys a Hugging Face file may hold besides parameters and buffers: the second name of a tied
+    parameter, and what the model's class ignores on load (GPT-2's old `attn.bias`)."""
     import re
 
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    names |= set(persistent_buffers(model))
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     return lambda name: name in names or any(p.search(name) for p in ignored)
 

@@ -52,6 +52,9 @@ class WeightSource(Protocol):
     def read(self, name: str, start: int, numel: int) -> torch.Tensor:
         """fp32 values [start, start + numel) of parameter `name`, flattened."""
 
+    def read_buffer(self, name: str) -> torch.Tensor | None:
+        """The whole value of persistent buffer `name`; None: keep the one the model computed."""
+
 
 @contextmanager
 def params_on_meta() -> Iterator[None]:
@@ -101,11 +104,16 @@ def allocate(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def fill(model: nn.Module, weights: WeightSource,
          local_range: Callable[[torch.Tensor], tuple[int, torch.Tensor]] = whole) -> None:
-    """Copy into every parameter's local range (start, flat view) its values from `weights`."""
+    """Copy into every parameter's local range (start, flat view) its values from `weights`, and
+    into every persistent buffer (whole on every rank) its value where `weights` has one."""
     for name, p in model.named_parameters():  # a tied parameter once
         start, local = local_range(p)
         if local.numel():
             local.copy_(weights.read(canonical_name(name), start, local.numel()))
+    for name, buffer in persistent_buffers(model).items():
+        value = weights.read_buffer(name)
+        if value is not None:
+            buffer.copy_(value.view_as(buffer))
 
 
 def module_seed(seed: int, module_name: str) -> int:
@@ -146,6 +154,9 @@ class InitWeights:
         if self.cached[0] != module_name or attr not in self.cached[1]:
             self.cached = (module_name, self._initialise(module_name, module))
         return self.cached[1][attr].view(-1)[start:start + numel]
+
+    def read_buffer(self, name: str) -> None:
+        return None  # the values the model's __init__ computed
 
     def ancestors(self, module_name: str) -> Iterator[tuple[str, nn.Module]]:
         """The modules above `module_name`, nearest first, the root last."""
@@ -226,17 +237,19 @@ QUANTISATION_SUFFIXES = ("_scale_inv", "_scale", ".absmax", ".quant_map", ".quan
 
 class SafetensorsWeights:
     """Pretrained weights from safetensors files, read by row ranges (never a whole file).
-    `rename` maps a key of the files to the model's parameter name; `also_known` says whether a
-    key that is no parameter is still the model's (a persistent buffer, a tied alias, a key the
-    model's class ignores). Any other key, and any quantised tensor, is refused."""
+    `rename` maps a key of the files to the model's parameter name; `buffers`: the model's persistent
+    buffers (read where the files have them); `also_known` says whether another key is still the
+    model's (a tied alias, a key the model's class ignores). Any other key, and any quantised
+    tensor, is refused."""
 
     def __init__(self, directory: Path, shapes: dict[str, tuple[int, ...]], rename: Callable[[str], str] = str,
-                 also_known: Callable[[str], bool] = lambda name: False):
+                 buffers: dict[str, tuple[int, ...]] | None = None, also_known: Callable[[str], bool] = lambda name: False):
         from safetensors import safe_open
 
         self.files = safetensors_files(directory)
         self.description = f"weights from {directory} ({len(self.files)} safetensors file(s))"
         stored: dict[str, tuple[Path, str, tuple[int, ...]]] = {}  # model name -> (file, key, shape)
+        buffers = buffers or {}
         quantised, unknown = [], []
         for f in self.files:
             with safe_open(str(f), framework="pt") as handle:
@@ -245,7 +258,7 @@ class SafetensorsWeights:
                     if stored_slice.get_dtype() not in FLOAT_DTYPES or (
                             name not in shapes and key.endswith(QUANTISATION_SUFFIXES)):
                         quantised.append(f"{key} ({stored_slice.get_dtype()})")
-                    elif name not in shapes and not also_known(name):
+                    elif name not in shapes and name not in buffers and not also_known(name):
                         unknown.append(key)
                     stored[name] = (f, key, tuple(stored_slice.get_shape()))
         if quantised:
@@ -258,10 +271,22 @@ class SafetensorsWeights:
         problems = [f"{name}: not in the files" if name not in stored else
                     f"{name}: files {list(stored[name][2])}, model {list(shape)}"
                     for name, shape in shapes.items() if stored.get(name, (None, None, shape))[2] != shape]
+        problems += [f"{name} (a buffer): files {list(stored[name][2])}, model {list(shape)}"
+                     for name, shape in buffers.items() if name in stored and stored[name][2] != shape]
         if problems:
             raise ConfigError(f"model.path: the weights in {directory} do not fit the model built from its "
                               f"config.json ({len(problems)} parameters):\n  " + "\n  ".join(problems[:10]))
         self.where = {name: stored[name][:2] for name in shapes}
+        self.buffers = {name: stored[name][:2] for name in buffers if name in stored}
+
+    def read_buffer(self, name: str) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        if name not in self.buffers:
+            return None
+        path, key = self.buffers[name]
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(key)
 
     def read(self, name: str, start: int, numel: int) -> torch.Tensor:
         from safetensors import safe_open

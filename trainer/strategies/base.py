@@ -11,7 +11,7 @@ from torch import nn
 
 from trainer.config import Config, GradReduce, Precision
 from trainer.distributed import DistEnv
-from trainer.models.weights import WeightSource, canonical_name, params_on_meta
+from trainer.models.weights import WeightSource, canonical_name, params_on_meta, persistent_buffers
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
@@ -32,6 +32,11 @@ def state_keys(name: str) -> dict[str, str]:
 
 
 STEP_KEY = "optim.step"  # Adam's step count, one value
+
+
+def buffer_key(name: str) -> str:
+    """Portable key of a persistent buffer (saved whole, by rank 0)."""
+    return f"buffer.{name}"
 
 
 def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> Piece:
@@ -128,6 +133,16 @@ class Strategy(ABC):
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
         """Bytes this rank holds: {"params", "grads", "optim", "peak"} (DESIGN §4)."""
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The model inside the backend's wrapper (DDP's, DeepSpeed's engine), after `setup`."""
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers (canonical name -> tensor), whole on every rank: a checkpoint
+        keeps rank 0's (DDP broadcasts its own at every forward; the others keep each rank's)."""
+        return persistent_buffers(self.module)
 
     # Portable state (DESIGN §5): keys from `state_keys` and STEP_KEY, values as flat ranges,
     # so a checkpoint is independent of how a backend splits tensors.
@@ -233,10 +248,6 @@ class TorchStrategy(Strategy):
             self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": state["scale"],
                                          "_growth_tracker": state["good_steps"]})
 
-    @property
-    @abstractmethod
-    def module(self) -> nn.Module:
-        """The model without the DDP wrapper."""
 
     @abstractmethod
     def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int]:

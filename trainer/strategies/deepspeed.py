@@ -187,7 +187,7 @@ class DeepSpeedStrategy(Strategy):
         zero = self.engine.optimizer
         # Unreduced gradients by their own size: ZeRO-2/3 place them in a reduce bucket whose
         # capacity (reduce_bucket_size) is a communication buffer, not gradients.
-        unreduced = sum(p.grad.numel() * p.grad.element_size() for p in self.engine.module.parameters()
+        unreduced = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters()
                         if p.grad is not None)
         partitions = [m.grad for m in self._masters()]
         for buffers in ("averaged_gradients", "all_grad_tensors"):  # ZeRO-1/2: reduced, and accumulating
@@ -198,7 +198,7 @@ class DeepSpeedStrategy(Strategy):
 
     def memory_bytes(self):
         masters = self._masters()
-        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()),
+        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.module.parameters()),
                 "grads": max(self._gradient_bytes(), self._gradient_peak),  # now, or at this step's peak
                 "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(self.engine.optimizer.optimizer)),
                 "peak": peak_device_bytes(self.device)}
@@ -207,8 +207,12 @@ class DeepSpeedStrategy(Strategy):
     # fragment APIs tell which range of each parameter this rank owns. ZeRO-1/2: the
     # `_hp_mapping` fragment (any range, or none); ZeRO-3: partition `rank` of the flat parameter.
 
+    @property
+    def module(self):
+        return self.engine.module
+
     def _params(self):
-        return [(canonical_name(n), p) for n, p in self.engine.module.named_parameters()]
+        return [(canonical_name(n), p) for n, p in self.module.named_parameters()]
 
     def param_shapes(self):
         return {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._params()}
