@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
+from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
 
 FRESH_INIT_FAMILIES = {
     # 12 layers: GPT-2's residual projections are scaled by 1/sqrt(2 x 12) from their parent module.
@@ -271,3 +271,37 @@ def test_persistent_buffers_are_read_from_a_pretrained_folder(tmp_path):
     ids = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
         assert torch.equal(logits_of(ours.eval()(ids)), logits_of(theirs.eval()(ids)))
+
+
+TOY_CLI = ("model=custom", "model._target_=tests.toys.build", "strategy.wrap=[ToyBlock]", "data=synthetic",
+           "data.num_samples=256", "model.seq_len=32", "data.num_workers=0", "train.log_every=1")
+
+
+def event_lines(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" in r]
+
+
+def test_ctrl_c_saves_and_exits_130_like_sigterm(tmp_path):
+    result = run_cli(*TOY_CLI, "+model.signal=SIGINT", "+model.signal_at_step=3", "train.max_steps=8",
+                     f"checkpoint.dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr[-3000:]
+    assert event_lines(tmp_path / "run")[-1] == {"event": "preempted", "step": 3, "signal": "SIGINT",
+                                                 "checkpoint": str(tmp_path / "ckpt" / "step_00000003")}
+
+
+def test_a_signal_at_the_last_step_ends_the_run_as_planned(tmp_path):
+    result = run_cli(*TOY_CLI, "+model.signal_at_step=4", "train.max_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [e["event"] for e in event_lines(tmp_path / "run")] == ["end"]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
+
+
+def test_a_signal_during_an_evaluation_and_save_stops_right_after_them(tmp_path):
+    result = run_cli(*TOY_CLI, "+model.signal_in_eval=true", "data.val_fraction=0.25", "eval.every_steps=2",
+                     "eval.max_batches=1", "train.max_steps=8", "checkpoint.every_steps=2",
+                     f"checkpoint.dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert event_lines(tmp_path / "run")[-1]["step"] == 2  # no extra step ...
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000002"]  # ... nor save

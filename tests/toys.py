@@ -1,11 +1,17 @@
 """The toy model of examples/ with what some users' models have: frozen parameters
-(`requires_grad=False`), dropout, and running statistics in persistent buffers.
+(`requires_grad=False`), dropout, and running statistics in persistent buffers; and a signal
+to its own process (rank 0) during the forward of a chosen training step, or of the first
+evaluation.
 
     model=custom model._target_=tests.toys.build +model.frozen=[embed] +model.dropout=0.1 +model.stats=true strategy.wrap=[ToyBlock]
 """
 from __future__ import annotations
 
+import os
+import signal as signals
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from examples.toy_model import ToyLM
@@ -29,12 +35,19 @@ class RunningStats(nn.Module):
 
 
 class Toy(ToyLM):
-    def __init__(self, vocab: int, dim: int, layers: int, dropout: float, stats: bool):
+    def __init__(self, vocab: int, dim: int, layers: int, dropout: float, stats: bool, signal: str,
+                 signal_at_step: int, signal_in_eval: bool):
         super().__init__(vocab, dim, layers)
         self.dropout = nn.Dropout(dropout)
         self.stats = RunningStats(dim) if stats else nn.Identity()
+        self.signal, self.signal_at_step, self.signal_in_eval, self.steps = signal, signal_at_step, signal_in_eval, 0
 
     def forward(self, ids):
+        self.steps += self.training  # one forward per step (no accumulation where this is used)
+        now = self.steps == self.signal_at_step if self.training else self.signal_in_eval
+        if now and dist.is_initialized() and dist.get_rank() == 0:
+            self.signal_at_step, self.signal_in_eval = 0, False
+            os.kill(os.getpid(), getattr(signals, self.signal))
         x = self.stats(self.dropout(self.embed(ids)))
         for layer in self.layers:
             x = layer(x)
@@ -42,8 +55,8 @@ class Toy(ToyLM):
 
 
 def build(vocab: int = 64, dim: int = 16, layers: int = 2, frozen: list[str] = (), dropout: float = 0.0,
-          stats: bool = False) -> ToyLM:
-    model = Toy(vocab, dim, layers, dropout, stats)
+          stats: bool = False, signal: str = "SIGTERM", signal_at_step: int = 0, signal_in_eval: bool = False) -> ToyLM:
+    model = Toy(vocab, dim, layers, dropout, stats, signal, signal_at_step, signal_in_eval)
     for name, p in model.named_parameters():
         if any(name == f or name.startswith(f"{f}.") for f in frozen):
             p.requires_grad_(False)

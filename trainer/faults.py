@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 # SIGTERM: what schedulers and launchers send before SIGKILL. SIGUSR1: SLURM's warning before
-# the time limit (`#SBATCH --signal`), which the trainer treats the same way.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# the time limit (`#SBATCH --signal`). SIGINT: Ctrl-C. The trainer treats all three the same way.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Stopped(Exception):
@@ -60,6 +60,14 @@ class StepGuard:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         self.good, self.stop_signal = not flags[0].item(), int(flags[1].item())
         return self.good
+
+    def check_stop(self) -> int:
+        """The stop signal any rank received since the last check (0: none), agreed by every rank:
+        asked after a save or an evaluation, long enough for a signal to arrive during them."""
+        flags = torch.tensor([self.signum], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.stop_signal = int(flags[0].item())
+        return self.stop_signal
 
     def count(self, step: int) -> None:
         """Count a skipped step; too many in a row end the run."""

@@ -240,7 +240,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                 log.info(f"first step, with torch.compile: {paused - since:.1f} s")
                 records.log({"event": "compiled", "step": step, "first_step_s": paused - since})
                 since, steps_since = paused, 0
-            if val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
+            evaluated = val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps)
+            if evaluated:
                 val_loss = validate()
             since += time.perf_counter() - paused  # step times leave evaluations out
             if log_now:
@@ -264,8 +265,11 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             # Recorded before saved: a rank killed during a save leaves the step's record behind
             # (the restart resumes from the checkpoint before and records those steps again).
             paused = time.perf_counter()
-            saved = save() if checkpoints.due(step, total_steps) else None
-            if guard.stop_signal:
+            due = checkpoints.due(step, total_steps)
+            saved = save() if due else None
+            if (evaluated or due) and not guard.stop_signal:  # a signal during them: honoured now
+                guard.check_stop()
+            if guard.stop_signal and step < total_steps:  # at the last step: the run ends as planned
                 stop(saved or (save() if checkpoints.root else None))
             since += time.perf_counter() - paused  # ... and saves
     finally:
