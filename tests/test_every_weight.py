@@ -305,3 +305,24 @@ def test_a_signal_during_an_evaluation_and_save_stops_right_after_them(tmp_path)
     assert result.returncode == 143, result.stderr[-3000:]
     assert event_lines(tmp_path / "run")[-1]["step"] == 2  # no extra step ...
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000002"]  # ... nor save
+
+
+def uneven_case(strategy: str, world: int, **overrides) -> dict:
+    """Dimensions that divide by neither 2 nor 3: a prime vocabulary (251), width 35 (5 heads of
+    7), feed-forward 91; global batch 6 at any world size."""
+    return with_overrides(case(strategy, steps=6), model__vocab_size=251, model__d_model=35, model__n_heads=5,
+                          model__d_ff=91, model__seq_len=32, data__name="synthetic", data__num_samples=256,
+                          train__micro_batch_size=6 // world, **overrides)
+
+
+def test_uneven_shards_at_3_ranks_train_as_1_rank_and_resume_at_2(tmp_path):
+    ckpt = tmp_path / "zero3@3"
+    on_ranks(1, train_cases, {"ddp@1": uneven_case("ddp", 1)}, str(tmp_path))
+    on_ranks(3, train_cases, {"fsdp@3": uneven_case("fsdp", 3),
+                              "zero3@3": uneven_case("zero3", 3, checkpoint__dir=str(ckpt), checkpoint__every_steps=3,
+                                                     checkpoint__keep_last=0)}, str(tmp_path))
+    on_ranks(2, train_cases, {"zero3@3->fsdp@2": uneven_case("fsdp", 2, checkpoint__resume=str(ckpt / "step_00000003"))},
+             str(tmp_path))
+    one = [r["loss"] for r in records(tmp_path / "ddp@1")]
+    for run, first in (("fsdp@3", 0), ("zero3@3", 0), ("zero3@3->fsdp@2", 3)):
+        assert [r["loss"] for r in records(tmp_path / run)] == pytest.approx(one[first:], rel=2e-6), run
