@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from trainer.config import Config, ConfigError, DataName, ModelKind
@@ -58,14 +57,12 @@ def check_data(cfg: Config, world_size: int) -> None:
 
 def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
     """(training rows, validation rows or None). Text to tokenise is tokenised once, by the
-    first process of each node, while the others wait."""
+    first process of a node, while the others wait (outside any collective: data/tokenized.py)."""
     d = cfg.data
     if DataName(d.name) is DataName.hf:
-        if local_rank == 0:
-            for key, path in _paths(cfg):
-                _tokenized(cfg, path, key).prepare()
-        if dist.is_initialized():
-            dist.barrier()
+        for key, path in _paths(cfg):
+            source = _tokenized(cfg, path, key)
+            source.prepare() if local_rank == 0 else source.wait()
     train, pad_id = _tokens(cfg, d.path, "data.path")
     val = _tokens(cfg, d.val_path, "data.val_path")[0] if d.val_path else None
     if d.val_fraction:

@@ -3,18 +3,25 @@ every rank and every later run.
 
 The cache holds the token ids of all documents back to back, each ended by EOS (`ids.bin`),
 and where each document starts (`doc_starts.npy`); packing or padding happens when reading.
-Its key is the data files (path, size, mtime), the tokenizer's files and the text field, so a
-changed file or tokenizer makes a new one. One process per node writes it, under a temporary
-name renamed when complete.
+Its key is the data files (path, size, mtime), the tokenizer's own files, the `tokenizers`
+version and the text field, so a changed file or tokenizer makes a new one.
+
+The first process of each node asks for an entry; of several nodes sharing the cache dir, the
+one that takes the entry's lock file writes it and the others wait on the lock. The node's other
+ranks wait for the entry to appear. All of this is outside any collective, so a corpus may take
+longer than `collective_timeout_s`. The entry is written under a temporary name, in batches
+whose progress is recorded, so a writer that dies leaves a partial entry the next writer
+continues; it is renamed when complete.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -23,6 +30,10 @@ from trainer.data.sources import Tokens
 from trainer.log import log
 
 FORMAT = 1
+BATCH_DOCUMENTS = 1000  # tokenised, written and recorded together: what a resumed writer may redo
+PROGRESS_EVERY_S = 30.0
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja")
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -87,15 +98,20 @@ def load_tokenizer(path: Path | None, key: str):
 
 
 def cache_key(path: Path, tokenizer_dir: Path, text_field: str) -> str:
+    """The data files by path, size and mtime; the tokenizer by the content of its own files (not
+    the weights beside them in a model folder) and the `tokenizers` version that runs it."""
+    from importlib.metadata import version
+
     found = data_files(path, "data.path")
     files = found[1] if found else sorted(f for f in path.rglob("*") if f.is_file())
-    h = hashlib.sha256(json.dumps({"format": FORMAT, "field": text_field}).encode())
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "field": text_field,
+                                   "tokenizers": version("tokenizers")}).encode())
     for f in files:
         stat = f.stat()
         h.update(f"{f.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    for f in sorted(tokenizer_dir.iterdir()):
-        if f.is_file() and f.stat().st_size < 2 ** 28:
-            h.update(f.name.encode() + f.read_bytes())
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            h.update(name.encode() + (tokenizer_dir / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -127,43 +143,99 @@ class TokenizedText:
                 raise ConfigError(f"data.text_field: no column {self.text_field!r} in {self.path}; "
                                   f"columns: {', '.join(columns)}")
 
+    def wait(self) -> None:
+        """Until the entry is published (by this node's first process; if that one fails, the
+        launcher stops this one)."""
+        while not self.ready:
+            time.sleep(0.2)
+
     def prepare(self) -> None:
-        """Tokenise into the cache unless it is there (one process per node calls this)."""
+        """Tokenise into the cache unless it is there or another node's process does (see the top)."""
         if self.ready:
             return
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.dir.with_name(f".{self.dir.name}.lock")
+        with open(lock_path, "a") as lock:
+            self._take(lock)
+            if not self.ready:
+                self._tokenise()
+                # Published before removed: whoever still waits on this file finds the entry ready.
+                lock_path.unlink(missing_ok=True)
+
+    def _take(self, lock: IO) -> None:
+        """Hold the entry's lock; while another process holds it, say what it has done so far."""
+        said = 0.0
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() - said >= PROGRESS_EVERY_S:
+                    done = self._progress()
+                    log.info(f"waiting for {self.dir}, which another process is tokenising "
+                             f"({done['documents']:,} documents so far)")
+                    said = time.monotonic()
+                time.sleep(0.2)
+
+    @property
+    def _tmp(self) -> Path:
+        return self.dir.with_name(f".tmp-{self.dir.name}")
+
+    def _progress(self) -> dict:
+        """What the partial entry holds: documents and bytes of ids.bin written, in whole batches."""
+        try:
+            return json.loads((self._tmp / "progress.json").read_text())
+        except (OSError, ValueError):
+            return {"documents": 0, "ids_bytes": 0}
+
+    def _tokenise(self) -> None:
         started = time.perf_counter()
         tokenizer = load_tokenizer(self.tokenizer_dir, "data.tokenizer")
         dataset = open_dataset(self.path, self.key, self.cache_root)
-        log.info(f"tokenising {len(dataset):,} documents of {self.path} with {self.tokenizer_dir} (once; cached in "
-                 f"{self.dir})")
         dtype = np.uint16 if len(tokenizer) <= 2 ** 16 else np.uint32
         eos = tokenizer.eos_token_id
-        tmp = self.dir.with_name(f".tmp-{self.dir.name}-{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        starts, total = [], 0
-        with open(tmp / "ids.bin", "wb") as out:
-            for batch in dataset.iter(batch_size=1000):
-                texts = [t or "" for t in batch[self.text_field]]
-                for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]:
-                    if not ids or ids[-1] != eos:
-                        ids = ids + [eos]
-                    starts.append(total)
-                    total += len(ids)
-                    out.write(np.asarray(ids, dtype=dtype).tobytes())
-        np.save(tmp / "doc_starts.npy", np.asarray(starts, dtype=np.int64))
+        self._tmp.mkdir(exist_ok=True)
+        done = self._progress()
+        # What a writer that died wrote past its last recorded batch is cut off, then continued.
+        with open(self._tmp / "ids.bin", "ab") as ids, open(self._tmp / "doc_starts.bin", "ab") as starts:
+            ids.truncate(done["ids_bytes"])
+            starts.truncate(done["documents"] * 8)
+        log.info(f"tokenising {len(dataset):,} documents of {self.path} with {self.tokenizer_dir} (once; cached in "
+                 f"{self.dir})" + (f", continuing after {done['documents']:,}" if done["documents"] else ""))
+        total, said = done["ids_bytes"] // np.dtype(dtype).itemsize, time.monotonic()
+        with open(self._tmp / "ids.bin", "ab") as ids, open(self._tmp / "doc_starts.bin", "ab") as starts:
+            for first in range(done["documents"], len(dataset), BATCH_DOCUMENTS):
+                texts = [t or "" for t in dataset[first:first + BATCH_DOCUMENTS][self.text_field]]
+                docs = [ids_ if ids_ and ids_[-1] == eos else ids_ + [eos]
+                        for ids_ in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+                lengths = np.asarray([len(d) for d in docs], dtype=np.int64)
+                starts.write((total + np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype(np.int64).tobytes())
+                ids.write(np.asarray([i for d in docs for i in d], dtype=dtype).tobytes())
+                total += int(lengths.sum())
+                for f in (ids, starts):
+                    f.flush()
+                    os.fsync(f.fileno())
+                documents = first + len(docs)
+                (self._tmp / "progress.json").write_text(json.dumps({"documents": documents,
+                                                                     "ids_bytes": ids.tell()}))
+                if time.monotonic() - said >= PROGRESS_EVERY_S:
+                    log.info(f"tokenised {documents:,} of {len(dataset):,} documents")
+                    said = time.monotonic()
         if not total:
             raise ConfigError(f"{self.key}: {self.path} has no text in column {self.text_field!r}")
+        doc_starts = np.fromfile(self._tmp / "doc_starts.bin", dtype=np.int64)
+        np.save(self._tmp / "doc_starts.npy", doc_starts)
+        (self._tmp / "doc_starts.bin").unlink()
+        (self._tmp / "progress.json").unlink()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        meta = {"format": FORMAT, "dtype": np.dtype(dtype).name, "documents": len(starts), "tokens": total,
+        meta = {"format": FORMAT, "dtype": np.dtype(dtype).name, "documents": len(doc_starts), "tokens": total,
                 "pad_id": pad_id,
                 "source": str(self.path.resolve()), "tokenizer": str(self.tokenizer_dir.resolve()),
                 "text_field": self.text_field}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            tmp.rename(self.dir)
-        except OSError:  # another node's process finished first: its copy is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.info(f"tokenised: {len(starts):,} documents, {total:,} tokens in {time.perf_counter() - started:.1f} s")
+        (self._tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        self._tmp.rename(self.dir)  # published whole: readers look for dir/meta.json
+        log.info(f"tokenised: {len(doc_starts):,} documents, {total:,} tokens in "
+                 f"{time.perf_counter() - started:.1f} s")
 
     def tokens(self) -> tuple[Tokens, int]:
         """The cached tokens and the id that pads unpacked rows."""
