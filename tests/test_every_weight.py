@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
+from trainer.config import to_config
 
 FRESH_INIT_FAMILIES = {
     # 12 layers: GPT-2's residual projections are scaled by 1/sqrt(2 x 12) from their parent module.
@@ -449,3 +451,108 @@ def test_two_nodes_sharing_a_cache_dir_tokenise_once(hf_assets, tmp_path):
         ready = pool.starmap(tokenise_and_say, [(cfg, tmp_path / "tokenised_by")] * 2)
     assert ready == [True, True]
     assert len((tmp_path / "tokenised_by").read_text().splitlines()) == 1
+
+
+STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+
+
+def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
+    # lr 0, one step: what each saves is where it started. DeepSpeed clones its masters from the
+    # bf16 parameters unless they are set again from the fp32 values.
+    from trainer.checkpoint import PieceReader, read_manifest
+    from trainer.models.reference import Transformer, shape_of
+    from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
+
+    configs = {s: with_overrides(case(s, steps=1), train__precision="bf16", optim__lr=0.0,
+                                 checkpoint__dir=str(tmp_path / s)) for s in STRATEGIES}
+    on_ranks(2, train_cases, configs, str(tmp_path / "runs"))
+    cfg = to_config(configs["ddp"])
+    with params_on_meta():
+        model = Transformer(shape_of(cfg.model))
+    allocate(model, torch.device("cpu"))
+    fill(model, InitWeights(model, cfg.train.seed))
+    start = dict(model.named_parameters())
+    for s in STRATEGIES:
+        path = tmp_path / s / "step_00000001"
+        reader = PieceReader(path, read_manifest(path))
+        for name, value in start.items():
+            assert torch.equal(reader.read_full(f"model.{name}"), value.detach()), (s, name)
+
+
+def skip_case(strategy: str, **overrides) -> dict:
+    """The toy model with a fault on rank 1 at step 3, 5 steps, synthetic data."""
+    cfg = with_overrides(case(strategy, steps=5), data__name="synthetic", data__num_samples=256,
+                         strategy__wrap=["ToyBlock"], **overrides)
+    cfg["model"] = {"name": "faulty", "kind": "custom", "_target_": "tests.faulty.build", "vocab": 64, "dim": 16,
+                    "layers": 2, "rank": 1, "vocab_size": 64, "seq_len": 32}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def skipped_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("skips")
+    no_check = root / "ds_no_overflow_check.json"
+    no_check.write_text(json.dumps({"bf16": {"check_grad_overflow": False}}))
+    configs = {f"inf:{s}": skip_case(s) for s in ("ddp", "fsdp", "zero2", "zero3")}
+    for name in configs:  # an infinite loss with finite gradients
+        configs[name]["model"]["inf_steps"] = [3]
+    configs.update({f"nan-bf16:{s}": skip_case(s, train__precision="bf16", **(
+        {"strategy__deepspeed_config": str(no_check)} if s.startswith("zero") else {}))
+        for s in ("ddp", "fsdp", "zero2", "zero3")})
+    for name in configs:
+        if name.startswith("nan"):  # NaN gradients, and a ds_config whose own check is off
+            configs[name]["model"]["nan_steps"] = [3]
+    on_ranks(2, train_cases, configs, str(root))
+    return {name: records(root / name) for name in configs}
+
+
+@pytest.mark.parametrize("fault", ["inf", "nan-bf16"])
+def test_a_skipped_step_is_skipped_on_every_backend(skipped_runs, fault):
+    runs = {name.split(":")[1]: rows for name, rows in skipped_runs.items() if name.startswith(fault)}
+    for strategy, rows in runs.items():
+        assert [r["skipped"] for r in rows] == [0, 0, 1, 1, 1], strategy
+        assert all(math.isfinite(r["loss"]) for r in rows[3:]), strategy
+    # Skipped alike: the steps after it agree across backends (bf16: as closely as bf16 runs agree).
+    rel = 2e-6 if fault == "inf" else 2e-2
+    for strategy, rows in runs.items():
+        assert [r["loss"] for r in rows[3:]] == pytest.approx([r["loss"] for r in runs["ddp"][3:]], rel=rel), strategy
+
+
+def reduced_bytes(env) -> dict:
+    """Bytes the gradient collectives carry in one bf16 step, per strategy and strategy.reduce_dtype."""
+    from tests.harness import CollectiveBytes
+    from tests.test_core_behaviour import build, loss_of
+
+    out = {}
+    for strategy_name in ("ddp", "fsdp", "zero2", "zero3"):
+        for dtype in ("fp32", "bf16"):
+            strategy, model, _ = build(env, case(strategy_name, train__precision="bf16",
+                                                 strategy__reduce_dtype=dtype))
+            x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
+            counter = CollectiveBytes()
+            with counter:
+                with strategy.autocast():
+                    loss = loss_of(model, x)
+                strategy.backward(loss)
+                strategy.step(1.0)
+            strategy.teardown()
+            out[(strategy_name, dtype)] = counter.bytes
+    return out
+
+
+def test_gradients_are_reduced_in_the_reduce_dtype_on_every_backend():
+    from trainer.config import GradReduce, Precision, ReduceDtype, StrategyName
+    from trainer.models import model_facts
+    from trainer.plan import step_traffic
+
+    measured = on_ranks(2, reduced_bytes)[0]
+    facts = model_facts(to_config(case("ddp")).model, None)
+    for (strategy, dtype), carried in measured.items():
+        planned = step_traffic(StrategyName(strategy), facts.params, facts.small_params, 2, Precision.bf16, 1,
+                               GradReduce.step, offload=False, reduce_dtype=ReduceDtype(dtype))
+        kind = "all_reduce" if strategy in ("ddp", "zero2") else "reduce_scatter"
+        assert carried[kind] == pytest.approx(planned[kind], rel=0.02, abs=64), (strategy, dtype, carried, planned)
+    for strategy in ("ddp", "fsdp", "zero2", "zero3"):
+        fp32, bf16 = measured[(strategy, "fp32")], measured[(strategy, "bf16")]
+        kind = "all_reduce" if strategy in ("ddp", "zero2") else "reduce_scatter"
+        assert fp32[kind] == pytest.approx(2 * bf16[kind], rel=0.02), (strategy, fp32, bf16)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
-from examples.tiny_hf import BLOCKS, FAMILIES, VOCAB
+from examples.tiny_hf import FAMILIES, VOCAB
 from trainer.checkpoint import read_manifest
 from trainer.config import to_config
 

@@ -63,6 +63,11 @@ class GradReduce(str, Enum):
     micro_step = "micro_step"  # every micro-step: gradients stay sharded (fsdp, zero2, zero3)
 
 
+class ReduceDtype(str, Enum):
+    fp32 = "fp32"  # gradients reduced (and, on ZeRO-2/3, kept) in fp32 whatever the compute dtype
+    bf16 = "bf16"  # reduced in bf16, half the bytes on the wire (train.precision=bf16 only)
+
+
 class LogLevel(str, Enum):
     debug = "debug"
     info = "info"
@@ -85,6 +90,7 @@ class StrategyConfig:
     wrap: Optional[List[str]] = None  # block classes to shard; None: the model's _no_split_modules
     deepspeed_config: Optional[str] = None  # a ds_config.json merged under ours (zero1/2/3)
     grad_reduce: GradReduce = GradReduce.step  # with grad_accum_steps > 1: when gradients are reduced
+    reduce_dtype: ReduceDtype = ReduceDtype.fp32  # the dtype gradients are reduced in, on every backend
 
 
 @dataclass
@@ -280,6 +286,9 @@ def validate(cfg: Config) -> None:
              f"START:STOP, the first and last step to trace (1 <= START <= STOP), got {t.profile!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
     _require(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
+    _require(ReduceDtype(s.reduce_dtype) is ReduceDtype.fp32 or Precision(t.precision) is Precision.bf16,
+             "strategy.reduce_dtype", f"bf16 reduces the gradients of bf16 training; train.precision is "
+             f"{Precision(t.precision).value}")
     _require(cfg.nproc >= 1, "nproc", f"must be >= 1, got {cfg.nproc}")
     _require(cfg.max_restarts >= 0, "max_restarts", f"must be >= 0, got {cfg.max_restarts}")
     _require(cfg.shutdown_timeout_s >= 0, "shutdown_timeout_s", f"must be >= 0, got {cfg.shutdown_timeout_s}")

@@ -6,12 +6,14 @@ built on it. Bytes per parameter, by what each backend keeps (`master_weights=Tr
 - FSDP2: the same, sharded: its fp32 sharded parameters are the masters, gradients reduce in fp32.
 - DeepSpeed ZeRO: parameters and gradients in the training dtype, plus an fp32 master
   partition (even in fp32 training), counted as optimizer state as the ZeRO paper does: K=12.
+  ZeRO-2/3 keep their reduced gradient partitions in the reduce dtype (`strategy.reduce_dtype`,
+  fp32 by default); ZeRO-1 in the training dtype.
 `master_weights=False` is pure low-precision training (bf16 params/grads, fp32 moments, no
 fp32 copy: K=8), the "14 + 14 + 56 GB for 7B" textbook case.
 """
 from __future__ import annotations
 
-from trainer.config import GradReduce, Precision, Sharding, StrategyName
+from trainer.config import GradReduce, Precision, ReduceDtype, Sharding, StrategyName
 
 DTYPE_BYTES = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -26,14 +28,21 @@ def fsdp_shard_count(sharding: Sharding, world_size: int, local_world_size: int)
     return {Sharding.NO_SHARD: 1, Sharding.HYBRID_SHARD: local_world_size}.get(sharding, world_size)
 
 
-def bytes_per_param(strategy: StrategyName, precision: Precision, master_weights: bool = True) -> dict[str, int]:
+def reduce_bytes(precision: Precision, reduce_dtype: ReduceDtype = ReduceDtype.fp32) -> int:
+    """Bytes per gradient element as the ranks reduce it: fp32 unless strategy.reduce_dtype=bf16."""
+    return 2 if Precision(precision) is Precision.bf16 and ReduceDtype(reduce_dtype) is ReduceDtype.bf16 else 4
+
+
+def bytes_per_param(strategy: StrategyName, precision: Precision, master_weights: bool = True,
+                    reduce_dtype: ReduceDtype = ReduceDtype.fp32) -> dict[str, int]:
     """Unsharded bytes per parameter: {"params", "grads", "optim"}."""
     b = DTYPE_BYTES[precision]
     if not master_weights:
         return {"params": b, "grads": b, "optim": ADAM_MOMENT_BYTES}
     if strategy in (StrategyName.ddp, StrategyName.fsdp):
         return {"params": 4, "grads": 4, "optim": ADAM_MOMENT_BYTES}
-    return {"params": b, "grads": b, "optim": ADAM_MOMENT_BYTES + MASTER_BYTES}
+    grads = reduce_bytes(precision, reduce_dtype) if strategy in (StrategyName.zero2, StrategyName.zero3) else b
+    return {"params": b, "grads": max(b, grads), "optim": ADAM_MOMENT_BYTES + MASTER_BYTES}
 
 
 # Which of params / grads / optim each strategy splits over the ranks.
@@ -42,9 +51,10 @@ SHARDED = {StrategyName.ddp: (), StrategyName.zero1: ("optim",), StrategyName.ze
 
 
 def per_rank_bytes(strategy: StrategyName, n_params: int, world_size: int, precision: Precision = Precision.fp32,
-                   fsdp_shards: int | None = None, master_weights: bool = True) -> dict[str, int]:
+                   fsdp_shards: int | None = None, master_weights: bool = True,
+                   reduce_dtype: ReduceDtype = ReduceDtype.fp32) -> dict[str, int]:
     shards = (fsdp_shards or world_size) if strategy is StrategyName.fsdp else world_size
-    per_param = bytes_per_param(strategy, precision, master_weights)
+    per_param = bytes_per_param(strategy, precision, master_weights, reduce_dtype)
     return {k: per_param[k] * n_params // (shards if k in SHARDED[strategy] else 1) for k in per_param}
 
 

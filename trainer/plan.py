@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.config import Config, GradReduce, Precision, StrategyName
-from trainer.memory import DTYPE_BYTES, activation_bytes, peak_gradient_bytes, per_rank_bytes
+from trainer.config import Config, GradReduce, Precision, ReduceDtype, StrategyName
+from trainer.memory import DTYPE_BYTES, activation_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 
 GB = 1e9
 STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
@@ -67,35 +67,37 @@ def count_params(cfg: Config) -> int:
 
 
 def step_traffic(strategy: StrategyName, n_params: int, small_params: int, world_size: int, precision: Precision,
-                 grad_accum_steps: int, grad_reduce: GradReduce, offload: bool) -> dict[str, int]:
+                 grad_accum_steps: int, grad_reduce: GradReduce, offload: bool,
+                 reduce_dtype: ReduceDtype = ReduceDtype.fp32) -> dict[str, int]:
     """Payload bytes of the collectives one rank joins per optimizer step (a tensor's full size per
     all-reduce, reduce-scatter or all-gather), and bytes copied between host and device for
     offload, as our backends do it (measured on gloo in tests/test_see_and_speed.py):
-    - DDP all-reduces fp32 gradients; FSDP2 all-gathers parameters in the training dtype for
-      forward and backward of every micro-step and reduce-scatters fp32 gradients;
+    - DDP all-reduces gradients; FSDP2 all-gathers parameters in the training dtype for
+      forward and backward of every micro-step and reduce-scatters gradients;
     - DeepSpeed ZeRO-1/2 all-reduce gradients and all-gather updated parameters once a step;
       ZeRO-3 reduce-scatters gradients and all-gathers parameters per forward and backward,
-      except those below its persistence threshold, gathered once a step.
+      except those below its persistence threshold, gathered once a step;
+    - gradients travel in the reduce dtype (`strategy.reduce_dtype`: fp32 by default).
     grad_reduce=micro_step reduces every micro-step (ZeRO-1: still once, at the boundary)."""
     if world_size == 1:
         return {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "host": 0}
-    train_bytes = DTYPE_BYTES[precision]
+    train_bytes, grad_bytes = DTYPE_BYTES[precision], reduce_bytes(precision, reduce_dtype)
     reductions = grad_accum_steps if GradReduce(grad_reduce) is GradReduce.micro_step else 1
     traffic = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "host": 0}
     if strategy is StrategyName.ddp:
-        traffic["all_reduce"] = 4 * n_params * reductions
+        traffic["all_reduce"] = grad_bytes * n_params * reductions
     elif strategy in (StrategyName.zero1, StrategyName.zero2):
-        traffic["all_reduce"] = train_bytes * n_params * (reductions if strategy is StrategyName.zero2 else 1)
+        traffic["all_reduce"] = grad_bytes * n_params * (reductions if strategy is StrategyName.zero2 else 1)
         traffic["all_gather"] = train_bytes * n_params
         traffic["host"] = (4 + train_bytes) * n_params // world_size if offload else 0
     elif strategy is StrategyName.fsdp:
         traffic["all_gather"] = train_bytes * n_params * 2 * grad_accum_steps
-        traffic["reduce_scatter"] = 4 * n_params * reductions
+        traffic["reduce_scatter"] = grad_bytes * n_params * reductions
         traffic["host"] = 4 * n_params // world_size * (2 * grad_accum_steps + reductions) if offload else 0
     else:  # zero3
         gathered = n_params - small_params
         traffic["all_gather"] = train_bytes * (gathered * 2 * grad_accum_steps + small_params)
-        traffic["reduce_scatter"] = train_bytes * n_params * reductions
+        traffic["reduce_scatter"] = grad_bytes * n_params * reductions
         traffic["host"] = (4 * n_params + train_bytes * n_params * 2 * grad_accum_steps) // world_size if offload else 0
     return traffic
 
@@ -126,7 +128,8 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
             if offload and stage not in OFFLOADED:
                 continue
             for checkpointing in (False, True):
-                held = per_rank_bytes(stage, n_params, world_size, precision, master_weights=cfg.plan.master_weights)
+                held = per_rank_bytes(stage, n_params, world_size, precision, master_weights=cfg.plan.master_weights,
+                                      reduce_dtype=cfg.strategy.reduce_dtype)
                 held["grads"] = peak_gradient_bytes(stage, held["grads"], n_params, t.grad_accum_steps,
                                                     cfg.strategy.grad_reduce, precision)
                 moved = OFFLOADED[stage] if offload else ()
@@ -135,7 +138,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
                                                       t.micro_batch_size, precision, checkpointing)
                 gpu["total"] = sum(gpu.values())
                 traffic = step_traffic(stage, n_params, min(facts.small_params, n_params), world_size, precision,
-                                       t.grad_accum_steps, cfg.strategy.grad_reduce, offload)
+                                       t.grad_accum_steps, cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype)
                 # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
                 flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
                 option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), traffic,

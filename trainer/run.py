@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainer import distributed
 from trainer.checkpoint import resolve_resume
-from trainer.config import Config, ConfigError, to_config
+from trainer.config import ConfigError, to_config
 from trainer.faults import Stopped, TooManyBadSteps
 
 

@@ -42,6 +42,6 @@ def preflight(cfg: Config, world_size: int) -> None:
         from importlib.metadata import version
 
         check_deepspeed_version(version("deepspeed"))
-        from trainer.strategies.deepspeed import build_ds_config
+        from trainer.strategies.ds_config import build_ds_config
 
         build_ds_config(cfg, world_size)

@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import Config, GradReduce, Precision
+from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
 from trainer.models.weights import WeightSource, canonical_name, params_on_meta, persistent_buffers
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
+REDUCE_DTYPES = {ReduceDtype.fp32: torch.float32, ReduceDtype.bf16: torch.bfloat16}
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")

@@ -6,17 +6,15 @@ one `coalesce_grad_reduction` block, so gradients are reduced once, after the fi
 """
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
-from pathlib import Path
+from typing import Callable, Iterator
 
 import deepspeed
 import torch
 
-from trainer.config import ConfigError, GradReduce, Precision, StrategyName
-from trainer.distributed import device_type
+from trainer.config import Precision
 from trainer.log import chatter, log
-from trainer.models.weights import allocate, fill
+from trainer.models.weights import WeightSource, allocate, fill
 from trainer.strategies.base import (
     ADAM_KEYS,
     STEP_KEY,
@@ -30,79 +28,7 @@ from trainer.strategies.base import (
     tensor_bytes,
     zero_lr,
 )
-
-ZERO_STAGE = {StrategyName.zero1: 1, StrategyName.zero2: 2, StrategyName.zero3: 3}
-# Keys the loop owns: a user's ds_config may leave them "auto" or repeat our value, nothing else.
-OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-              "gradient_clipping", "zero_optimization.stage", "bf16.enabled", "fp16.enabled")
-
-
-def _merge(ours: dict, theirs: dict, path: str = "") -> dict:
-    """`theirs` over `ours`; their "auto" takes our value; owned keys must agree with ours."""
-    merged = dict(ours)
-    for key, value in theirs.items():
-        full = f"{path}{key}"
-        if isinstance(value, dict) and isinstance(ours.get(key), dict):
-            merged[key] = _merge(ours[key], value, f"{full}.")
-        elif value == "auto":
-            if key not in ours:
-                raise ConfigError(f"strategy.deepspeed_config: no value of ours can fill {full}='auto'")
-        elif full in OWNED_KEYS and key in ours and value != ours[key]:
-            raise ConfigError(f"strategy.deepspeed_config: {full}={value!r} disagrees with the trainer's "
-                              f"{ours[key]!r}; set it through the trainer's config or write \"auto\"")
-        elif full in ("optimizer", "scheduler"):
-            raise ConfigError(f"strategy.deepspeed_config: '{full}' comes from optim.* here; remove it")
-        else:
-            merged[key] = value
-    return merged
-
-
-def build_ds_config(cfg, world_size: int) -> dict:
-    """Our settings as a ds_config (a user's file merged in); raises ConfigError before any work."""
-    s, t = cfg.strategy, cfg.train
-    precision = Precision(t.precision)
-    if precision is Precision.fp16 and device_type() == "cpu":
-        raise ConfigError("train.precision: DeepSpeed on CPU supports bf16 and fp32, not fp16")
-    from trainer.memory import reduce_bucket_elements
-    from trainer.models import model_facts
-
-    # A reduce bucket sized by the model (DeepSpeed's default of 5e8 elements is 2 GB in fp32).
-    zero: dict = {"stage": ZERO_STAGE[StrategyName(s.name)],
-                  "reduce_bucket_size": reduce_bucket_elements(model_facts(cfg.model, s.wrap).d_model)}
-    if s.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device_type() == "cuda"}
-    if s.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": device_type() == "cuda"}
-    ours = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": t.micro_batch_size * world_size,
-        "gradient_clipping": float(t.grad_clip),
-        "zero_optimization": zero,
-        "bf16": {"enabled": precision is Precision.bf16},
-        "fp16": {"enabled": precision is Precision.fp16},
-        # The loop owns accumulation. grad_reduce=step: DeepSpeed's managed accumulation over
-        # single micro-steps, their reductions coalesced by `no_sync`; micro_step: unmanaged,
-        # every backward reduces (ZeRO-2/3: into partitions) and engine.step() is the boundary.
-        "managed_gradient_accumulation": GradReduce(s.grad_reduce) is GradReduce.step,
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2 ** 31,
-        "wall_clock_breakdown": False,
-    }
-    if not s.deepspeed_config:
-        return ours
-    path = Path(s.deepspeed_config)
-    if not path.is_file():
-        raise ConfigError(f"strategy.deepspeed_config: no file {path}")
-    merged = _merge(ours, json.loads(path.read_text()))
-    for key, setting in (("offload_optimizer", "strategy.offload_optimizer"), ("offload_param", "strategy.offload_params")):
-        theirs = (merged["zero_optimization"].get(key) or {}).get("device", "none") != "none"
-        if theirs != (key in zero):
-            raise ConfigError(f"strategy.deepspeed_config: zero_optimization.{key} turns offload "
-                              f"{'on' if theirs else 'off'}, {setting}={str(key in zero).lower()} turns it "
-                              f"{'on' if key in zero else 'off'}; choose with {setting}")
-    return merged
-
+from trainer.strategies.ds_config import build_ds_config
 
 class DeepSpeedStrategy(Strategy):
     def __init__(self, cfg, env):
@@ -123,8 +49,8 @@ class DeepSpeedStrategy(Strategy):
     def setup(self, model, optimizer_factory, weights):
         if self.stage == 3:  # each rank fills its own partition of every parameter
             fill(model, weights, self._z3_local)
-        else:
-            allocate(model, self.device)
+        else:  # on the host: DeepSpeed casts to bf16/fp16 there and moves only that to the device
+            allocate(model, torch.device("cpu"))
             fill(model, weights)
         optimizer = optimizer_factory(model)
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
@@ -137,7 +63,28 @@ class DeepSpeedStrategy(Strategy):
                                          weight_decay=d["weight_decay"], adamw_mode=True)
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                config=self.ds_config)
+        if self.precision is not Precision.fp32:
+            self._set_masters(weights)
         return self.engine, ds_optimizer
+
+    @torch.no_grad()
+    def _set_masters(self, weights: WeightSource) -> None:
+        """DeepSpeed clones its fp32 masters from the bf16/fp16 parameters, rounded; DDP and FSDP2
+        start from the fp32 values themselves. This rank's master ranges, read again from them."""
+        from deepspeed.utils import safe_set_local_fp32_param
+
+        for name, p in self._params():
+            if not p.requires_grad:
+                continue
+            if self.stage == 3:
+                start, numel = self._z3_range(p)
+                if numel:
+                    padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
+                    padded[:numel] = weights.read(name, start, numel)
+                    safe_set_local_fp32_param(p, padded)
+            elif getattr(p, "_hp_mapping", None) is not None:
+                fragment = p._hp_mapping.lp_fragment_address
+                p._hp_mapping.get_hp_fragment().copy_(weights.read(name, fragment.start, fragment.numel))
 
     @contextmanager
     def no_sync(self, non_final):
@@ -168,15 +115,56 @@ class DeepSpeedStrategy(Strategy):
 
     def step(self, max_grad_norm, allowed=None):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
-        # The norm is computed inside its step, which skips a step whose gradient norm is not
-        # finite itself (ZeRO's overflow check, every stage and precision): `allowed` is asked
-        # after, for the same verdict on every rank. (A non-finite loss makes non-finite gradients.)
         self._gradient_peak = 0
-        self.engine.step()
-        norm = torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float32)
-        if allowed is not None:
-            allowed(norm)
-        return norm
+        if allowed is None:
+            self.engine.step()
+            return torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float32)
+        with self._verdict_inside_step(allowed) as seen:
+            self.engine.step()
+        return seen["norm"]  # before clipping; also on a skipped step, where DeepSpeed reports inf
+
+    @contextmanager
+    def _verdict_inside_step(self, allowed: Callable[[torch.Tensor], bool]) -> Iterator[dict]:
+        """For one engine.step(): DeepSpeed's overflow check is replaced by `allowed(norm)`, asked on
+        every rank once the gradients are reduced and before any update. A no takes DeepSpeed's own
+        overflow path (no update to masters, moments or step count; gradients cleared), also where
+        its own check would not say no: a non-finite loss with finite gradients, or a ds_config
+        with "bf16": {"check_grad_overflow": false}. The norm costs one more all-reduce per step."""
+        from deepspeed.runtime.utils import combine_grad_norm_groups
+
+        zero, seen = self.engine.optimizer, {}
+
+        def verdict() -> bool:
+            norm = combine_grad_norm_groups(zero._get_norm_groups()) if self.stage == 3 else zero.scaled_global_norm()
+            seen["norm"] = (torch.as_tensor(norm, dtype=torch.float32) / float(zero.loss_scale)).cpu()
+            return bool(allowed(seen["norm"]))
+
+        if self.stage == 3:  # stage3.step -> _overflow_check_and_loss_scale_update
+            own_check = zero._overflow_check_and_loss_scale_update
+
+            def check(update_scale=True):
+                own_check(update_scale=False)  # fp16: DeepSpeed's own scan for inf/nan
+                if not zero.overflow:
+                    zero.overflow = not verdict()
+                return zero._loss_scale_update_and_overflow_cleanup() if update_scale else zero.overflow
+
+            zero._overflow_check_and_loss_scale_update = check
+            try:
+                yield seen
+            finally:
+                del zero._overflow_check_and_loss_scale_update
+        else:  # stage_1_and_2.step -> check_overflow(), asked only where check_grad_overflow is set
+            own_setting = zero.check_grad_overflow
+
+            def check(partition_gradients=True):
+                zero.overflow = not verdict()
+
+            zero.check_grad_overflow, zero.check_overflow = True, check
+            try:
+                yield seen
+            finally:
+                zero.check_grad_overflow = own_setting
+                del zero.check_overflow
 
     def _masters(self) -> list[torch.Tensor]:
         """The fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently."""

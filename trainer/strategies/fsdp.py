@@ -12,7 +12,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from trainer.blocks import find_blocks
 from trainer.config import Precision, Sharding
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, TorchStrategy, tensor_bytes, toggled
+from trainer.strategies.base import DTYPES, REDUCE_DTYPES, TorchStrategy, tensor_bytes, toggled
 
 
 class FSDPStrategy(TorchStrategy):
@@ -32,9 +32,10 @@ class FSDPStrategy(TorchStrategy):
         s = self.cfg.strategy
         kwargs = dict(
             mesh=self.mesh(),
-            # Sharded parameters stay fp32 (the master weights); compute in bf16/fp16, reduce in fp32.
+            # Sharded parameters stay fp32 (the master weights); compute in bf16/fp16, reduce in
+            # strategy.reduce_dtype (fp32 by default).
             mp_policy=MixedPrecisionPolicy() if self.precision is Precision.fp32 else
-            MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=DTYPES[Precision.fp32]),
+            MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=REDUCE_DTYPES[s.reduce_dtype]),
             # FSDP2 offloads params, grads and the optimizer step together.
             offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             if s.offload_params or s.offload_optimizer else OffloadPolicy(),
