@@ -556,3 +556,13 @@ def test_gradients_are_reduced_in_the_reduce_dtype_on_every_backend():
         fp32, bf16 = measured[(strategy, "fp32")], measured[(strategy, "bf16")]
         kind = "all_reduce" if strategy in ("ddp", "zero2") else "reduce_scatter"
         assert fp32[kind] == pytest.approx(2 * bf16[kind], rel=0.02), (strategy, fp32, bf16)
+
+
+@pytest.mark.parametrize("precision,reduce_dtype", [("fp32", "bf16"), ("bf16", "fp16"), ("fp16", "bf16")])
+def test_gradients_reduce_in_fp32_or_the_training_dtype(precision, reduce_dtype):
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=f"strategy.reduce_dtype: fp32, or the training dtype "
+                                          f"\\(train.precision={precision}\\); got {reduce_dtype}"):
+        validate(to_config({"train": {"precision": precision}, "strategy": {"reduce_dtype": reduce_dtype}}))
+    validate(to_config({"train": {"precision": precision}, "strategy": {"reduce_dtype": precision}}))

@@ -32,23 +32,35 @@ def test_seven_billion_in_bf16_with_fp32_adam_moments():
 
 
 def test_zero_paper_7_5b_on_64_gpus_with_k_12():
-    cfg = to_config({"train": {"precision": "fp16"}})
+    # The paper's K=12 keeps fp16 gradients: DeepSpeed's default, ours with strategy.reduce_dtype=fp16
+    cfg = to_config({"train": {"precision": "fp16"}, "strategy": {"reduce_dtype": "fp16"}})
     got = totals(make_plan(cfg, world_size=64, gpu_memory_bytes=int(80 * GB), n_params=7_500_000_000))
     expected = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
     for name, gb in expected.items():
         assert round(got[name], 1) == gb, (name, got[name])
 
 
+LLAMA2_7B = {"name": "llama2_7b", "vocab_size": 32000, "seq_len": 4096, "d_model": 4096, "n_layers": 32,
+             "n_heads": 32, "d_ff": 11008, "mlp": "swiglu", "norm": "rmsnorm", "bias": False}
+
+
 def test_parameter_counts_come_from_the_model_built_on_meta():
-    assert count_params(to_config({"model": {"name": "llama2_7b", "vocab_size": 32000, "seq_len": 4096,
-                                             "d_model": 4096, "n_layers": 32, "n_heads": 32, "d_ff": 11008,
-                                             "mlp": "swiglu", "norm": "rmsnorm", "bias": False}})) == 6_755_192_832
+    assert count_params(to_config({"model": LLAMA2_7B})) == 6_755_192_832
     assert count_params(to_config({})) == 136_960  # tiny
+
+
+def test_zero_paper_gradients_reduced_in_fp32_by_default():
+    # fp32 gradient partitions (strategy.reduce_dtype=fp32, the default): ZeRO-2/3 hold 4 bytes, not 2
+    got = totals(make_plan(to_config({"train": {"precision": "fp16"}}), world_size=64,
+                           gpu_memory_bytes=int(80 * GB), n_params=7_500_000_000))
+    assert round(got["zero1"], 1) == 31.4 and got["zero2"] == 15 + 7.5 * (4 + 12) / 64
+    assert got["zero3"] == 7.5 * (2 + 4 + 12) / 64
 
 
 def test_json_is_all_that_is_printed_and_marks_the_fastest_fit():
     result = run_cli("model=llama2_7b", "plan.world_size=64", "plan.gpu_memory_gb=80", "train.precision=bf16",
-                     "train.micro_batch_size=1", "plan.json=true", launcher=[sys.executable, "-m", "trainer.plan"])
+                     "strategy.reduce_dtype=bf16", "train.micro_batch_size=1", "plan.json=true",
+                     launcher=[sys.executable, "-m", "trainer.plan"])
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["params"] == 6_755_192_832 and plan["world_size"] == 64
@@ -62,8 +74,16 @@ def test_json_is_all_that_is_printed_and_marks_the_fastest_fit():
     chosen = [o for o in plan["options"] if o["chosen"]]
     fastest = min(o["step_s"] for o in plan["options"] if o["fits"])
     assert len(chosen) == 1 and chosen[0] == next(o for o in plan["options"] if o["fits"] and o["step_s"] <= fastest * 1.01)
-    # DDP needs 127 GB per GPU at this size; ZeRO-1 moves as much as ZeRO-2/3 and comes first
+    # DDP needs 127 GB per GPU at this size; reducing in bf16, ZeRO-1 moves as much as ZeRO-2/3 and comes first
     assert (chosen[0]["name"], chosen[0]["activation_checkpointing"], chosen[0]["offload"]) == ("zero1", False, False)
+
+
+def test_reducing_in_fp32_the_fewest_bytes_move_under_fsdp():
+    # fp32 gradients (the default) double what ZeRO-1/2 all-reduce; FSDP2 reduce-scatters them
+    cfg = to_config({"model": LLAMA2_7B, "train": {"precision": "bf16", "micro_batch_size": 1}})
+    plan = make_plan(cfg, world_size=64, gpu_memory_bytes=int(80 * GB))
+    chosen = next(o for o in plan.options if o.chosen)
+    assert (chosen.name, chosen.activation_checkpointing, chosen.offload) == ("fsdp", False, False)
 
 
 def test_table_names_the_choice():

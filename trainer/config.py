@@ -66,6 +66,7 @@ class GradReduce(str, Enum):
 class ReduceDtype(str, Enum):
     fp32 = "fp32"  # gradients reduced (and, on ZeRO-2/3, kept) in fp32 whatever the compute dtype
     bf16 = "bf16"  # reduced in bf16, half the bytes on the wire (train.precision=bf16 only)
+    fp16 = "fp16"  # reduced in fp16 (train.precision=fp16 only): DeepSpeed's own default, the ZeRO paper's K=12
 
 
 class LogLevel(str, Enum):
@@ -286,9 +287,9 @@ def validate(cfg: Config) -> None:
              f"START:STOP, the first and last step to trace (1 <= START <= STOP), got {t.profile!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
     _require(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
-    _require(ReduceDtype(s.reduce_dtype) is ReduceDtype.fp32 or Precision(t.precision) is Precision.bf16,
-             "strategy.reduce_dtype", f"bf16 reduces the gradients of bf16 training; train.precision is "
-             f"{Precision(t.precision).value}")
+    _require(ReduceDtype(s.reduce_dtype).value in ("fp32", Precision(t.precision).value), "strategy.reduce_dtype",
+             f"fp32, or the training dtype (train.precision={Precision(t.precision).value}); got "
+             f"{ReduceDtype(s.reduce_dtype).value}")
     _require(cfg.nproc >= 1, "nproc", f"must be >= 1, got {cfg.nproc}")
     _require(cfg.max_restarts >= 0, "max_restarts", f"must be >= 0, got {cfg.max_restarts}")
     _require(cfg.shutdown_timeout_s >= 0, "shutdown_timeout_s", f"must be >= 0, got {cfg.shutdown_timeout_s}")

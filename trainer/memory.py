@@ -29,8 +29,9 @@ def fsdp_shard_count(sharding: Sharding, world_size: int, local_world_size: int)
 
 
 def reduce_bytes(precision: Precision, reduce_dtype: ReduceDtype = ReduceDtype.fp32) -> int:
-    """Bytes per gradient element as the ranks reduce it: fp32 unless strategy.reduce_dtype=bf16."""
-    return 2 if Precision(precision) is Precision.bf16 and ReduceDtype(reduce_dtype) is ReduceDtype.bf16 else 4
+    """Bytes per gradient element as the ranks reduce it: fp32 unless strategy.reduce_dtype names the
+    training dtype (bf16 or fp16)."""
+    return 4 if ReduceDtype(reduce_dtype) is ReduceDtype.fp32 else DTYPE_BYTES[Precision(precision)]
 
 
 def bytes_per_param(strategy: StrategyName, precision: Precision, master_weights: bool = True,

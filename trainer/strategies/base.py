@@ -15,7 +15,7 @@ from trainer.models.weights import WeightSource, canonical_name, params_on_meta,
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
-REDUCE_DTYPES = {ReduceDtype.fp32: torch.float32, ReduceDtype.bf16: torch.bfloat16}
+REDUCE_DTYPES = {ReduceDtype.fp32: torch.float32, ReduceDtype.bf16: torch.bfloat16, ReduceDtype.fp16: torch.float16}
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")

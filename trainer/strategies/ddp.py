@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import Precision, ReduceDtype
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, TorchStrategy
+from trainer.strategies.base import DTYPES, REDUCE_DTYPES, TorchStrategy
 
 
 class DDPStrategy(TorchStrategy):
@@ -19,8 +19,9 @@ class DDPStrategy(TorchStrategy):
         model = model.to(self.device)  # the buffers
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-        if ReduceDtype(self.cfg.strategy.reduce_dtype) is ReduceDtype.bf16:  # fp32 gradients, sent as bf16
-            model.register_comm_hook(None, reduce_in_bf16)
+        reduce_dtype = ReduceDtype(self.cfg.strategy.reduce_dtype)
+        if reduce_dtype is not ReduceDtype.fp32:  # fp32 gradients, sent in the training dtype
+            model.register_comm_hook(REDUCE_DTYPES[reduce_dtype], reduce_in)
         return model
 
     def autocast(self):
@@ -41,10 +42,10 @@ class DDPStrategy(TorchStrategy):
         return self.model.no_sync() if non_final and not self.reduce_every_micro_step else nullcontext()
 
 
-def reduce_in_bf16(state, bucket):  # unannotated: DDP checks annotations, which are strings here
-    """A DDP comm hook: the bucket averaged in bf16, then put back in its fp32 buffer. torch's own
-    bf16_compress_hook is refused off NCCL; this one runs on gloo too."""
-    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
+def reduce_in(dtype, bucket):  # unannotated: DDP checks annotations, which are strings here
+    """A DDP comm hook: the bucket averaged in `dtype` (bf16 or fp16), then put back in its fp32
+    buffer. torch's own bf16_compress_hook is refused off NCCL; this one runs on gloo too."""
+    compressed = bucket.buffer().to(dtype).div_(dist.get_world_size())
 
     def put_back(done):
         return bucket.buffer().copy_(done.value()[0])

@@ -42,7 +42,7 @@ def reduce_dtypes(reduce: ReduceDtype, precision: Precision, stage: int) -> dict
     DeepSpeed gives bf16 + fp32 accumulation on stage 1 to another optimizer (BF16_Optimizer)."""
     if precision is Precision.fp32:
         return {}
-    dtype = {ReduceDtype.fp32: "fp32", ReduceDtype.bf16: "bf16"}[reduce]
+    dtype = ReduceDtype(reduce).value  # DeepSpeed's names are ours: fp32, bf16, fp16
     return {"communication_data_type": dtype, **({"data_types": {"grad_accum_dtype": dtype}} if stage > 1 else {})}
 
 
