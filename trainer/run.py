@@ -31,7 +31,7 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
     except BaseException:
         # A peer may be dead or hung (a collective failed): leave now, with the traceback for the
         # launcher, rather than wait for it at a barrier for another collective_timeout_s.
-        distributed.shutdown(wait_for_peers=False)
+        distributed.shutdown(peers_alive=False)
         raise
     distributed.shutdown()
     return summary
