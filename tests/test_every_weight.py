@@ -447,7 +447,8 @@ def test_two_nodes_sharing_a_cache_dir_tokenise_once(hf_assets, tmp_path):
     import multiprocessing
 
     cfg = hf_data_config(hf_assets, tmp_path / "cache")
-    with multiprocessing.get_context("fork").Pool(2) as pool:
+    # spawn: a fork of this many-threaded process can deadlock in the child (seen: a futex, forever)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
         ready = pool.starmap(tokenise_and_say, [(cfg, tmp_path / "tokenised_by")] * 2)
     assert ready == [True, True]
     assert len((tmp_path / "tokenised_by").read_text().splitlines()) == 1
