@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup train test bench soak clean
+.PHONY: setup train test test-all bench soak clean
 
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
@@ -24,7 +24,10 @@ $(VENV)/.installed: pyproject.toml
 train: setup
 	$(PY) -m trainer $(ARGS)
 
-test: setup
+test: setup  # every unit test, one multi-process run of each strategy, parity and resume (minutes)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults); what CI runs
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: setup

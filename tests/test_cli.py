@@ -30,6 +30,7 @@ def test_nproc_2_spawns_two_ranks(tmp_path):
     assert [r["step"] for r in records(tmp_path)] == [2, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_torchrun_starts_the_same_program_with_one_run_dir(tmp_path, strategy):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -78,6 +79,7 @@ def test_epochs_mode_runs_whole_epochs_and_counts_them(tmp_path):
     assert [(r["step"], r["epoch"]) for r in records(tmp_path)] == [(4, 0), (8, 0), (12, 1), (16, 1)]
 
 
+@pytest.mark.slow
 def test_a_users_deepspeed_config_is_merged_with_auto_values_filled(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

@@ -117,6 +117,7 @@ def option_runs(tmp_path_factory):
     return {name: records(out / name) for name in [*reference, *OPTION_CASES]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTION_CASES))
 def test_precision_and_offload_options_train(option_runs, name):
     losses = [r["loss"] for r in option_runs[name]]
@@ -127,6 +128,7 @@ def test_precision_and_offload_options_train(option_runs, name):
     assert abs(losses[-1] - reference[-1]) < 0.15 * reference[-1], (losses, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OFFLOAD_REFERENCE))
 def test_fp32_offload_gives_the_losses_and_gradient_norms_of_the_run_without_it(option_runs, name):
     run, reference = option_runs[name], option_runs[OFFLOAD_REFERENCE[name]]

@@ -297,6 +297,7 @@ def test_ctrl_c_saves_and_exits_130_like_sigterm(tmp_path):
                                                  "checkpoint": str(tmp_path / "ckpt" / "step_00000003")}
 
 
+@pytest.mark.slow
 def test_a_signal_at_the_last_step_ends_the_run_as_planned(tmp_path):
     result = run_cli(*TOY_CLI, "+model.signal_at_step=4", "train.max_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}",
                      f"hydra.run.dir={tmp_path / 'run'}")
@@ -305,6 +306,7 @@ def test_a_signal_at_the_last_step_ends_the_run_as_planned(tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
 
 
+@pytest.mark.slow
 def test_a_signal_during_an_evaluation_and_save_stops_right_after_them(tmp_path):
     result = run_cli(*TOY_CLI, "+model.signal_in_eval=true", "data.val_fraction=0.25", "eval.every_steps=2",
                      "eval.max_batches=1", "train.max_steps=8", "checkpoint.every_steps=2",
@@ -322,6 +324,7 @@ def uneven_case(strategy: str, world: int, **overrides) -> dict:
                           train__micro_batch_size=6 // world, **overrides)
 
 
+@pytest.mark.slow
 def test_uneven_shards_at_3_ranks_train_as_1_rank_and_resume_at_2(tmp_path):
     ckpt = tmp_path / "zero3@3"
     on_ranks(1, train_cases, {"ddp@1": uneven_case("ddp", 1)}, str(tmp_path))
@@ -443,6 +446,7 @@ def tokenise_and_say(cfg, tokenised_by):
     return source.ready
 
 
+@pytest.mark.slow
 def test_two_nodes_sharing_a_cache_dir_tokenise_once(hf_assets, tmp_path):
     import multiprocessing
 
@@ -457,6 +461,7 @@ def test_two_nodes_sharing_a_cache_dir_tokenise_once(hf_assets, tmp_path):
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 
 
+@pytest.mark.slow
 def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
     # lr 0, one step: what each saves is where it started. DeepSpeed clones its masters from the
     # bf16 parameters unless they are set again from the fp32 values.
@@ -507,6 +512,7 @@ def skipped_runs(tmp_path_factory):
     return {name: records(root / name) for name in configs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["inf", "nan-bf16"])
 def test_a_skipped_step_is_skipped_on_every_backend(skipped_runs, fault):
     runs = {name.split(":")[1]: rows for name, rows in skipped_runs.items() if name.startswith(fault)}
@@ -541,6 +547,7 @@ def reduced_bytes(env) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_gradients_are_reduced_in_the_reduce_dtype_on_every_backend():
     from trainer.config import GradReduce, Precision, ReduceDtype, StrategyName
     from trainer.models import model_facts

@@ -93,6 +93,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumi
     assert len(after) == STEPS - stop_step
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_of_zero3_ranks_saves_and_exits_without_a_traceback(tmp_path):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     launcher = start(run_dir, "nproc=2", "strategy=zero3", f"train.max_steps={STEPS}", "train.log_every=1",
@@ -108,6 +109,7 @@ def test_sigterm_to_the_launcher_of_zero3_ranks_saves_and_exits_without_a_traceb
     assert (Path(preempted["checkpoint"]) / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_sigusr1_to_a_single_process_run_saves_and_exits_with_138(tmp_path):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     process = start(run_dir, f"train.max_steps={STEPS}", "train.log_every=1", "data.num_workers=0",
@@ -149,6 +151,7 @@ def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank_and_never_saved(
     assert after["zero3"] == pytest.approx(after["fsdp"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_fp16_loss_scale_is_saved_and_restored_under_another_backend(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = faulty_case("fsdp", [2], train__precision="fp16", train__max_steps=3, checkpoint__dir=str(ckpt))
@@ -208,6 +211,7 @@ def test_deepspeeds_fp16_loss_scale_resumes_exactly():
     assert on_ranks(1, deepspeed_loss_scale_resumes, overflows)[0] == []
 
 
+@pytest.mark.slow
 def test_max_bad_steps_in_a_row_stop_the_run_naming_the_step(tmp_path):
     result = run_cli("model=custom", "model._target_=tests.faulty.build", "+model.nan_steps=[2,3,4,5]",
                      "+model.rank=0", "strategy.wrap=[ToyBlock]", "train.max_bad_steps=3", "train.max_steps=8",
@@ -218,6 +222,7 @@ def test_max_bad_steps_in_a_row_stop_the_run_naming_the_step(tmp_path):
         "no update was made from any of them. Lower optim.lr, check the data, or resume from a checkpoint")
 
 
+@pytest.mark.slow
 def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on_until_too_many_fail(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -249,6 +254,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on_until_
     assert not list(ckpt2.glob("step_*")) and not (ckpt2 / "latest").exists()
 
 
+@pytest.mark.slow
 def test_auto_resume_skips_a_damaged_manifest_and_a_resume_from_an_older_step_keeps_what_it_came_from(tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = with_overrides(case("ddp", steps=6), checkpoint__dir=str(ckpt), checkpoint__every_steps=2,
@@ -306,6 +312,7 @@ def kill_a_rank_after_step(run_dir: Path, launcher: subprocess.Popen, step: int)
     ranks[-1].kill()  # SIGKILL: no handler, no save
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["nproc", "torchrun"])
 def test_a_rank_killed_mid_run_is_restarted_and_the_group_resumes_with_the_losses_of_a_run_never_killed(
         tmp_path, reference, launcher):
@@ -331,6 +338,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_group_resumes_with_the_losse
     assert events(run_dir)[-1]["event"] == "end"
 
 
+@pytest.mark.slow
 def test_without_restarts_a_killed_rank_ends_the_job_naming_the_rank(tmp_path):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     process = start(run_dir, "nproc=2", *ARGS, "checkpoint.every_steps=3", f"checkpoint.dir={ckpt}")
@@ -343,6 +351,7 @@ def test_without_restarts_a_killed_rank_ends_the_job_naming_the_rank(tmp_path):
     assert resolve_resume(CheckpointConfig(dir=str(ckpt))) is not None  # what the same command resumes from
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     run_dir = tmp_path / "run"
     process = start(run_dir, "nproc=2", *ARGS, "collective_timeout_s=5")
@@ -365,6 +374,7 @@ FAKE_SLURM = {  # what launch/slurm.sbatch calls of SLURM, on one node: srun run
 }
 
 
+@pytest.mark.slow
 def test_the_sbatch_script_passes_the_time_limit_warning_on_requeues_and_the_requeued_job_resumes(
         tmp_path, reference):
     bin_dir = tmp_path / "bin"

@@ -77,6 +77,7 @@ def test_the_log_is_the_programs_and_the_start_line_says_what_runs(tmp_path):
     assert all(line.startswith("[trainer]") for line in result.stdout.splitlines() if line.strip())
 
 
+@pytest.mark.slow
 def test_optimizer_offload_says_what_it_waits_for(tmp_path):
     result = run_cli("strategy=zero1", "strategy.offload_optimizer=true", "nproc=2", *SHORT, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]

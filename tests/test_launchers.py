@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import CPU_ONLY, REPO, records, run_cli
 from trainer import distributed
 from trainer.launchers import accelerate_choice, take_local_rank
@@ -20,6 +22,7 @@ def assert_trained(run_dir, strategy: str, stdout: str) -> None:
     assert [r["step"] for r in records(run_dir)] == [2, 4]
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_on_one_machine(tmp_path):
     port = str(distributed.free_port())
     nodes = [subprocess.Popen(
@@ -33,6 +36,7 @@ def test_torchrun_two_nodes_on_one_machine(tmp_path):
     assert_trained(tmp_path, "zero3", outputs[0][0])
 
 
+@pytest.mark.slow
 def test_accelerate_launch_with_the_cpu_preset(tmp_path):
     launcher = [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "launch/accelerate/cpu.yaml"),
                 "-m", "trainer"]
@@ -41,6 +45,7 @@ def test_accelerate_launch_with_the_cpu_preset(tmp_path):
     assert_trained(tmp_path, "fsdp", result.stdout)
 
 
+@pytest.mark.slow
 def test_accelerate_deepspeed_config_chooses_the_strategy_unless_told_otherwise(tmp_path):
     launcher = [str(BIN / "accelerate"), "launch", "--config_file",
                 str(REPO / "launch/accelerate/deepspeed_zero3.yaml"), "--num_processes", "2",
@@ -65,6 +70,7 @@ def test_accelerate_variables_map_to_overrides():
     assert accelerate_choice({"ACCELERATE_MIXED_PRECISION": "no"}) == {}
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_local_rank_argument(tmp_path):
     env = {}
     assert take_local_rank(["--local_rank=1", "strategy=zero3"], env) == ["strategy=zero3"]
@@ -77,6 +83,7 @@ def test_deepspeed_launcher_local_rank_argument(tmp_path):
     assert_trained(tmp_path, "zero2", result.stdout)
 
 
+@pytest.mark.slow
 def test_multirun_runs_each_job_with_its_own_ranks_and_prints_a_summary(tmp_path):
     result = run_cli("-m", "strategy=ddp,zero2", "nproc=2", *SHORT, f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,6 +107,7 @@ def test_slurm_variables_map_to_ranks():
                                     )["RANK"] == "1"
 
 
+@pytest.mark.slow
 def test_two_srun_tasks_train_from_slurm_variables_alone(tmp_path):
     port = str(distributed.free_port())
     tasks = [subprocess.Popen(

@@ -109,6 +109,7 @@ def runtime_bytes(tmp_path_factory):
     return {name: records(out / name)[-1]["mem"] for name in cases}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_runtime_bytes_agree_with_the_plan(runtime_bytes, strategy):
     cfg = to_config(case(strategy, **RUNTIME_MODEL))

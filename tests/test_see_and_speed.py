@@ -116,6 +116,7 @@ def test_jsonl_ends_with_the_summary(logged):
 
 # -- console, mfu, profiles -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_zero3_run_prints_a_handful_of_lines(tmp_path):
     """Before: 75 copies of torch's FutureWarning (DeepSpeed calls deprecated collectives every
     step), DeepSpeed's 'built successfully' from each rank, all interleaved with the bar."""
@@ -163,6 +164,7 @@ def test_mfu_follows_the_flops_and_the_peak(tmp_path):
     assert [r["mfu"] for r in records(tmp_path / "2")] == [None, None]  # no known peak on a CPU
 
 
+@pytest.mark.slow
 def test_a_profile_of_the_chosen_steps_under_every_strategy(tmp_path):
     cases = {s: case(s, steps=4, train__profile="2:3") for s in STRATEGIES}
     on_ranks(2, train_cases, cases, str(tmp_path))
@@ -179,6 +181,7 @@ def test_a_profile_of_the_chosen_steps_under_every_strategy(tmp_path):
 COMPILE_RTOL = 1e-5
 
 
+@pytest.mark.slow
 def test_regional_compile_keeps_the_losses_on_every_strategy(tmp_path):
     cases = {}
     for s in STRATEGIES:
@@ -205,6 +208,7 @@ def accumulated(tmp_path_factory):
     return {name: records(out / name) for name in cases}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_micro_step_reduction_gives_the_same_losses(accumulated, strategy):
     step, micro = accumulated[f"{strategy}:step"], accumulated[f"{strategy}:micro_step"]
@@ -212,6 +216,7 @@ def test_micro_step_reduction_gives_the_same_losses(accumulated, strategy):
     assert [r["grad_norm"] for r in micro] == pytest.approx([r["grad_norm"] for r in step], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
 def test_micro_step_keeps_gradients_sharded_and_the_planner_knows(accumulated, strategy):
     from trainer.memory import peak_gradient_bytes, per_rank_bytes
@@ -262,6 +267,7 @@ def traffic():
     return on_ranks(2, traffic_per_step)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,accum,mode", TRAFFIC_CASES)
 def test_the_planned_traffic_is_what_the_collectives_carry(traffic, strategy, accum, mode):
     from trainer.models import model_facts
@@ -287,6 +293,7 @@ def first_weights(env, strategy: str) -> dict:
     return weights
 
 
+@pytest.mark.slow
 def test_every_strategy_starts_from_the_same_cpu_seeded_weights():
     expected = on_ranks(1, first_weights, "ddp")[0]
     for strategy in ("fsdp", "zero3"):
@@ -331,6 +338,7 @@ def test_an_old_deepspeed_is_refused_with_the_version_it_needs():
 
 # -- the wheel --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_wheel_trains_plans_and_exports_from_another_directory(tmp_path):
     """`pip wheel .`, installed into a fresh venv (its dependencies lent by this one through a
     .pth file, so nothing is downloaded), then run from a directory with no conf/ in sight."""
@@ -369,6 +377,7 @@ def test_the_wheel_trains_plans_and_exports_from_another_directory(tmp_path):
     assert exported.returncode == 0 and (elsewhere / "w.safetensors").is_file(), exported.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_optuna_sweep_minimises_the_final_val_loss(tmp_path):
     result = run_cli("-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=2", "data.val_fraction=0.1",
                      "train.max_steps=6", f"hydra.sweep.dir={tmp_path}", timeout=600)

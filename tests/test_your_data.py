@@ -67,6 +67,7 @@ def hf_runs(hf_assets, tmp_path_factory):
     return root, first, second
 
 
+@pytest.mark.slow
 def test_text_is_tokenised_once_then_read_from_the_cache(hf_runs):
     root, first, second = hf_runs
     assert first.stdout.count("[trainer] tokenising") == 1, first.stdout  # one process, not one per rank
@@ -80,6 +81,7 @@ def test_text_is_tokenised_once_then_read_from_the_cache(hf_runs):
     assert (ids[starts[1:] - 1] == eos).all(), "every document ends with EOS"
 
 
+@pytest.mark.slow
 def test_eval_lines_and_the_progress_bar(hf_runs):
     root, first, _ = hf_runs
     val = [r for r in all_records(root / "first") if r.get("split") == "val"]
@@ -89,6 +91,7 @@ def test_eval_lines_and_the_progress_bar(hf_runs):
     assert "val_loss=" in first.stderr and "val loss" in first.stdout
 
 
+@pytest.mark.slow
 def test_hf_data_resumes_mid_epoch_exactly(hf_runs):
     root, _, second = hf_runs
     straight, resumed = all_records(root / "first"), all_records(root / "second")
@@ -105,6 +108,7 @@ def tokens_case(path: str, steps: int = 8, **overrides) -> dict:
                                                         **overrides})
 
 
+@pytest.mark.slow
 def test_a_token_file_trains_evaluates_and_resumes_mid_epoch(hf_assets, tmp_path):
     from transformers import AutoTokenizer
 

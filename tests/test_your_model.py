@@ -73,6 +73,7 @@ def parity(hf_assets, tmp_path_factory):
     return {d.name: records(d) for d in out.iterdir()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("model", [*FAMILIES, "custom"])
 def test_two_ranks_match_one_rank(parity, model, strategy):
@@ -81,6 +82,7 @@ def test_two_ranks_match_one_rank(parity, model, strategy):
     assert_close(losses(parity[f"{model}:{strategy}"]), base, f"{model} {strategy}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_activation_checkpointing_keeps_losses(parity, family, strategy):
@@ -112,6 +114,7 @@ def tied(hf_assets):
     return on_ranks(2, tied_after_setup, hf_model(hf_assets.pretrained["qwen2"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_tied_embeddings_stay_tied_and_buffers_are_right(hf_assets, tied, strategy):
     from transformers import AutoModelForCausalLM
@@ -144,12 +147,14 @@ def resumed(hf_assets, tmp_path_factory):
     return root, {d.name: records(d) for d in out.iterdir()}
 
 
+@pytest.mark.slow
 def test_hf_checkpoints_resume_across_strategies_and_world_sizes(resumed):
     _, r = resumed
     assert_close(losses(r["fsdp->zero3@2"]), losses(r["fsdp"])[6:], "fsdp@2 -> zero3@2")
     assert_close(losses(r["zero3->ddp@1"]), losses(r["zero3"])[6:], "zero3@2 -> ddp@1")
 
 
+@pytest.mark.slow
 def test_a_tied_matrix_is_stored_once(resumed):
     root, _ = resumed
     manifest = read_manifest(root / "fsdp" / "step_00000006")
@@ -180,6 +185,7 @@ def export_and_load(step: Path, out: Path):
     return AutoModelForCausalLM.from_pretrained(str(out)), AutoTokenizer.from_pretrained(str(out))
 
 
+@pytest.mark.slow
 def test_export_is_a_hugging_face_folder_with_the_trained_logits(resumed, hf_assets, tmp_path):
     root, _ = resumed
     step = root / "zero3" / "step_00000012"
@@ -225,6 +231,7 @@ def first_batch_loss_of_the_hf_model(cfg: dict, model_dir: Path) -> float:
         return (token_loss_sum(model(x).logits, y) / y.numel()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pretrained_weights_give_the_models_own_first_loss_and_survive_lr_0(from_weights_at_lr_0, hf_assets,
