@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup train test test-all bench soak clean
+.PHONY: setup train test test-all lint bench soak clean
 
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
@@ -29,6 +29,9 @@ test: setup  # every unit test, one multi-process run of each strategy, parity a
 
 test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults); what CI runs
 	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup  # pyflakes, bugbear, import order ([tool.ruff] in pyproject.toml); CI runs it first
+	$(VENV)/bin/ruff check trainer tests bench examples
 
 bench: setup
 	$(PY) bench/strategies.py --threads 1 $(ARGS)

@@ -91,8 +91,8 @@ def test_writes_only_complete_step_dirs_and_latest(runs):
 
 def reload_and_save(env, source: str, strategy: str, dest: str) -> None:
     """Load a checkpoint under `strategy` and save it again at once, untouched."""
-    from trainer.checkpoint import CheckpointManager
     from tests.test_core_behaviour import build
+    from trainer.checkpoint import CheckpointManager
 
     cfg = case(strategy, checkpoint__dir=dest)
     strategy_obj, _, _ = build(env, cfg)
@@ -216,8 +216,8 @@ def test_export_loads_into_the_plain_model_and_reproduces_its_outputs(runs, tmp_
 
 
 def logits_under_strategy(env, step: str):
-    from trainer.checkpoint import CheckpointManager
     from tests.test_core_behaviour import build
+    from trainer.checkpoint import CheckpointManager
 
     strategy, model, _ = build(env, case("ddp"))
     CheckpointManager(to_config(case("ddp")).checkpoint, strategy, "ddp").load(Path(step))
@@ -228,8 +228,8 @@ def logits_under_strategy(env, step: str):
 
 
 def full_weights(env, step: str):
-    from trainer.checkpoint import CheckpointManager
     from tests.test_core_behaviour import build
+    from trainer.checkpoint import CheckpointManager
 
     strategy, _, _ = build(env, case("zero3"))
     CheckpointManager(to_config(case("zero3")).checkpoint, strategy, "zero3").load(Path(step))

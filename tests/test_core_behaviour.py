@@ -62,7 +62,7 @@ def block_forwards_per_step(env, strategy_name: str) -> dict[bool, int]:
         seen = []
         for block in blocks:
             # A pre-hook: recomputation stops early, once the saved tensors are rebuilt.
-            block.register_forward_pre_hook(lambda *_: seen.append(1))
+            block.register_forward_pre_hook(lambda *_, seen=seen: seen.append(1))
         x = torch.randint(0, 256, (2, 65))
         strategy.backward(loss_of(model, x))
         strategy.step(1.0)

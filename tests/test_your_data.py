@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
 from examples.tiny_hf import VOCAB
+from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
 from trainer.config import to_config
 
 LOSS_RTOL = 2e-6

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
 from examples.tiny_hf import FAMILIES, VOCAB
+from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
 from trainer.checkpoint import read_manifest
 from trainer.config import to_config
 
@@ -163,8 +163,8 @@ def test_a_tied_matrix_is_stored_once(resumed):
 
 
 def logits_in_trainer(env, step: str, model_dict: dict, ids):
-    from trainer.checkpoint import CheckpointManager
     from tests.test_core_behaviour import build
+    from trainer.checkpoint import CheckpointManager
 
     cfg = with_model(case("ddp"), model_dict)
     strategy, model, _ = build(env, cfg)

@@ -17,8 +17,8 @@ from trainer.config import Config, OptimConfig, StrategyName, profile_steps
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.faults import StepGuard, Stopped
-from trainer.loggers import RunLog
 from trainer.log import log, setup_logging
+from trainer.loggers import RunLog
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
 from trainer.strategies import Strategy, build_strategy
 
@@ -230,7 +230,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             tokens_since += targets
             # Every rank learns here whether the step is finite everywhere (else no update is made)
             # and whether a stop signal reached any rank.
-            grad_norm = strategy.step(t.grad_clip, lambda norm: guard.check(torch.isfinite(loss_sum) & torch.isfinite(norm)))
+            grad_norm = strategy.step(
+                t.grad_clip, lambda norm, loss=loss_sum: guard.check(torch.isfinite(loss) & torch.isfinite(norm)))
             guard.count(step)
             steps_since += 1
             progress.update()

@@ -214,13 +214,12 @@ def resolve_auto(cfg, world_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     from trainer.__main__ import CONFIG_MODULE
     from trainer.config import ConfigError, check_overrides, to_config
     from trainer.models import resolve_model
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     overrides = sys.argv[1:] if argv is None else argv
     try:

@@ -7,7 +7,15 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from trainer.config import Config, ConfigError, DataName, ModelKind
-from trainer.data.sources import IGNORE_INDEX, Documents, Tokens, TokenWindows, synthetic_tokens, text_tokens, token_file
+from trainer.data.sources import (
+    IGNORE_INDEX,
+    Documents,
+    Tokens,
+    TokenWindows,
+    synthetic_tokens,
+    text_tokens,
+    token_file,
+)
 from trainer.data.stream import BatchStream, eval_batches
 from trainer.data.tokenized import TokenizedText, default_cache_dir
 

@@ -30,6 +30,7 @@ from trainer.strategies.base import (
 )
 from trainer.strategies.ds_config import build_ds_config
 
+
 class DeepSpeedStrategy(Strategy):
     def __init__(self, cfg, env):
         super().__init__(cfg, env)

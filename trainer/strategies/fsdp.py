@@ -5,9 +5,9 @@ import math
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trainer.blocks import find_blocks
 from trainer.config import Precision, Sharding
