@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests.harness import records, run_cli
+from trainer.config import to_config
 
 
 def test_default_run_learns_and_says_where_metrics_went(tmp_path):
@@ -93,3 +94,21 @@ def test_a_users_deepspeed_config_is_merged_with_auto_values_filled(tmp_path):
     clash = run_cli("strategy=zero2", f"strategy.deepspeed_config={ds}", f"hydra.run.dir={tmp_path / 'clash'}")
     assert clash.returncode != 0
     assert "gradient_accumulation_steps=4 disagrees" in clash.stderr
+
+
+def test_a_users_deepspeed_config_reads_back_merged(tmp_path):
+    # Its "auto" values are ours, its own settings stay, and ours fill what it leaves out.
+    from trainer.strategies.ds_config import build_ds_config
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                              "zero_optimization": {"stage": "auto", "reduce_bucket_size": 100000},
+                              "bf16": {"enabled": "auto", "check_grad_overflow": False}}))
+    cfg = to_config({"strategy": {"name": "zero2", "deepspeed_config": str(ds)},
+                     "train": {"micro_batch_size": 3, "grad_clip": 0.5, "precision": "bf16"}})
+    merged = build_ds_config(cfg, world_size=2)
+    assert merged["train_micro_batch_size_per_gpu"] == 3 and merged["train_batch_size"] == 6
+    assert merged["gradient_clipping"] == 0.5 and merged["gradient_accumulation_steps"] == 1
+    assert merged["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 100000}
+    assert merged["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert merged["communication_data_type"] == "fp32" and merged["data_types"] == {"grad_accum_dtype": "fp32"}

@@ -181,14 +181,30 @@ def test_a_profile_of_the_chosen_steps_under_every_strategy(tmp_path):
 COMPILE_RTOL = 1e-5
 
 
+def graphs_compiled_per_case(env, cases: dict, out_dir: str) -> dict[str, int]:
+    """Train each case; the graphs torch.compile captured while it ran (0: nothing was compiled).
+    Dynamo's caches are emptied first, or a case would reuse the graphs of the one before."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    compiled = {}
+    for name, cfg in cases.items():
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        train_cases(env, {name: cfg}, out_dir)
+        compiled[name] = counters["stats"]["unique_graphs"] - before
+    return compiled
+
+
 @pytest.mark.slow
 def test_regional_compile_keeps_the_losses_on_every_strategy(tmp_path):
     cases = {}
     for s in STRATEGIES:
         cases[f"{s}"] = case(s, steps=6)
         cases[f"{s}_compiled"] = case(s, steps=6, train__compile=True)
-    on_ranks(2, train_cases, cases, str(tmp_path))
+    graphs = on_ranks(2, graphs_compiled_per_case, cases, str(tmp_path))[0]
     for s in STRATEGIES:
+        assert graphs[s] == 0 and graphs[f"{s}_compiled"] > 0, (s, graphs)  # the flag compiles the blocks
         eager = [r["loss"] for r in records(tmp_path / s)]
         compiled = [r["loss"] for r in records(tmp_path / f"{s}_compiled")]
         assert compiled == pytest.approx(eager, rel=COMPILE_RTOL), s
@@ -388,6 +404,9 @@ def test_an_optuna_sweep_minimises_the_final_val_loss(tmp_path):
     finals = [json.loads((tmp_path / job / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
               for job in ("0", "1")]
     assert best["best_value"] == pytest.approx(min(finals))
+    # each trial trained with the learning rate the sweeper chose for it
+    lrs = [yaml.safe_load((tmp_path / job / ".hydra" / "config.yaml").read_text())["optim"]["lr"] for job in ("0", "1")]
+    assert lrs[0] != lrs[1] and best["best_params"]["optim.lr"] == lrs[finals.index(min(finals))], (lrs, best)
 
 
 # -- where CUDA exists (skipped on the CPU machines) ------------------------------------------------
