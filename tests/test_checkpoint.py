@@ -177,7 +177,7 @@ def test_unusable_checkpoints_fail_clearly_and_touch_nothing(tiny_checkpoint, tm
         resume = [f"checkpoint.dir={ckpt}"]
     before = fingerprint_of(ckpt)
     result = run_cli(*resume, *overrides, "train.max_steps=14", f"hydra.run.dir={tmp_path / 'run'}")
-    assert result.returncode != 0
+    assert result.returncode == 2
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr[-2000:]
     assert fingerprint_of(ckpt) == before

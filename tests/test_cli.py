@@ -64,10 +64,12 @@ BAD_INPUT = {
 @pytest.mark.parametrize("overrides", list(BAD_INPUT))
 def test_bad_input_fails_before_any_work_with_a_message(tmp_path, overrides):
     result = run_cli(*overrides.split(), "nproc=2", f"hydra.run.dir={tmp_path}")
-    assert result.returncode != 0
+    assert result.returncode == 2
     message = result.stderr + result.stdout
     for fragment in BAD_INPUT[overrides]:
         assert fragment in message, f"{fragment!r} not in:\n{message[-2000:]}"
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("trainer: error: "), result.stderr[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists()
     assert "world_size=" not in result.stdout  # no rank started
 
@@ -92,7 +94,7 @@ def test_a_users_deepspeed_config_is_merged_with_auto_values_filled(tmp_path):
     assert len(records(tmp_path / "run")) == 2
     ds.write_text(json.dumps({"gradient_accumulation_steps": 4}))
     clash = run_cli("strategy=zero2", f"strategy.deepspeed_config={ds}", f"hydra.run.dir={tmp_path / 'clash'}")
-    assert clash.returncode != 0
+    assert clash.returncode == 2
     assert "gradient_accumulation_steps=4 disagrees" in clash.stderr
 
 

@@ -210,6 +210,6 @@ def test_a_missing_text_field_is_one_line_on_the_command_line(hf_assets, tmp_pat
     result = run_cli("data=hf", f"data.path={hf_assets.jsonl}", "data.text_field=body", "model.vocab_size=512",
                      f"data.tokenizer={hf_assets.tokenizer}", f"data.cache_dir={hf_assets.cache}", "nproc=2",
                      f"hydra.run.dir={tmp_path}")
-    assert result.returncode != 0 and "world_size=" not in result.stdout
+    assert result.returncode == 2 and "world_size=" not in result.stdout
     assert result.stderr.strip() == f"trainer: error: data.text_field: no column 'body' in {hf_assets.jsonl}; " \
                                     "columns: text, id"

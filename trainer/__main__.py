@@ -23,10 +23,10 @@ from trainer.config import Config, ConfigError, StrategyName, check_overrides, r
 from trainer.data import BatchStream, check_data
 from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
-from trainer.log import QuietRankExits, setup_logging
+from trainer.log import ERROR_EXIT_CODE, QuietRankExits, refuse, setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
-from trainer.run import ERROR_EXIT_CODE, check_run_dir, worker
+from trainer.run import check_run_dir, worker
 from trainer.strategies import preflight
 
 
@@ -88,7 +88,7 @@ def app(cfg: DictConfig):
     except ConfigError as e:
         if first:
             remove_refused_run_dir(run_dir)
-        sys.exit(f"trainer: error: {e}")
+        refuse(e)
     if first:  # what runs, resolved (strategy=auto's choice, the model's vocabulary and context)
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -154,7 +154,7 @@ def main() -> None:
         sys.argv[1:] = with_accelerate_choice(take_local_rank(sys.argv[1:]))
         check_overrides(sys.argv[1:])
     except ConfigError as e:
-        sys.exit(f"trainer: error: {e}")
+        refuse(e)
     app()
 
 

@@ -11,6 +11,7 @@ import difflib
 import typing
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from importlib import resources
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -403,18 +404,53 @@ def unknown_key_message(key: str) -> str:
     return f"{key}: no such setting" + (f"; did you mean {close[0]}?" if close else "")
 
 
+def _values(value: str) -> list[str]:
+    """What an override sets: several values in a sweep (a,b); none to check where Hydra or
+    OmegaConf computes them (choice(...), ${...}, [...]) or for null."""
+    return [] if any(c in value for c in "()${}[]") or value == "null" else [v.strip() for v in value.split(",")]
+
+
+def _group_options(group: str) -> list[str]:
+    folder = resources.files("trainer.conf") / group
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml")) \
+        if folder.is_dir() else []
+
+
+def _enum_of(key: str) -> type[Enum] | None:
+    """The Enum a schema key takes, if any (train.precision: Precision)."""
+    cls: Any = Config
+    for part in key.split("."):
+        hint = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        cls = next((t for t in (hint, *typing.get_args(hint)) if isinstance(t, type)
+                    and (dataclasses.is_dataclass(t) or issubclass(t, Enum))), None)
+    return cls if isinstance(cls, type) and issubclass(cls, Enum) else None
+
+
 def check_overrides(overrides: list[str]) -> None:
-    """A mistyped key, caught before Hydra (whose message suggests adding it with `+`): name the
-    closest valid key. `+model.*` stays open: a custom model's factory arguments."""
+    """Caught before Hydra, whose own messages are tracebacks or suggest adding a key with `+`: a
+    mistyped key (the closest valid one is named), a config group option or an enum value that
+    does not exist (the allowed ones are listed). `+model.*` stays open: a custom model's factory
+    arguments."""
     known = set(known_keys())
+    # a config dir of the user's may add group options that ours lack
+    own_groups = not any(a.startswith(("-cd", "--config-dir", "-cp", "--config-path", "hydra.searchpath"))
+                         for a in overrides)
     for arg in overrides:
         if arg.startswith("-") or "=" not in arg:
             continue
-        key = arg.split("=", 1)[0]
+        key, value = arg.split("=", 1)
         added = key.startswith("+")
         key = key.lstrip("+~")
-        if key.startswith("hydra") or ("." not in key and not added) or key in known:
-            continue  # Hydra's own settings, a config group choice, a known key
-        if added and key.startswith("model."):
+        if key.startswith("hydra"):
+            continue  # Hydra's own settings and groups (its plugins add launchers and sweepers)
+        if "." not in key and not added:  # a config group choice (hydra/launcher=... too)
+            allowed = _group_options(key) if own_groups else []
+        elif key in known:
+            allowed = [m.value for m in _enum_of(key) or ()]
+        elif added and key.startswith("model."):
             continue
-        raise ConfigError(unknown_key_message(key))
+        else:
+            raise ConfigError(unknown_key_message(key))
+        wrong = [v for v in _values(value) if allowed and v not in allowed]
+        if wrong:
+            raise ConfigError(f"{key}: allowed values: {', '.join(allowed)}; got {wrong[0]}")

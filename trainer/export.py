@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import CheckpointError, PieceReader, latest_checkpoint, read_manifest
+from trainer.log import refuse
 from trainer.models.weights import save_safetensors
 
 
@@ -54,11 +55,11 @@ def export(checkpoint: Path, out: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        sys.exit("usage: python -m trainer.export CKPT_DIR OUT.safetensors|OUT_DIR")
+        refuse("usage: python -m trainer.export CKPT_DIR OUT.safetensors|OUT_DIR", "trainer.export")
     try:
         print(export(Path(argv[0]), Path(argv[1])))
     except CheckpointError as e:
-        sys.exit(f"trainer.export: error: {e}")
+        refuse(e, "trainer.export")
 
 
 if __name__ == "__main__":

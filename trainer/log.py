@@ -14,7 +14,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 log = logging.getLogger("trainer")
 THIRD_PARTY = ("DeepSpeed", "torch", "transformers", "datasets", "accelerate")
@@ -74,3 +74,12 @@ class QuietRankExits(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(needle in record.getMessage() for needle in self.needles)
+
+
+ERROR_EXIT_CODE = 2  # stopped with a one-line message: a bad setting before any rank starts, or alike on every rank
+
+
+def refuse(message: object, prog: str = "trainer") -> NoReturn:
+    """`PROG: error: MESSAGE` on one line, exit 2: the convention of every command (README: exit codes)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(ERROR_EXIT_CODE)

@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from trainer.__main__ import CONFIG_MODULE
     from trainer.config import ConfigError, check_overrides, to_config
+    from trainer.log import refuse
     from trainer.models import resolve_model
 
     overrides = sys.argv[1:] if argv is None else argv
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.model = resolve_model(cfg.model)
         plan = make_plan(cfg, world, device_memory_bytes(cfg))
     except (ConfigError, HydraException, OmegaConfBaseException) as e:  # the trainer's one-line errors
-        sys.exit(f"trainer.plan: error: {e}")
+        refuse(e, "trainer.plan")
     print(json.dumps(plan_as_json(plan), indent=1) if cfg.plan.json else format_plan(plan))
 
 

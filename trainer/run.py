@@ -10,6 +10,7 @@ from trainer import distributed
 from trainer.checkpoint import resolve_resume
 from trainer.config import ConfigError, to_config
 from trainer.faults import Stopped, TooManyBadSteps
+from trainer.log import ERROR_EXIT_CODE
 
 
 def worker(cfg_dict: dict, run_dir: str) -> dict:
@@ -43,9 +44,6 @@ def check_run_dir(run_dir: Path, resume_from: Path | None) -> None:
     if (run_dir / "metrics.jsonl").exists() and not resume_from and not distributed.restart_count():
         raise ConfigError(f"hydra.run.dir: {run_dir} already holds another run's metrics.jsonl; give another "
                           "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
-
-
-ERROR_EXIT_CODE = 2  # stopped with a message: as `trainer` does on a bad setting before any rank starts
 
 
 def leave(exit_code: int) -> None:
