@@ -443,7 +443,7 @@ def check_overrides(overrides: list[str]) -> None:
         key = key.lstrip("+~")
         if key.startswith("hydra"):
             continue  # Hydra's own settings and groups (its plugins add launchers and sweepers)
-        if "." not in key and not added:  # a config group choice (hydra/launcher=... too)
+        if "." not in key and not added:  # a config group choice
             allowed = _group_options(key) if own_groups else []
         elif key in known:
             allowed = [m.value for m in _enum_of(key) or ()]

@@ -56,18 +56,21 @@ class StepGuard:
         """Whether this step is finite on every rank (then the optimizer steps), and the stop signal
         any rank received (`stop_signal`, 0: none). `finite` is read here: the one host sync of a
         step, needed to decide before the update."""
-        flags = torch.tensor([0 if bool(finite) else 1, self.signum], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.good, self.stop_signal = not flags[0].item(), int(flags[1].item())
+        self.good = not self._agree(bad=not bool(finite))
         return self.good
 
     def check_stop(self) -> int:
         """The stop signal any rank received since the last check (0: none), agreed by every rank:
         asked after a save or an evaluation, long enough for a signal to arrive during them."""
-        flags = torch.tensor([self.signum], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.stop_signal = int(flags[0].item())
+        self._agree(bad=False)
         return self.stop_signal
+
+    def _agree(self, bad: bool) -> bool:
+        """One all-reduce: whether any rank is `bad`, and the stop signal any rank received."""
+        flags = torch.tensor([int(bad), self.signum], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.stop_signal = int(flags[1].item())
+        return bool(flags[0].item())
 
     def count(self, step: int) -> None:
         """Count a skipped step; too many in a row end the run."""

@@ -43,7 +43,7 @@ def bytes_per_param(strategy: StrategyName, precision: Precision, master_weights
     if strategy in (StrategyName.ddp, StrategyName.fsdp):
         return {"params": 4, "grads": 4, "optim": ADAM_MOMENT_BYTES}
     grads = reduce_bytes(precision, reduce_dtype) if strategy in (StrategyName.zero2, StrategyName.zero3) else b
-    return {"params": b, "grads": max(b, grads), "optim": ADAM_MOMENT_BYTES + MASTER_BYTES}
+    return {"params": b, "grads": grads, "optim": ADAM_MOMENT_BYTES + MASTER_BYTES}
 
 
 # Which of params / grads / optim each strategy splits over the ranks.

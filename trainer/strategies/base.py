@@ -15,7 +15,7 @@ from trainer.models.weights import WeightSource, canonical_name, params_on_meta,
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
-REDUCE_DTYPES = {ReduceDtype.fp32: torch.float32, ReduceDtype.bf16: torch.bfloat16, ReduceDtype.fp16: torch.float16}
+REDUCE_DTYPES = {r: DTYPES[Precision(r.value)] for r in ReduceDtype}  # the same names as the precisions
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -248,7 +248,6 @@ class TorchStrategy(Strategy):
         if self.scaler:  # GradScaler and FSDP's ShardedGradScaler alike
             self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": state["scale"],
                                          "_growth_tracker": state["good_steps"]})
-
 
     @abstractmethod
     def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int]:
