@@ -4,7 +4,13 @@
 
 writes demo/qwen2/ (config.json, model.safetensors, tokenizer files), demo/train.jsonl (about
 600 paragraphs of the bundled license texts) and demo/train.bin (the same text as uint16 token
-ids). The tests build their models with the same functions.
+ids); for `data=chat`, demo/chat.jsonl (300 conversations made of those paragraphs) and
+demo/chat_tokenizer/ (the same kind of tokenizer with ChatML's turn markers and chat template):
+
+    trainer model=hf model.path=demo/qwen2 data=chat data.path=demo/chat.jsonl \
+        data.tokenizer=demo/chat_tokenizer
+
+The tests build their models and data with the same functions.
 """
 from __future__ import annotations
 
@@ -44,26 +50,101 @@ def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
     return path
 
 
-def train_tokenizer(out: Path, texts: list[str], vocab: int = VOCAB) -> Path:
-    """A byte-level BPE with an EOS token, saved as a Hugging Face tokenizer folder."""
+def bpe(texts: list[str], special_tokens: list[str], vocab: int = VOCAB):
+    """A byte-level BPE trained on `texts`, its special tokens first (ids 0, 1, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=special_tokens,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return tok
+
+
+def train_tokenizer(out: Path, texts: list[str], vocab: int = VOCAB) -> Path:
+    """A byte-level BPE with an EOS token, saved as a Hugging Face tokenizer folder."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe(texts, ["<|endoftext|>"], vocab), eos_token="<|endoftext|>")
     fast.save_pretrained(str(out))
     return out
 
 
-def make_model_dir(out: Path, family: str, weights: bool, tokenizer: Path | None = None, seed: int = 0) -> Path:
-    """A Hugging Face model folder: config.json, and model.safetensors when `weights`."""
+# ChatML (Qwen's): each turn `<|im_start|>role\ncontent<|im_end|>\n`; <|im_end|> ends the turn.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_chat_tokenizer(out: Path, texts: list[str], vocab: int = VOCAB, template: bool = True) -> Path:
+    """The BPE above with ChatML's turn markers as special tokens (in the same vocabulary, so it
+    fits the models here), <|im_end|> as EOS, and the chat template (unless `template=False`)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = bpe(texts, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], vocab)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if template:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return out
+
+
+SYSTEM_PROMPTS = ["You answer questions about software licenses.",
+                  "You are a careful reader of license texts. Quote them; keep to what they say."]
+QUESTIONS = ["What comes next?", "Which passage follows this one in the license?",
+             "What does the license say after this passage?"]
+
+
+def shorten(text: str, at_most: int) -> str:
+    return text if len(text) <= at_most else text[:at_most].rsplit(" ", 1)[0]
+
+
+def passage(texts: list[str], start: int, at_most: int) -> str:
+    """The paragraphs from `start` on (round the end), joined and cut to `at_most` characters."""
+    text, i = texts[start % len(texts)], start + 1
+    while len(text) < at_most:
+        text, i = text + "\n\n" + texts[i % len(texts)], i + 1
+    return shorten(text, at_most)
+
+
+ANSWER_CHARS = (20, 50, 100)  # the answers' lengths cycle through these caps
+
+
+def conversations(texts: list[str], n: int = 300, answer_chars: tuple[int, ...] = ANSWER_CHARS) -> list[dict]:
+    """`messages` rows from consecutive paragraphs: a system prompt in every third, a question
+    (quoting a paragraph in every other one), the text that follows (cut to `answer_chars`, in
+    turn) as the answer, and a second exchange in every fifth: with the tokenizers here, from
+    about 45 to 140 tokens."""
+    rows = []
+    for i in range(n):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        messages = [{"role": "system", "content": SYSTEM_PROMPTS[i % 2]}] if i % 3 == 0 else []
+        messages += [{"role": "user",
+                      "content": f"{question}\n\n{shorten(texts[i % len(texts)], 40)}" if i % 2 else question},
+                     {"role": "assistant", "content": passage(texts, i + 1, answer_chars[i % len(answer_chars)])}]
+        if i % 5 == 0:
+            messages += [{"role": "user", "content": "And after that?"},
+                         {"role": "assistant", "content": shorten(texts[(i + 2) % len(texts)], 30)}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def make_model_dir(out: Path, family: str, weights: bool, tokenizer: Path | None = None, seed: int = 0,
+                   **config) -> Path:
+    """A Hugging Face model folder: config.json (with `config` over the family's), and
+    model.safetensors when `weights`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(FAMILIES[family])
+    spec = {**FAMILIES[family], **config}
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     out.mkdir(parents=True, exist_ok=True)
     if weights:
@@ -89,8 +170,11 @@ def main(out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(tokenizer))
     ids = [i for text in texts for i in tok(text)["input_ids"] + [tok.eos_token_id]]
     np.asarray(ids, dtype=np.uint16).tofile(out / "train.bin")
+    chat_tokenizer = train_chat_tokenizer(out / "chat_tokenizer", texts)
+    chats = write_rows(out / "chat.jsonl", conversations(texts))
     print(f"{model}: a Qwen2-shaped model ({VOCAB} tokens, tied embeddings) with its weights and tokenizer\n"
-          f"{out / 'train.jsonl'}: {len(texts)} documents; {out / 'train.bin'}: {len(ids):,} uint16 token ids")
+          f"{out / 'train.jsonl'}: {len(texts)} documents; {out / 'train.bin'}: {len(ids):,} uint16 token ids\n"
+          f"{chats}: 300 conversations; {chat_tokenizer}: a tokenizer with a ChatML chat template")
 
 
 if __name__ == "__main__":

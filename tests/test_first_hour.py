@@ -77,11 +77,58 @@ def test_the_log_is_the_programs_and_the_start_line_says_what_runs(tmp_path):
     assert all(line.startswith("[trainer]") for line in result.stdout.splitlines() if line.strip())
 
 
-@pytest.mark.slow
-def test_optimizer_offload_says_what_it_waits_for(tmp_path):
-    result = run_cli("strategy=zero1", "strategy.offload_optimizer=true", "nproc=2", *SHORT, f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("CPU Adam (compiled on its first use") == 1
+def test_a_deepspeed_op_build_is_announced_when_ninja_has_work_to_do(tmp_path):
+    """DeepSpeed JIT-builds its CPU ops through torch's ninja runner: a build with work to do is
+    said (once per build), one with nothing to do is silent. A stand-in build of one file."""
+    import logging
+
+    import torch.utils.cpp_extension as extensions
+
+    from trainer.strategies.deepspeed import announce_op_builds
+
+    if not shutil.which("ninja"):
+        pytest.skip("no ninja here")
+    build = tmp_path / "stand_in_op"
+    build.mkdir()
+    (build / "build.ninja").write_text("rule touch\n  command = touch $out\nbuild stand_in_op.so: touch\n")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("trainer").addHandler(handler)
+    own = extensions._run_ninja_build
+    try:
+        announce_op_builds()
+        announce_op_builds()  # once installed, not twice
+        extensions._run_ninja_build(str(build), False, "stand-in")
+        assert (build / "stand_in_op.so").exists()
+        assert said == [f"building DeepSpeed's op stand_in_op for this environment (once: about a minute; cached in "
+                        f"{build})"]
+        extensions._run_ninja_build(str(build), False, "stand-in")  # built: nothing to say
+        assert len(said) == 1
+    finally:
+        extensions._run_ninja_build = own
+        logging.getLogger("trainer").removeHandler(handler)
+
+
+def test_a_context_longer_than_learned_positions_is_refused_and_warned_for_computed_ones(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from examples.tiny_hf import make_model_dir
+
+    gpt2 = AutoConfig.for_model("gpt2", vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                bos_token_id=0, eos_token_id=0)
+    AutoModelForCausalLM.from_config(gpt2).save_pretrained(str(tmp_path / "gpt2"))
+    result = run_cli("model=hf", f"model.path={tmp_path / 'gpt2'}", "model.seq_len=256", "data=synthetic", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "trainer: error: model.seq_len: 256 is longer than this gpt2 model's 128 positions, which are learned "
+        "(transformer.wpe: one row per position); use model.seq_len <= 128")
+    qwen2 = make_model_dir(tmp_path / "qwen2", "qwen2", weights=False)  # rotary: it runs, with a warning
+    result = run_cli("model=hf", f"model.path={qwen2}", "model.seq_len=256", "data=synthetic", "train.max_steps=1",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "model.seq_len=256 is longer than the 128 positions (max_position_embeddings) this qwen2 model was " \
+           "made for" in result.stdout
 
 
 def test_export_names_its_step_and_files_follow_the_umask(checkpointed, tmp_path):

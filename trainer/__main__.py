@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
 from trainer.blocks import find_blocks
-from trainer.checkpoint import check_fingerprint, check_writable, read_manifest, resolve_resume
+from trainer.checkpoint import check_base, check_fingerprint, check_writable, read_manifest, resolve_resume
 from trainer.config import Config, ConfigError, StrategyName, check_overrides, register_configs, to_config, validate
 from trainer.data import BatchStream, check_data
 from trainer.faults import STOP_SIGNALS
@@ -35,9 +35,9 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
     on every rank of a launcher; the run dir, rank 0's alone, is then checked by `worker`)."""
     validate(cfg)
     preflight(cfg, world_size)
-    model = build_model(cfg.model, torch.device("meta"))
+    model = build_model(cfg.model, torch.device("meta"), cfg.peft)  # LoRA's targets must exist
     find_blocks(model, cfg.strategy.wrap)
-    initial_weights(cfg.model, model, cfg.train.seed)  # pretrained files must fit the model
+    weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
     check_data(cfg, world_size)
     if cfg.checkpoint.dir:
         check_writable(Path(cfg.checkpoint.dir))
@@ -45,6 +45,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
     if resume_from:
         manifest = read_manifest(resume_from)
         check_fingerprint(manifest, param_shapes(model), resume_from)
+        check_base(manifest, weights.fingerprint, resume_from)
         BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
     if run_dir is not None:
         check_run_dir(run_dir, resume_from)

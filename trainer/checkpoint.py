@@ -30,7 +30,7 @@ from safetensors import safe_open
 from trainer.config import CheckpointConfig, ConfigError
 from trainer.distributed import broadcast_object
 from trainer.log import log
-from trainer.models.weights import save_safetensors
+from trainer.models.weights import canonical_name, save_safetensors
 from trainer.strategies.base import STEP_KEY, Piece, Strategy, buffer_key, state_keys
 
 FORMAT_VERSION = 1
@@ -153,6 +153,16 @@ def check_fingerprint(manifest: dict, shapes: dict[str, tuple[int, ...]], path: 
                               f"{len(missing)} missing, {len(unexpected)} unexpected):\n  " + "\n  ".join(problems))
 
 
+def check_base(manifest: dict, fingerprint: str | None, path: Path) -> None:
+    """A checkpoint without its frozen weights resumes only on the same pretrained files."""
+    base = manifest.get("base")
+    if base and base["fingerprint"] != fingerprint:
+        now = "weights whose names, shapes or file sizes differ" if fingerprint else "no pretrained weights"
+        raise CheckpointError(f"checkpoint: {path} holds adapters trained on the frozen weights of {base['path']} "
+                              f"(fingerprint {base['fingerprint']}), which it does not save; this run has {now}: "
+                              f"set model.path to those weights")
+
+
 def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "cpu") -> torch.Tensor:
     """An RNG state for a rank beyond the saved world size: seeded by rank 0's state and the rank,
     so it is the same on every resume and differs from every other rank's."""
@@ -206,9 +216,14 @@ class CheckpointManager:
     the trainer's state (step, data position, RNG). Every method is called on all ranks."""
 
     def __init__(self, cfg: CheckpointConfig, strategy: Strategy, strategy_name: str, source: dict | None = None,
-                 records=None):
+                 records=None, base_fingerprint: str | None = None):
         self.cfg, self.strategy, self.strategy_name = cfg, strategy, strategy_name
         self.source = source or {}  # where the model came from (trainer.models.description), for export
+        # Frozen weights read from pretrained files (LoRA's base) are never saved, only recorded
+        # by the files' fingerprint, which a resume checks.
+        self.base_fingerprint = base_fingerprint
+        self.unsaved = {state_keys(canonical_name(n))["param"] for n, p in strategy.module.named_parameters()
+                        if not p.requires_grad} if base_fingerprint else set()
         self.records = records  # the run's loggers: failed saves are recorded
         self.root = Path(cfg.dir) if cfg.dir else None
         self.resumed_older: Path | None = None  # the step dir this run resumed from, when newer ones exist
@@ -272,7 +287,7 @@ class CheckpointManager:
     def _write_rank_file(self, tmp: Path) -> dict:
         s = self.strategy
         try:
-            pieces = s.state_dict()
+            pieces = {key: piece for key, piece in s.state_dict().items() if key not in self.unsaved}
             if s.is_main:
                 pieces.update({buffer_key(name): Piece(0, b.view(-1)) for name, b in s.buffers().items()})
             tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu().clone() for key, p in pieces.items()}
@@ -308,6 +323,8 @@ class CheckpointManager:
             "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
                         for name, b in buffers.items()},
             "source": self.source,
+            "base": {"path": self.source.get("path"), "fingerprint": self.base_fingerprint,
+                     "params": len(self.unsaved)} if self.unsaved else None,
             "files": [rank_file(r) for r in range(len(outcomes))], "tensors": tensors,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -364,10 +381,12 @@ class CheckpointManager:
         s = self.strategy
         manifest = read_manifest(path)
         check_fingerprint(manifest, s.param_shapes(), path)
+        check_base(manifest, self.base_fingerprint, path)
         if self.root and path.parent.resolve() == self.root.resolve() and any(
                 newer.name > path.name for newer in self.root.glob(f"{STEP_PREFIX}*")):
             self.resumed_older = path  # not the newest: see _set_aside_newer
-        layout, values, rng = s.state_layout(), {}, {}
+        layout = {key: where for key, where in s.state_layout().items() if key not in self.unsaved}
+        values, rng = {}, {}
         buffers = s.buffers()
         saved_buffers = {name for name in buffers if buffer_key(name) in manifest["tensors"]}
         if s.is_main and len(saved_buffers) < len(buffers):  # a checkpoint from before buffers were saved

@@ -46,6 +46,14 @@ class DataName(str, Enum):
     synthetic = "synthetic"
     tokens = "tokens"  # a flat file of token ids (nanoGPT / Megatron .bin)
     hf = "hf"  # text read with `datasets`, tokenised with a Hugging Face tokenizer
+    chat = "chat"  # conversations read with `datasets`, rendered with a chat template
+
+
+class TrainOn(str, Enum):
+    """data=chat: which tokens are targets (the others are context only)."""
+    assistant = "assistant"  # each assistant message's content and its end-of-turn token
+    all = "all"  # every token of the rendered conversation
+    completion = "completion"  # prompt/completion rows: the completion's messages (or text + EOS)
 
 
 class TokenDtype(str, Enum):
@@ -68,6 +76,11 @@ class ReduceDtype(str, Enum):
     fp32 = "fp32"  # gradients reduced (and, on ZeRO-2/3, kept) in fp32 whatever the compute dtype
     bf16 = "bf16"  # reduced in bf16, half the bytes on the wire (train.precision=bf16 only)
     fp16 = "fp16"  # reduced in fp16 (train.precision=fp16 only): DeepSpeed's own default, the ZeRO paper's K=12
+
+
+class PeftName(str, Enum):
+    none = "none"  # every parameter trains
+    lora = "lora"  # LoRA adapters (the `peft` library) train; the model's own weights are frozen
 
 
 class LogLevel(str, Enum):
@@ -121,14 +134,29 @@ class ModelConfig:
 
 
 @dataclass
+class PeftConfig:
+    name: PeftName = PeftName.none
+    r: int = 16  # the adapters' rank
+    alpha: float = 32.0  # scaling alpha / r
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"  # or a list of module names (a name matches itself and names ending in .name)
+    init: Optional[str] = None  # an existing PEFT adapter folder to continue training (its r, alpha, targets)
+
+
+@dataclass
 class DataConfig:
     name: DataName = DataName.text
     path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf: a file or folder
     num_samples: int = 2048  # synthetic only
     dtype: TokenDtype = TokenDtype.uint16  # tokens only
     text_field: str = "text"  # hf only
-    tokenizer: Optional[str] = None  # hf only: a tokenizer folder; None: model.path
-    packing: bool = True  # documents joined with EOS into seq_len windows; false: one padded row each (hf)
+    tokenizer: Optional[str] = None  # hf, chat: a tokenizer folder; None: model.path
+    # hf: documents joined with EOS into seq_len windows; chat: whole conversations joined into rows
+    # of seq_len, attention kept within each. false: one padded row per document (hf, chat)
+    packing: bool = True
+    chat_template: Optional[str] = None  # chat: a Jinja file; None: the tokenizer's own template
+    train_on: TrainOn = TrainOn.assistant  # chat: the tokens that are targets
+    drop_long: bool = False  # chat, or hf unpacked: drop documents longer than seq_len + 1 tokens (else truncated)
     val_path: Optional[str] = None  # held-out data of the same kind as `path`
     val_fraction: float = 0.0  # or: hold out this fraction of `path`
     num_workers: int = 1  # background loader processes per rank (0: load in the training process)
@@ -229,6 +257,7 @@ class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     # Open in the Hydra schema (a custom model's arguments are its keys); a ModelConfig after `to_config`.
     model: Any = field(default_factory=dict)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -252,13 +281,13 @@ class ConfigError(ValueError):
     """A bad setting, found before any work starts."""
 
 
-def require_hf(key: str, module: str = "transformers") -> None:
-    """The Hugging Face libraries are an extra: say how to get them, before any work."""
+def require_hf(key: str, module: str = "transformers", extra: str = "hf") -> None:
+    """The Hugging Face libraries are extras (hf; ft for peft): say how to get them, before any work."""
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"{key}: needs the `{module}` package, from the Hugging Face extra: "
-                          "pip install 'trainer[hf]'")
+        raise ConfigError(f"{key}: needs the `{module}` package, from the {extra!r} extra: "
+                          f"pip install 'strategy-trainer[{extra}]'")
 
 
 def profile_steps(spec: str) -> tuple[int, int] | None:
@@ -315,12 +344,22 @@ def validate(cfg: Config) -> None:
                  f"allowed values: layernorm, rmsnorm; got {m.norm!r}")
         _require(not m.shape_only, "model", f"model={m.name} is shape-only (for `python -m trainer.plan`); "
                  "train one of tiny, small, gpt_125m, gpt_1b")
+    if PeftName(cfg.peft.name) is PeftName.lora:
+        check_lora(cfg.peft)
     _require(m.seq_len is None or m.seq_len >= 1, "model.seq_len", f"must be >= 1, got {m.seq_len}")
     _require(0 <= d.val_fraction < 1, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
     _require(not (d.val_fraction and d.val_path), "data.val_fraction",
              "give data.val_path or data.val_fraction, not both")
-    _require(d.packing or DataName(d.name) is DataName.hf, "data.packing",
-             f"data={DataName(d.name).value} has no documents to keep apart; packing=false needs data=hf")
+    data_name = DataName(d.name)
+    _require(d.packing or data_name in (DataName.hf, DataName.chat), "data.packing",
+             f"data={data_name.value} has no documents to keep apart; packing=false needs data=hf or data=chat")
+    _require(not d.drop_long or data_name is DataName.chat or (data_name is DataName.hf and not d.packing),
+             "data.drop_long", "only rows of whole documents drop long ones: data=chat, or data=hf with "
+             "data.packing=false")
+    for key, is_set in (("chat_template", d.chat_template is not None),
+                        ("train_on", TrainOn(d.train_on) is not TrainOn.assistant)):
+        _require(not is_set or data_name is DataName.chat, f"data.{key}",
+                 f"only read by data=chat, not data={data_name.value}")
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
     _require(cfg.eval.max_batches >= 0, "eval.max_batches", f"must be >= 0, got {cfg.eval.max_batches}")
@@ -333,6 +372,17 @@ def validate(cfg: Config) -> None:
              f"only read by zero1/zero2/zero3, not strategy={name.value}")
     _require(Sharding(s.sharding) is Sharding.FULL_SHARD or name is StrategyName.fsdp,
              "strategy.sharding", f"only read by strategy=fsdp, not strategy={name.value}")
+
+
+def check_lora(p: PeftConfig) -> None:
+    require_hf("peft=lora", "peft", extra="ft")
+    _require(p.r >= 1, "peft.r", f"the adapters' rank must be >= 1, got {p.r}")
+    _require(p.alpha > 0, "peft.alpha", f"must be > 0, got {p.alpha}")
+    _require(0 <= p.dropout < 1, "peft.dropout", f"must be in [0, 1), got {p.dropout}")
+    targets = p.target_modules
+    _require(targets == "all-linear" or (isinstance(targets, list) and targets and all(
+        isinstance(t, str) and t for t in targets)), "peft.target_modules",
+             f"all-linear, or a list of module names such as [q_proj,v_proj]; got {targets!r}")
 
 
 # Keys of the `model` node that belong to the trainer for each kind; a custom model's other keys

@@ -4,6 +4,9 @@ or a checkpoint dir for its newest), for inference:
   plain model;
 - OUT_DIR (model=hf): a Hugging Face folder (config.json, model.safetensors, sharded with an
   index above 5 GB, and the tokenizer) that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads.
+A LoRA run (peft=lora): OUT_DIR is a PEFT adapter folder (adapter_config.json,
+adapter_model.safetensors) that `PeftModel.from_pretrained(base, OUT_DIR)` loads; with `--merge`,
+the adapters merged into the model's weights (by peft), written as above.
 
 A file operation: no process group, no strategy. The checkpoint may come from any strategy
 and world size; parameters are assembled one at a time from the ranks' pieces.
@@ -16,28 +19,58 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import CheckpointError, PieceReader, latest_checkpoint, read_manifest
+from trainer.config import ConfigError
 from trainer.log import refuse
+from trainer.models import lora
 from trainer.models.weights import save_safetensors
 
 
-def export(checkpoint: Path, out: Path) -> str:
+def export(checkpoint: Path, out: Path, merge: bool = False) -> str:
     """Write the weights of `checkpoint` to `out`; a line saying what was written."""
     if (checkpoint / "latest").is_file():
         checkpoint = latest_checkpoint(checkpoint) or checkpoint
     manifest = read_manifest(checkpoint)
     source = manifest.get("source", {})
+    settings = source.get("lora")
     as_folder = out.suffix != ".safetensors"
-    if as_folder and source.get("kind") != "hf":
+    if merge and not settings:
+        raise CheckpointError(f"--merge: {checkpoint} has no LoRA adapters to merge")
+    if merge and source.get("kind") != "hf":
+        raise CheckpointError(f"--merge: {checkpoint} holds a {source.get('kind')} model; merging needs model=hf "
+                              "(export the adapters to a folder, and merge them with peft)")
+    if as_folder and source.get("kind") != "hf" and not (settings and not merge):
         raise CheckpointError(f"{checkpoint} holds a {source.get('kind', 'reference')} model, which has no "
                               "Hugging Face config: export it to a file, OUT.safetensors")
     reader = PieceReader(checkpoint, manifest)
-    weights = {name: reader.read_full(f"model.{name}").contiguous() for name in manifest["model"]}
+    saved = [name for name in manifest["model"] if f"model.{name}" in reader.tensors]
+    weights = {name: reader.read_full(f"model.{name}").contiguous() for name in saved}
+    written = f"step {manifest['step']} ({manifest['strategy']}, world size {manifest['world_size']}, {checkpoint})"
+    base = manifest.get("base") or {}
+    if settings and not merge:  # the adapters alone, as peft saves them
+        if not as_folder:
+            raise CheckpointError(f"{checkpoint} holds LoRA adapters: export them to a folder (OUT_DIR), or merged "
+                                  "into the model with --merge")
+        adapters = {name: w for name, w in weights.items() if lora.is_adapter(name)}
+        lora.write_adapter_folder(adapters, settings, base.get("path") or source.get("path"), out)
+        count = sum(w.numel() for w in adapters.values())
+        return (f"wrote the LoRA adapters ({count:,} fp32 parameters, r={settings['r']}) of {written} to {out}/ "
+                f"({lora.ADAPTER_CONFIG}, {lora.ADAPTER_WEIGHTS})")
+    if settings:  # merged: the frozen base from its pretrained files where the checkpoint does not hold it
+        from trainer.models import hf
+
+        unsaved = [name for name in manifest["model"] if name not in weights]
+        if unsaved:
+            try:
+                weights.update(hf.read_pretrained(source, unsaved, base["fingerprint"]))
+            except ConfigError as e:
+                raise CheckpointError(f"--merge: {e}") from None
+        config = hf.config_of(source)
+        weights = lora.merged(weights, settings, lambda: hf.model_class(config)(config))
     count = sum(w.numel() for w in weights.values())
     # Persistent buffers (running statistics, Gemma4's layer_scalar) in the dtype the model keeps them in.
     weights.update({name: reader.read_full(f"buffer.{name}").to(getattr(torch, spec["dtype"])).contiguous()
                     for name, spec in manifest.get("buffers", {}).items()})
-    what = (f"{count:,} fp32 parameters of step {manifest['step']} ({manifest['strategy']}, world size "
-            f"{manifest['world_size']}, {checkpoint})")
+    what = f"{count:,} fp32 parameters{' (LoRA merged)' if settings else ''} of {written}"
     if not as_folder:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_safetensors(weights, out, metadata={"step": str(manifest["step"]), "strategy": manifest["strategy"]})
@@ -54,10 +87,12 @@ def export(checkpoint: Path, out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        refuse("usage: python -m trainer.export CKPT_DIR OUT.safetensors|OUT_DIR", "trainer.export")
+    merge = "--merge" in argv
+    paths = [a for a in argv if a != "--merge"]
+    if len(paths) != 2:
+        refuse("usage: python -m trainer.export CKPT_DIR OUT.safetensors|OUT_DIR [--merge]", "trainer.export")
     try:
-        print(export(Path(argv[0]), Path(argv[1])))
+        print(export(Path(paths[0]), Path(paths[1]), merge))
     except CheckpointError as e:
         refuse(e, "trainer.export")
 

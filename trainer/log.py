@@ -23,9 +23,19 @@ _show_warning = warnings.showwarning
 _warnings_shown: set[tuple[type, str]] = set()
 
 
+# Warnings about a library's own calls into another, which a user can do nothing about: shown at
+# log_level=info or debug only. DeepSpeed's ZeRO-3 calls collectives torch has deprecated (FACTS.md);
+# peft initialises LoRA weights that ZeRO-3 has already partitioned away (empty on this rank).
+LIBRARY_NOISE = ("`torch.distributed.all_gather_into_tensor` is deprecated",
+                 "`torch.distributed.reduce_scatter_tensor` is deprecated",
+                 "Initializing zero-element tensors is a no-op")
+
+
 def _show_warning_once(message, category, filename, lineno, file=None, line=None) -> None:
     # Deduplicated where warnings are shown, not by a filter: libraries that touch the filters
     # (DeepSpeed does, every step) reset Python's own "once" and "default" bookkeeping.
+    if _chatter_level > logging.INFO and str(message).startswith(LIBRARY_NOISE):
+        return
     if (category, str(message)) not in _warnings_shown:
         _warnings_shown.add((category, str(message)))
         _show_warning(message, category, filename, lineno, file, line)

@@ -20,6 +20,7 @@ from trainer.faults import StepGuard, Stopped
 from trainer.log import log, setup_logging
 from trainer.loggers import RunLog
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
+from trainer.models.weights import WeightSource
 from trainer.strategies import Strategy, build_strategy
 
 
@@ -35,29 +36,32 @@ def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
 def adamw_factory(o: OptimConfig):
     """AdamW with weight decay on matrices only (nanoGPT's split)."""
     def build(model: torch.nn.Module) -> torch.optim.Optimizer:
-        # ZeRO-3 partitions parameters as they are built; their shape is kept in ds_shape.
-        is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in model.parameters()]
-        params = list(model.parameters())
+        # Frozen parameters (LoRA's base) get no optimizer state. ZeRO-3 partitions parameters as
+        # they are built; their shape is kept in ds_shape.
+        params = [p for p in model.parameters() if p.requires_grad]
+        is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
         groups = [{"params": [p for p, m in zip(params, is_matrix) if m], "weight_decay": o.weight_decay},
                   {"params": [p for p, m in zip(params, is_matrix) if not m], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return build
 
 
-def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim.Optimizer, list[nn.Module], str]:
-    """Build the model where the strategy wants it, find its blocks, wrap them for activation
-    checkpointing, compile them, then let the strategy shard it and give each rank its part of
-    the first weights (AC -> compile -> setup, as torchtitan). Returns (model, optimizer, blocks, where the weights came from)."""
-    model = build_model(cfg.model, strategy.model_init_context())
+def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim.Optimizer, list[nn.Module],
+                                                         WeightSource]:
+    """Build the model where the strategy wants it (with LoRA adapters for peft=lora), find its
+    blocks, wrap them for activation checkpointing, compile them, then let the strategy shard it
+    and give each rank its part of the first weights (AC -> compile -> setup, as torchtitan).
+    Returns (model, optimizer, blocks, where the weights came from)."""
+    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft)
     blocks = find_blocks(model, cfg.strategy.wrap)
-    weights = initial_weights(cfg.model, model, cfg.train.seed)
+    weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)
     if cfg.train.activation_checkpointing:
         apply_checkpointing(model, blocks)
     if cfg.train.compile:  # regional: each block compiled in place (names unchanged), before sharding
         for block in blocks:
             block.compile()
     model, optimizer = strategy.setup(model, adamw_factory(cfg.optim), weights)
-    return model, optimizer, blocks, weights.description
+    return model, optimizer, blocks, weights
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -70,16 +74,23 @@ def target_count(targets: torch.Tensor) -> torch.Tensor:
     return (targets != IGNORE_INDEX).sum()
 
 
+def forward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The logits of a micro-batch (inputs, targets[, position_ids]). Rows of packed conversations
+    carry position ids, restarting at each one: the model keeps attention within each."""
+    inputs, _, *position_ids = batch
+    return logits_of(model(inputs, position_ids=position_ids[0]) if position_ids else model(inputs))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, strategy: Strategy, batches, device: torch.device) -> float:
     """The mean token loss over the validation batches of all ranks."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, targets
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
+    for batch in batches:
+        batch = [t.to(device) for t in batch]
         with strategy.autocast():
-            totals[0] += token_loss_sum(logits_of(model(x)), y).double()
-        totals[1] += target_count(y)
+            totals[0] += token_loss_sum(forward(model, batch), batch[1]).double()
+        totals[1] += target_count(batch[1])
     model.train()
     strategy.all_reduce(totals)
     return (totals[0] / totals[1]).item()
@@ -94,7 +105,8 @@ def describe(cfg: Config, env: DistEnv, total_steps: int) -> str:
     return (f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name} "
             f"steps={total_steps} precision={t.precision.value}{sharding} offload={offload or 'none'} "
             f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'} global_batch={global_batch} "
-            f"({t.micro_batch_size} x {t.grad_accum_steps} accumulation x {env.world_size} ranks) "
+            f"({t.micro_batch_size} x {t.grad_accum_steps} accumulation x {env.world_size} "
+            f"rank{'s' if env.world_size > 1 else ''}) "
             f"seq_len={cfg.model.seq_len}")
 
 
@@ -147,13 +159,14 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                  "to train longer, raise train.max_steps (or train.epochs)")
         release()
         return {}
-    model, optimizer, _, weights_from = setup_model(cfg, strategy)
+    model, optimizer, _, weights = setup_model(cfg, strategy)
     flops_per_token = model_facts(cfg.model, cfg.strategy.wrap).flops_per_token
     peak = t.peak_flops or peak_flops(env.device, t.precision)  # per device; None: no mfu
 
     records = RunLog(cfg, run_dir, env.is_main)
     checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
-                                    description(cfg.model, cfg.data.tokenizer), records)
+                                    description(cfg.model, cfg.data.tokenizer, strategy.module), records,
+                                    base_fingerprint=weights.fingerprint)
     step, tokens = 0, 0
     if resume_from:
         state = checkpoints.load(resume_from)
@@ -169,7 +182,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         log.info(f"resumed from {resume_from} at step {step}: model, optimizer state, schedule and data position")
         records.log({"event": "resumed", "step": step, "from": str(resume_from)})
     else:
-        log.info(f"model: {weights_from}")
+        log.info(f"model: {weights.description}")
     eval_every = cfg.eval.every_steps
     profiler = StepProfiler(t.profile, run_dir, env.rank, env.device)
 
@@ -209,18 +222,17 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             lr = lr_at(step, total_steps, cfg.optim)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True))
-                             for x, y in stream.next_step()]
+            micro_batches = [[t.to(env.device, non_blocking=True) for t in batch] for batch in stream.next_step()]
             # The loss is the sum of token losses over the target tokens of the whole step, all
             # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
-            targets = strategy.all_reduce(sum(target_count(y) for _, y in micro_batches))
+            targets = strategy.all_reduce(sum(target_count(batch[1]) for batch in micro_batches))
             scale = env.world_size / targets
             loss_sum = torch.zeros((), device=env.device)
             mem = None
-            for i, (x, y) in enumerate(micro_batches):
+            for i, batch in enumerate(micro_batches):
                 with strategy.no_sync(i < len(micro_batches) - 1):
                     with strategy.autocast():
-                        micro_loss = token_loss_sum(logits_of(model(x)), y)
+                        micro_loss = token_loss_sum(forward(model, batch), batch[1])
                     strategy.backward(micro_loss * scale)
                 loss_sum += micro_loss.detach()
                 if log_now:  # the bytes held after each backward: gradients peak before they are reduced

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.config import Config, GradReduce, Precision, ReduceDtype, StrategyName
-from trainer.memory import DTYPE_BYTES, activation_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
+from trainer.memory import DTYPE_BYTES, SHARDED, activation_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 
 GB = 1e9
 STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
@@ -46,6 +46,7 @@ class Option:
 @dataclass
 class Plan:
     params: int
+    trainable: int  # all but frozen parameters (LoRA: the adapters)
     world_size: int
     gpu_memory_bytes: int
     precision: str
@@ -68,7 +69,7 @@ def count_params(cfg: Config) -> int:
 
 def step_traffic(strategy: StrategyName, n_params: int, small_params: int, world_size: int, precision: Precision,
                  grad_accum_steps: int, grad_reduce: GradReduce, offload: bool,
-                 reduce_dtype: ReduceDtype = ReduceDtype.fp32) -> dict[str, int]:
+                 reduce_dtype: ReduceDtype = ReduceDtype.fp32, frozen_params: int = 0) -> dict[str, int]:
     """Payload bytes of the collectives one rank joins per optimizer step (a tensor's full size per
     all-reduce, reduce-scatter or all-gather), and bytes copied between host and device for
     offload, as our backends do it (measured on gloo in tests/test_see_and_speed.py):
@@ -78,7 +79,10 @@ def step_traffic(strategy: StrategyName, n_params: int, small_params: int, world
       ZeRO-3 reduce-scatters gradients and all-gathers parameters per forward and backward,
       except those below its persistence threshold, gathered once a step;
     - gradients travel in the reduce dtype (`strategy.reduce_dtype`: fp32 by default).
-    grad_reduce=micro_step reduces every micro-step (ZeRO-1: still once, at the boundary)."""
+    grad_reduce=micro_step reduces every micro-step (ZeRO-1: still once, at the boundary).
+    `n_params` train; `frozen_params` (LoRA's base) have no gradients and are never updated, but
+    FSDP2 and ZeRO-3 gather them for forward and backward too."""
+    total = n_params + frozen_params
     if world_size == 1:
         return {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "host": 0}
     train_bytes, grad_bytes = DTYPE_BYTES[precision], reduce_bytes(precision, reduce_dtype)
@@ -91,14 +95,14 @@ def step_traffic(strategy: StrategyName, n_params: int, small_params: int, world
         traffic["all_gather"] = train_bytes * n_params
         traffic["host"] = (4 + train_bytes) * n_params // world_size if offload else 0
     elif strategy is StrategyName.fsdp:
-        traffic["all_gather"] = train_bytes * n_params * 2 * grad_accum_steps
+        traffic["all_gather"] = train_bytes * total * 2 * grad_accum_steps
         traffic["reduce_scatter"] = grad_bytes * n_params * reductions
-        traffic["host"] = 4 * n_params // world_size * (2 * grad_accum_steps + reductions) if offload else 0
+        traffic["host"] = 4 * total // world_size * (2 * grad_accum_steps + reductions) if offload else 0
     else:  # zero3
-        gathered = n_params - small_params
+        gathered = total - small_params
         traffic["all_gather"] = train_bytes * (gathered * 2 * grad_accum_steps + small_params)
         traffic["reduce_scatter"] = grad_bytes * n_params * reductions
-        traffic["host"] = (4 * n_params + train_bytes * n_params * 2 * grad_accum_steps) // world_size if offload else 0
+        traffic["host"] = (4 * n_params + train_bytes * total * 2 * grad_accum_steps) // world_size if offload else 0
     return traffic
 
 
@@ -117,9 +121,13 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
 
     m, t = cfg.model, cfg.train
     precision = Precision(t.precision)
-    facts = model_facts(m, cfg.strategy.wrap)  # built on the meta device
+    facts = model_facts(m, cfg.strategy.wrap, cfg.peft)  # built on the meta device
     n_params = facts.params if n_params is None else n_params
-    plan = Plan(n_params, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights,
+    # Frozen parameters (LoRA's base) are held in the training dtype, with no gradients and no
+    # optimizer state; the per-parameter bytes of trainer/memory.py apply to the trainable ones.
+    frozen = facts.params - facts.trainable if n_params == facts.params else 0
+    trainable = n_params - frozen
+    plan = Plan(n_params, trainable, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights,
                 cfg.plan.flops_per_s, cfg.plan.link_gbps, cfg.plan.pcie_gbps)
     tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * m.seq_len
     # The decision order: cheaper in speed first; offload last of all.
@@ -128,17 +136,19 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
             if offload and stage not in OFFLOADED:
                 continue
             for checkpointing in (False, True):
-                held = per_rank_bytes(stage, n_params, world_size, precision, master_weights=cfg.plan.master_weights,
+                held = per_rank_bytes(stage, trainable, world_size, precision, master_weights=cfg.plan.master_weights,
                                       reduce_dtype=cfg.strategy.reduce_dtype)
-                held["grads"] = peak_gradient_bytes(stage, held["grads"], n_params, t.grad_accum_steps,
+                held["params"] += DTYPE_BYTES[precision] * frozen // (world_size if "params" in SHARDED[stage] else 1)
+                held["grads"] = peak_gradient_bytes(stage, held["grads"], trainable, t.grad_accum_steps,
                                                     cfg.strategy.grad_reduce, precision)
                 moved = OFFLOADED[stage] if offload else ()
                 gpu = {k: 0 if k in moved else v for k, v in held.items()}
                 gpu["activations"] = activation_bytes(m.seq_len, facts.d_model, facts.n_layers, m.vocab_size,
                                                       t.micro_batch_size, precision, checkpointing)
                 gpu["total"] = sum(gpu.values())
-                traffic = step_traffic(stage, n_params, min(facts.small_params, n_params), world_size, precision,
-                                       t.grad_accum_steps, cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype)
+                traffic = step_traffic(stage, trainable, min(facts.small_params, n_params), world_size, precision,
+                                       t.grad_accum_steps, cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype,
+                                       frozen)
                 # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
                 flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
                 option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), traffic,
@@ -155,17 +165,20 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
 
 def format_plan(plan: Plan) -> str:
     unit, size = ("GB", GB) if plan.gpu_memory_bytes >= GB else ("MB", 1e6)
-    lines = [f"{plan.params:,} parameters, world size {plan.world_size}, {plan.gpu_memory_bytes / size:.1f} {unit} "
+    trainable = f" ({plan.trainable:,} trainable)" if plan.trainable < plan.params else ""
+    lines = [f"{plan.params:,} parameters{trainable}, world size {plan.world_size}, {plan.gpu_memory_bytes / size:.1f} {unit} "
              f"per GPU, {plan.precision}"
              f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
              f"  {'strategy':<8}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
              f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}  fits"]
+    # one format for the whole column: seconds to the millisecond, or in exponent form for tiny models
+    step_format = ".3f" if max((o.step_s for o in plan.options), default=0) >= 0.01 else ".2e"
     for o in plan.options:
         g = {k: v / size for k, v in o.per_gpu_bytes.items()}
         lines.append(f"  {o.name:<8}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
                      f"{g['params']:>9.2f}{g['grads']:>9.2f}{g['optim']:>9.2f}{g['activations']:>9.2f}"
                      f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}{sum(o.comm_bytes.values()) / size:>9.2f}"
-                     f"{o.step_s:>9.3g}  {'yes' if o.fits else 'no':<3}"
+                     f"{o.step_s:>9{step_format}}  {'yes' if o.fits else 'no':<3}"
                      + ("  <- chosen" if o.chosen else ""))
     if not plan.choice:
         lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
@@ -176,7 +189,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def plan_as_json(plan: Plan) -> dict:
-    return {"params": plan.params, "world_size": plan.world_size,
+    return {"params": plan.params, "trainable": plan.trainable, "world_size": plan.world_size,
             "options": [{"name": o.name, "activation_checkpointing": o.activation_checkpointing, "offload": o.offload,
                          "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "comm_bytes": o.comm_bytes,
                          "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen} for o in plan.options]}

@@ -1,5 +1,6 @@
-"""The data layer: token sources (`data=text|synthetic|tokens|hf`), rows cut from them (packed
-windows or padded documents), the held-out split, and the stream that owns `set_epoch`."""
+"""The data layer: token sources (`data=text|synthetic|tokens|hf|chat`), rows cut from them
+(packed windows, padded documents, or whole documents packed with position ids), the held-out
+split, and the stream that owns `set_epoch`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +8,12 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from trainer.config import Config, ConfigError, DataName, ModelKind
+from trainer.data.chat import Conversations
 from trainer.data.sources import (
     IGNORE_INDEX,
+    DocumentRows,
     Documents,
+    PackedDocuments,
     Tokens,
     TokenWindows,
     synthetic_tokens,
@@ -17,15 +21,20 @@ from trainer.data.sources import (
     token_file,
 )
 from trainer.data.stream import BatchStream, eval_batches
-from trainer.data.tokenized import TokenizedText, default_cache_dir
+from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir
+from trainer.log import log
 
 __all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "load_data"]
+
+TOKENIZED = (DataName.hf, DataName.chat)
 
 
 def _tokenized(cfg: Config, path: str | None, key: str) -> TokenizedText:
     d, m = cfg.data, cfg.model
     tokenizer = d.tokenizer or (m.path if ModelKind(m.kind) is ModelKind.hf else None)
-    return TokenizedText(path, key, d.text_field, Path(tokenizer) if tokenizer else None,
+    encoding = Conversations(d.train_on, d.chat_template) if DataName(d.name) is DataName.chat \
+        else TextDocuments(d.text_field)
+    return TokenizedText(path, key, encoding, Path(tokenizer) if tokenizer else None,
                          Path(d.cache_dir) if d.cache_dir else default_cache_dir())
 
 
@@ -38,7 +47,7 @@ def _tokens(cfg: Config, path: str | None, key: str) -> tuple[Tokens, int]:
     """The tokens of one source and the id that pads its unpacked rows."""
     d, m = cfg.data, cfg.model
     name = DataName(d.name)
-    if name is DataName.hf:
+    if name in TOKENIZED:
         return _tokenized(cfg, path, key).tokens()
     if name is DataName.tokens:
         return token_file(path, d.dtype.value, key), 0
@@ -51,10 +60,29 @@ def _tokens(cfg: Config, path: str | None, key: str) -> tuple[Tokens, int]:
     return text_tokens(path, key), 0
 
 
+def check_packed_model(cfg: Config) -> None:
+    """Packed conversations need a model that keeps attention within each (position_ids): the
+    reference and Hugging Face models do; a custom one must say so in its forward's signature."""
+    import inspect
+
+    import torch
+
+    from trainer.models import build_model
+
+    model = build_model(cfg.model, torch.device("meta"))
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ConfigError(f"data.packing: packed conversations pass position_ids (restarting at each one) to the "
+                          f"model, and {cfg.model.target}'s forward takes none; give it a position_ids argument "
+                          "that keeps attention within each conversation, or set data.packing=false")
+
+
 def check_data(cfg: Config, world_size: int) -> None:
     """What can be wrong with the data settings, found before any rank starts: files, and one
     step's worth of samples (text to tokenise: once it is, at the start of the run)."""
-    if DataName(cfg.data.name) is DataName.hf:
+    name = DataName(cfg.data.name)
+    if name is DataName.chat and cfg.data.packing and ModelKind(cfg.model.kind) is ModelKind.custom:
+        check_packed_model(cfg)
+    if name in TOKENIZED:
         for key, path in _paths(cfg):
             _tokenized(cfg, path, key).check(cfg.model.vocab_size)
         return
@@ -67,7 +95,7 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
     """(training rows, validation rows or None). Text to tokenise is tokenised once, by the
     first process of a node, while the others wait (outside any collective: data/tokenized.py)."""
     d = cfg.data
-    if DataName(d.name) is DataName.hf:
+    if DataName(d.name) in TOKENIZED:
         for key, path in _paths(cfg):
             source = _tokenized(cfg, path, key)
             source.prepare() if local_rank == 0 else source.wait()
@@ -76,9 +104,24 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
     if d.val_fraction:
         train, val = train.split(d.val_fraction)
     m = cfg.model
+    chat = DataName(d.name) is DataName.chat
 
-    def rows(tokens: Tokens) -> Dataset:
+    def rows(tokens: Tokens, split: str) -> Dataset:
+        if chat and d.packing:
+            return report(PackedDocuments(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split)
         if d.packing:
             return TokenWindows(tokens, m.seq_len, m.vocab_size)
-        return Documents(tokens, m.seq_len, m.vocab_size, pad_id)
-    return rows(train), rows(val) if val is not None else None
+        return report(Documents(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split)
+
+    def report(rows: DocumentRows, split: str) -> Dataset:
+        """One line (rank 0's) on what became of the documents: rows, those too long, those
+        left without a target."""
+        what, longest = "conversations" if chat else "documents", m.seq_len + 1
+        notes = [f"{rows.long:,} longer than model.seq_len + 1 = {longest} tokens "
+                 + ("dropped (data.drop_long)" if d.drop_long else "truncated (data.drop_long=true drops them)")
+                 ] if rows.long else []
+        notes += [f"{rows.untargeted:,} left out: no target in their first {longest} tokens"] if rows.untargeted else []
+        log.info(f"{split}: {len(rows.spans):,} {what} in {len(rows):,} {'packed' if d.packing else 'padded'} rows "
+                 f"of {m.seq_len} tokens" + "".join(f"; {note}" for note in notes))
+        return rows
+    return rows(train, "data"), rows(val, "validation data") if val is not None else None

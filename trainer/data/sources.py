@@ -1,5 +1,6 @@
-"""What each `data=` reads, as one stream of token ids (documents back to back), and the two
-ways to cut it into training rows: packed windows, or one padded document per row.
+"""What each `data=` reads, as one stream of token ids (documents back to back), and the ways
+to cut it into training rows: packed windows, one padded document per row, or whole documents
+packed into rows (data=chat) whose position ids restart at each document.
 
 Token ids stay in the smallest unsigned type that holds them (uint8 for bytes, uint16/uint32
 for tokenizers) and files are memory-mapped: a rank never holds its data set as int64.
@@ -23,6 +24,7 @@ IGNORE_INDEX = -100  # a target that is no token (padding): left out of the loss
 class Tokens:
     ids: np.ndarray  # 1-D unsigned ints; a memory map for files
     doc_starts: np.ndarray | None = None  # where each document begins; None: one running text
+    targets: np.ndarray | None = None  # uint8 per token: 1 where it is a target (data=chat); None: all are
 
     def split(self, fraction: float) -> tuple[Tokens, Tokens]:
         """(kept, held out): the last `fraction` of the tokens, cut at a document start."""
@@ -31,8 +33,9 @@ class Tokens:
             return Tokens(self.ids[:cut]), Tokens(self.ids[cut:])
         first_held = int(np.searchsorted(self.doc_starts, cut))
         cut = int(self.doc_starts[first_held]) if first_held < len(self.doc_starts) else len(self.ids)
-        return (Tokens(self.ids[:cut], self.doc_starts[:first_held]),
-                Tokens(self.ids[cut:], self.doc_starts[first_held:] - cut))
+        targets = (None, None) if self.targets is None else (self.targets[:cut], self.targets[cut:])
+        return (Tokens(self.ids[:cut], self.doc_starts[:first_held], targets[0]),
+                Tokens(self.ids[cut:], self.doc_starts[first_held:] - cut, targets[1]))
 
 
 def bundled_text() -> bytes:
@@ -97,24 +100,91 @@ class TokenWindows(Dataset):
         return w[:-1], w[1:]
 
 
-class Documents(Dataset):
+def document_spans(tokens: Tokens, longest: int, drop_long: bool) -> tuple[np.ndarray, int, int]:
+    """[start, end) of each document that is a row's worth: cut to its first `longest` tokens (or
+    left out, with `drop_long`), holding at least one target after its first token. Also how
+    many documents were longer than `longest`, and how many had no target in those tokens."""
+    starts = tokens.doc_starts.astype(np.int64)
+    ends = np.append(starts[1:], len(tokens.ids))
+    long = ends - starts > longest
+    ends = np.minimum(ends, starts + longest)
+    if tokens.targets is None:
+        has_target = ends - starts >= 2
+    else:  # targets among tokens start+1 .. end-1 (the first token is no one's prediction)
+        seen = np.concatenate([[0], np.cumsum(tokens.targets, dtype=np.int64)])
+        has_target = seen[ends] - seen[np.minimum(starts + 1, ends)] > 0
+    keep = has_target & ~(long & drop_long)
+    return np.stack([starts[keep], ends[keep]], axis=1), int(long.sum()), int((~has_target).sum())
+
+
+class DocumentRows(Dataset):
+    """Rows of whole documents, cut to `seq_len + 1` tokens: inputs, next tokens (IGNORE_INDEX
+    where no target) and, for packed rows, position ids. `long`: the documents that were longer;
+    `untargeted`: those left out for having no target within the row."""
+
+    def __init__(self, tokens: Tokens, seq_len: int, vocab_size: int, pad_id: int, drop_long: bool = False):
+        self.ids, self.targets = tokens.ids, tokens.targets
+        self.seq_len, self.vocab_size, self.pad_id = seq_len, vocab_size, pad_id
+        self.spans, self.long, self.untargeted = document_spans(tokens, seq_len + 1, drop_long)
+
+    def inputs_and_targets(self, start: int, end: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One document's inputs and next-token targets, `end - start - 1` of each."""
+        ids = as_long(self.ids[start:end], self.vocab_size, where)
+        y = ids[1:].clone()
+        if self.targets is not None:
+            y[torch.from_numpy(self.targets[start + 1:end] == 0)] = IGNORE_INDEX
+        return ids[:-1], y
+
+    def empty_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.full((self.seq_len,), self.pad_id, dtype=torch.long),
+                torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long))
+
+
+class Documents(DocumentRows):
     """Unpacked: one document per row, truncated to `seq_len + 1` tokens and padded on the
     right; padded positions are no target (IGNORE_INDEX). With causal attention the padding,
     which comes last, changes nothing before it."""
-
-    def __init__(self, tokens: Tokens, seq_len: int, vocab_size: int, pad_id: int):
-        self.ids, self.seq_len, self.vocab_size, self.pad_id = tokens.ids, seq_len, vocab_size, pad_id
-        ends = np.append(tokens.doc_starts[1:], len(tokens.ids))
-        keep = ends - tokens.doc_starts >= 2  # a target needs two tokens
-        self.spans = np.stack([tokens.doc_starts[keep], ends[keep]], axis=1)
 
     def __len__(self) -> int:
         return len(self.spans)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = (int(v) for v in self.spans[i])
-        row = as_long(self.ids[start:min(end, start + self.seq_len + 1)], self.vocab_size, f"document {i}")
-        x = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
-        y = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
-        x[:len(row) - 1], y[:len(row) - 1] = row[:-1], row[1:]
+        x, y = self.empty_row()
+        inputs, targets = self.inputs_and_targets(start, end, f"document {i}")
+        x[:len(inputs)], y[:len(targets)] = inputs, targets
         return x, y
+
+
+class PackedDocuments(DocumentRows):
+    """Padding-free: whole documents (each cut to `seq_len + 1` tokens) joined in order into rows
+    of `seq_len`, a new row when the next one does not fit; only a row's tail is padding. The
+    position ids restart at 0 for each document (and for the padded tail), which is how the model
+    keeps attention within a document (FACTS.md: transformers builds that mask from them)."""
+
+    def __init__(self, tokens: Tokens, seq_len: int, vocab_size: int, pad_id: int, drop_long: bool = False):
+        super().__init__(tokens, seq_len, vocab_size, pad_id, drop_long)
+        # A document of n tokens fills n - 1 positions (inputs; targets are the next tokens).
+        widths = self.spans[:, 1] - self.spans[:, 0] - 1
+        self.row_starts, used = [0], 0  # the first document of each row
+        for i, width in enumerate(widths):
+            if used + width > seq_len:
+                self.row_starts.append(i)
+                used = 0
+            used += width
+        self.row_starts.append(len(widths))
+
+    def __len__(self) -> int:
+        return len(self.row_starts) - 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = self.empty_row()
+        position_ids = torch.empty(self.seq_len, dtype=torch.long)
+        at = 0
+        for d in range(self.row_starts[i], self.row_starts[i + 1]):
+            inputs, targets = self.inputs_and_targets(*(int(v) for v in self.spans[d]), f"document {d}")
+            x[at:at + len(inputs)], y[at:at + len(targets)] = inputs, targets
+            position_ids[at:at + len(inputs)] = torch.arange(len(inputs))
+            at += len(inputs)
+        position_ids[at:] = torch.arange(self.seq_len - at)
+        return x, y, position_ids

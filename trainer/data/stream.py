@@ -82,7 +82,8 @@ class BatchStream:
             self._order = (self.epoch, list(self.sampler))
         return self._order[1]
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_step(self) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro-batches of the next step: (inputs, targets[, position_ids]) each."""
         start = self.samples_consumed // self.world_size
         if start + self.per_step > self.steps_per_epoch * self.per_step:
             self.epoch, self.samples_consumed, start = self.epoch + 1, 0, 0
@@ -117,19 +118,22 @@ class BatchStream:
 
 
 def eval_batches(dataset: Dataset, micro_batch_size: int, rank: int, world_size: int,
-                 max_batches: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's share of the validation set (items rank, rank + N, ...) in micro-batches.
-    Every rank gets the same number of batches (sharded models run collectives in forward):
-    a slot past the end repeats item 0 with no targets, so it counts for nothing."""
+                 max_batches: int = 0) -> Iterator[tuple[torch.Tensor, ...]]:
+    """This rank's share of the validation set (items rank, rank + N, ...) in micro-batches of
+    (inputs, targets[, position_ids]). Every rank gets the same number of batches (sharded models
+    run collectives in forward): a slot past the end repeats item 0 with no targets, so it counts
+    for nothing."""
     per_rank = math.ceil(len(dataset) / world_size)
     n_batches = math.ceil(per_rank / micro_batch_size)
     if max_batches:
         n_batches = min(n_batches, max_batches)
     for b in range(n_batches):
-        xs, ys = [], []
+        items = []
         for j in range(micro_batch_size):
             i = rank + world_size * (b * micro_batch_size + j)
-            x, y = dataset[i] if i < len(dataset) else dataset[0]
-            xs.append(x)
-            ys.append(y if i < len(dataset) else torch.full_like(y, IGNORE_INDEX))
-        yield torch.stack(xs), torch.stack(ys)
+            if i < len(dataset):
+                items.append(dataset[i])
+            else:
+                x, y, *rest = dataset[0]
+                items.append((x, torch.full_like(y, IGNORE_INDEX), *rest))
+        yield tuple(torch.stack(field) for field in zip(*items))

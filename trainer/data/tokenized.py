@@ -1,10 +1,14 @@
-"""data=hf: text read with the `datasets` library and tokenised once, into a cache reused by
-every rank and every later run.
+"""data=hf and data=chat: rows read with the `datasets` library and tokenised once, into a cache
+reused by every rank and every later run.
 
-The cache holds the token ids of all documents back to back, each ended by EOS (`ids.bin`),
-and where each document starts (`doc_starts.npy`); packing or padding happens when reading.
-Its key is the data files (path, size, mtime), the tokenizer's own files, the `tokenizers`
-version and the text field, so a changed file or tokenizer makes a new one.
+An encoding turns rows into documents: `TextDocuments` (data=hf) one text column, each document
+ended by EOS, every token a target; `Conversations` (data=chat, trainer/data/chat.py) rendered
+with a chat template, with a per-token target mask. The cache holds the token ids of all
+documents back to back (`ids.bin`), where each document starts (`doc_starts.npy`) and, for an
+encoding with targets, one uint8 per token: 1 where the token is a target (`targets.bin`);
+packing or padding happens when reading. Its key is the data files (path, size, mtime), the
+tokenizer's own files, the `tokenizers` version and the encoding's settings, so a changed file,
+tokenizer or setting makes a new one.
 
 The first process of each node asks for an entry; of several nodes sharing the cache dir, the
 one that takes the entry's lock file writes it and the others wait on the lock. The node's other
@@ -20,8 +24,9 @@ import hashlib
 import json
 import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import numpy as np
 
@@ -36,6 +41,55 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja")
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+CHECKED_ROWS = 16  # encoded before any rank starts: a row the encoding cannot read is refused early
+
+# A document: its token ids, and which of them are targets (1) or context only (0); None: all are.
+Document = tuple[list[int], "list[int] | None"]
+
+
+class BadRow(ValueError):
+    """A row an encoding cannot read; the cache names the file and the row."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"row {index}: {reason}")
+
+
+class Encoding(Protocol):
+    name: str  # data=<name>
+    what: str  # what the rows hold, for messages: "text in column 'text'", "conversations"
+    has_targets: bool  # documents carry a target mask (else every token is a target)
+
+    def key(self) -> dict:
+        """The settings the cached tokens depend on (besides the files and the tokenizer)."""
+
+    def check(self, dataset, tokenizer, path: Path) -> None:
+        """Before any rank starts: the columns and the tokenizer fit the encoding."""
+
+    def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document]:
+        """The documents of a batch of rows (a dict of columns), the first being row `first`."""
+
+
+class TextDocuments:
+    """data=hf: the text of one column; each document ends with EOS; every token is a target."""
+    name, has_targets = "hf", False
+
+    def __init__(self, text_field: str):
+        self.text_field = text_field
+        self.what = f"text in column {text_field!r}"
+
+    def key(self) -> dict:
+        return {"text_field": self.text_field}
+
+    def check(self, dataset, tokenizer, path: Path) -> None:
+        if self.text_field not in dataset.column_names:
+            raise ConfigError(f"data.text_field: no column {self.text_field!r} in {path}; "
+                              f"columns: {', '.join(dataset.column_names)}")
+
+    def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document]:
+        eos = tokenizer.eos_token_id
+        texts = [t or "" for t in rows[self.text_field]]
+        return [(ids if ids and ids[-1] == eos else ids + [eos], None)
+                for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
 
 def default_cache_dir() -> Path:
@@ -76,9 +130,10 @@ def open_dataset(path: Path, key: str, cache_dir: Path):
                                  cache_dir=str(cache_dir / "datasets"))
 
 
-def tokenizer_folder(path: Path | None, key: str) -> Path:
+def tokenizer_folder(path: Path | None, key: str, data: str = "hf") -> Path:
     if path is None:
-        raise ConfigError(f"{key}: data=hf needs a tokenizer folder (data.tokenizer=DIR, or a model.path that has one)")
+        raise ConfigError(f"{key}: data={data} needs a tokenizer folder (data.tokenizer=DIR, or a model.path that has "
+                          "one)")
     if not path.is_dir():
         raise ConfigError(f"{key}: {path} is not a directory")
     return path
@@ -97,15 +152,16 @@ def load_tokenizer(path: Path | None, key: str):
     return tokenizer
 
 
-def cache_key(path: Path, tokenizer_dir: Path, text_field: str) -> str:
+def cache_key(path: Path, tokenizer_dir: Path, settings: dict) -> str:
     """The data files by path, size and mtime; the tokenizer by the content of its own files (not
-    the weights beside them in a model folder) and the `tokenizers` version that runs it."""
+    the weights beside them in a model folder) and the `tokenizers` version that runs it; the
+    encoding's settings."""
     from importlib.metadata import version
 
     found = data_files(path, "data.path")
     files = found[1] if found else sorted(f for f in path.rglob("*") if f.is_file())
-    h = hashlib.sha256(json.dumps({"format": FORMAT, "field": text_field,
-                                   "tokenizers": version("tokenizers")}).encode())
+    h = hashlib.sha256(json.dumps({"format": FORMAT, **settings, "tokenizers": version("tokenizers")},
+                                  sort_keys=True).encode())
     for f in files:
         stat = f.stat()
         h.update(f"{f.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -116,32 +172,39 @@ def cache_key(path: Path, tokenizer_dir: Path, text_field: str) -> str:
 
 
 class TokenizedText:
-    """One text source (data.path or data.val_path) with its tokenizer and cache entry."""
+    """One source (data.path or data.val_path) with its encoding, tokenizer and cache entry."""
 
-    def __init__(self, path: str | None, key: str, text_field: str, tokenizer_dir: Path | None, cache_root: Path):
-        require_hf("data=hf", "datasets")
-        require_hf("data=hf", "transformers")
+    def __init__(self, path: str | None, key: str, encoding: Encoding, tokenizer_dir: Path | None, cache_root: Path):
+        data = f"data={encoding.name}"
+        require_hf(data, "datasets")
+        require_hf(data, "transformers")
         if path is None:
-            raise ConfigError(f"{key}: data=hf needs a file or folder, e.g. {key}=train.jsonl")
-        self.path, self.key, self.text_field, self.cache_root = Path(path), key, text_field, cache_root
-        self.tokenizer_dir = tokenizer_folder(tokenizer_dir, "data.tokenizer")
-        self.dir = cache_root / "tokenized" / cache_key(self.path, self.tokenizer_dir, text_field)
+            raise ConfigError(f"{key}: {data} needs a file or folder, e.g. {key}=train.jsonl")
+        self.path, self.key, self.encoding, self.cache_root = Path(path), key, encoding, cache_root
+        self.tokenizer_dir = tokenizer_folder(tokenizer_dir, "data.tokenizer", encoding.name)
+        self.dir = cache_root / "tokenized" / cache_key(self.path, self.tokenizer_dir, encoding.key())
 
     @property
     def ready(self) -> bool:
         return (self.dir / "meta.json").is_file()
 
     def check(self, vocab_size: int) -> None:
-        """Before any rank starts: the field is there, the tokenizer fits the model."""
+        """Before any rank starts: the tokenizer fits the model; the encoding reads the columns
+        and the first rows."""
         tokenizer = load_tokenizer(self.tokenizer_dir, "data.tokenizer")
         if len(tokenizer) > vocab_size:
             raise ConfigError(f"data.tokenizer: {self.tokenizer_dir} has {len(tokenizer)} tokens, more than the "
                               f"model's {vocab_size} embeddings")
         if not self.ready:
-            columns = open_dataset(self.path, self.key, self.cache_root).column_names
-            if self.text_field not in columns:
-                raise ConfigError(f"data.text_field: no column {self.text_field!r} in {self.path}; "
-                                  f"columns: {', '.join(columns)}")
+            dataset = open_dataset(self.path, self.key, self.cache_root)
+            self.encoding.check(dataset, tokenizer, self.path)
+            self._encode(tokenizer, dataset[:CHECKED_ROWS], 0)
+
+    def _encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document]:
+        try:
+            return self.encoding.encode(tokenizer, rows, first)
+        except BadRow as e:
+            raise ConfigError(f"{self.key}: {self.path}, {e}") from None
 
     def wait(self) -> None:
         """Until the entry is published (by this node's first process; if that one fails, the
@@ -193,52 +256,59 @@ class TokenizedText:
         tokenizer = load_tokenizer(self.tokenizer_dir, "data.tokenizer")
         dataset = open_dataset(self.path, self.key, self.cache_root)
         dtype = np.uint16 if len(tokenizer) <= 2 ** 16 else np.uint32
-        eos = tokenizer.eos_token_id
         self._tmp.mkdir(exist_ok=True)
         done = self._progress()
+        written = done["ids_bytes"] // np.dtype(dtype).itemsize  # tokens in the recorded batches
         # What a writer that died wrote past its last recorded batch is cut off, then continued.
-        with open(self._tmp / "ids.bin", "ab") as ids, open(self._tmp / "doc_starts.bin", "ab") as starts:
-            ids.truncate(done["ids_bytes"])
-            starts.truncate(done["documents"] * 8)
+        sizes = {"ids": done["ids_bytes"], "doc_starts": done["documents"] * 8}
+        if self.encoding.has_targets:
+            sizes["targets"] = written  # one byte per token
+        for name, size in sizes.items():
+            with open(self._tmp / f"{name}.bin", "ab") as f:
+                f.truncate(size)
         log.info(f"tokenising {len(dataset):,} documents of {self.path} with {self.tokenizer_dir} (once; cached in "
                  f"{self.dir})" + (f", continuing after {done['documents']:,}" if done["documents"] else ""))
-        total, said = done["ids_bytes"] // np.dtype(dtype).itemsize, time.monotonic()
-        with open(self._tmp / "ids.bin", "ab") as ids, open(self._tmp / "doc_starts.bin", "ab") as starts:
+        total, said = written, time.monotonic()
+        with ExitStack() as stack:
+            files = {name: stack.enter_context(open(self._tmp / f"{name}.bin", "ab")) for name in sizes}
             for first in range(done["documents"], len(dataset), BATCH_DOCUMENTS):
-                texts = [t or "" for t in dataset[first:first + BATCH_DOCUMENTS][self.text_field]]
-                docs = [ids_ if ids_ and ids_[-1] == eos else ids_ + [eos]
-                        for ids_ in tokenizer(texts, add_special_tokens=True)["input_ids"]]
-                lengths = np.asarray([len(d) for d in docs], dtype=np.int64)
-                starts.write((total + np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype(np.int64).tobytes())
-                ids.write(np.asarray([i for d in docs for i in d], dtype=dtype).tobytes())
+                docs = self._encode(tokenizer, dataset[first:first + BATCH_DOCUMENTS], first)
+                lengths = np.asarray([len(ids) for ids, _ in docs], dtype=np.int64)
+                starts = total + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                files["doc_starts"].write(starts.astype(np.int64).tobytes())
+                files["ids"].write(np.asarray([i for ids, _ in docs for i in ids], dtype=dtype).tobytes())
+                if self.encoding.has_targets:
+                    files["targets"].write(np.asarray([t for _, targets in docs for t in targets], np.uint8).tobytes())
                 total += int(lengths.sum())
-                for f in (ids, starts):
+                for f in files.values():
                     f.flush()
                     os.fsync(f.fileno())
                 documents = first + len(docs)
                 (self._tmp / "progress.json").write_text(json.dumps({"documents": documents,
-                                                                     "ids_bytes": ids.tell()}))
+                                                                     "ids_bytes": files["ids"].tell()}))
                 if time.monotonic() - said >= PROGRESS_EVERY_S:
                     log.info(f"tokenised {documents:,} of {len(dataset):,} documents")
                     said = time.monotonic()
         if not total:
-            raise ConfigError(f"{self.key}: {self.path} has no text in column {self.text_field!r}")
+            raise ConfigError(f"{self.key}: {self.path} has no {self.encoding.what}")
         doc_starts = np.fromfile(self._tmp / "doc_starts.bin", dtype=np.int64)
         np.save(self._tmp / "doc_starts.npy", doc_starts)
         (self._tmp / "doc_starts.bin").unlink()
         (self._tmp / "progress.json").unlink()
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         meta = {"format": FORMAT, "dtype": np.dtype(dtype).name, "documents": len(doc_starts), "tokens": total,
-                "pad_id": pad_id,
+                "pad_id": pad_id, "targets": self.encoding.has_targets,
                 "source": str(self.path.resolve()), "tokenizer": str(self.tokenizer_dir.resolve()),
-                "text_field": self.text_field}
+                **self.encoding.key()}
         (self._tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         self._tmp.rename(self.dir)  # published whole: readers look for dir/meta.json
         log.info(f"tokenised: {len(doc_starts):,} documents, {total:,} tokens in "
                  f"{time.perf_counter() - started:.1f} s")
 
     def tokens(self) -> tuple[Tokens, int]:
-        """The cached tokens and the id that pads unpacked rows."""
+        """The cached tokens (with their target mask, where the encoding has one) and the id that
+        pads unpacked rows."""
         meta = json.loads((self.dir / "meta.json").read_text())
         ids = np.memmap(self.dir / "ids.bin", dtype=meta["dtype"], mode="r")
-        return Tokens(ids, np.load(self.dir / "doc_starts.npy")), meta["pad_id"]
+        targets = np.memmap(self.dir / "targets.bin", dtype=np.uint8, mode="r") if meta.get("targets") else None
+        return Tokens(ids, np.load(self.dir / "doc_starts.npy"), targets), meta["pad_id"]

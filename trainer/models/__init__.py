@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from trainer.config import ModelConfig, ModelKind
-from trainer.models import custom, hf
+from trainer.config import ModelConfig, ModelKind, PeftConfig
+from trainer.models import custom, hf, lora
 from trainer.models.reference import Transformer, shape_of
 from trainer.models.weights import InitWeights, WeightSource, canonical_name, full_shape
 
@@ -30,12 +31,13 @@ def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
     return lambda: Transformer(shape_of(cfg))
 
 
-def build_model(cfg: ModelConfig, context: AbstractContextManager) -> nn.Module:
+def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftConfig | None = None) -> nn.Module:
     """The model built inside `context`: the strategy's (parameters on meta, ZeRO-3's zero.Init),
-    or `torch.device("meta")` to count and check."""
+    or `torch.device("meta")` to count and check; with LoRA adapters where `peft` asks for them."""
     make = builder(cfg)
     with context:
-        return make()
+        model = make()
+        return lora.add_adapters(model, peft) if lora.enabled(peft) else model
 
 
 def resolve_model(cfg: ModelConfig) -> ModelConfig:
@@ -55,19 +57,24 @@ def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {canonical_name(n): full_shape(p) for n, p in model.named_parameters()}
 
 
-def initial_weights(cfg: ModelConfig, model: nn.Module, seed: int) -> WeightSource:
-    """Pretrained weights where a Hugging Face folder has them, else the model's own init."""
-    pretrained = hf.pretrained_weights(cfg, model, param_shapes(model)) if ModelKind(cfg.kind) is ModelKind.hf \
-        else None
-    return pretrained or InitWeights(model, seed)
+def initial_weights(cfg: ModelConfig, model: nn.Module, seed: int, peft: PeftConfig | None = None) -> WeightSource:
+    """Pretrained weights where a Hugging Face folder has them, else the model's own init; LoRA
+    adapters as peft starts them, or from `peft.init`."""
+    adapters = lora.adapter_shapes(model)
+    shapes = {name: shape for name, shape in param_shapes(model).items() if name not in adapters}
+    pretrained = hf.pretrained_weights(cfg, model, shapes) if ModelKind(cfg.kind) is ModelKind.hf else None
+    base = pretrained or InitWeights(model, seed)
+    if not adapters:
+        return base
+    return lora.AdapterWeights(base, adapters, seed, Path(peft.init) if peft and peft.init else None)
 
 
-def description(cfg: ModelConfig, tokenizer: str | None = None) -> dict:
+def description(cfg: ModelConfig, tokenizer: str | None = None, model: nn.Module | None = None) -> dict:
     """What a checkpoint records about where the model came from (export needs it); `tokenizer`:
-    the data's tokenizer folder, when not the model's own."""
-    if ModelKind(cfg.kind) is ModelKind.hf:
-        return hf.description(cfg, tokenizer)
-    return {"kind": ModelKind(cfg.kind).value}
+    the data's tokenizer folder, when not the model's own; `model`'s LoRA settings, if it has adapters."""
+    found = hf.description(cfg, tokenizer) if ModelKind(cfg.kind) is ModelKind.hf else {"kind": ModelKind(cfg.kind).value}
+    settings = getattr(model, "lora_settings", None)
+    return {**found, "lora": settings} if settings else found
 
 
 # ZeRO-3 keeps parameters of fewer elements than this whole on every rank (DeepSpeed's default
@@ -82,15 +89,16 @@ class ModelFacts:
     d_model: int  # the width of the input embedding
     flops_per_token: int
     small_params: int  # elements in parameters below ZERO3_PERSISTENCE_THRESHOLD
+    trainable: int  # parameters that train (all but frozen ones: LoRA's base)
 
 
-def model_facts(cfg: ModelConfig, wrap: list[str] | None) -> ModelFacts:
+def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | None = None) -> ModelFacts:
     """Counts from the model built on the meta device. Training FLOPs per token, as PaLM: 6 x the
     parameters that multiply (embedding lookups do not; a tied output matrix does) + 12 x layers x
     width x context for attention."""
     from trainer.blocks import find_blocks
 
-    model = build_model(cfg, torch.device("meta"))
+    model = build_model(cfg, torch.device("meta"), peft)
     params = sum(p.numel() for p in model.parameters())
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
@@ -99,4 +107,4 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None) -> ModelFacts:
     d_model = embeddings[0].embedding_dim if embeddings else 0
     small = sum(p.numel() for p in model.parameters() if p.numel() < ZERO3_PERSISTENCE_THRESHOLD)
     return ModelFacts(params, n_layers, d_model, 6 * (params - lookups) + 12 * n_layers * d_model * cfg.seq_len,
-                      small)
+                      small, sum(p.numel() for p in model.parameters() if p.requires_grad))

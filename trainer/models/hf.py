@@ -4,8 +4,10 @@ tokenizer files). Any architecture that AutoModelForCausalLM knows; its blocks c
 from __future__ import annotations
 
 import json
+import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -52,15 +54,52 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     config = read_config(cfg)
     model_class(config)
     cfg.vocab_size = config.vocab_size
+    positions = getattr(config, "max_position_embeddings", None)
     if cfg.seq_len is None:
-        cfg.seq_len = min(getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
+        cfg.seq_len = min(positions or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
+    elif positions and cfg.seq_len > positions:
+        check_longer_context(cfg, config, positions)
     return cfg
+
+
+def check_longer_context(cfg: ModelConfig, config, positions: int) -> None:
+    """model.seq_len past max_position_embeddings: refused where positions are learned (an
+    embedding of that many rows, +2 for OPT's offset: there is no row for the later ones); a
+    warning for the others (rotary, ALiBi), which run but were not trained that long."""
+    from trainer.log import log
+
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    learned = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
+               and positions <= m.num_embeddings <= positions + 2]
+    if learned:
+        raise ConfigError(f"model.seq_len: {cfg.seq_len} is longer than this {config.model_type} model's "
+                          f"{positions} positions, which are learned ({learned[0]}: one row per position); "
+                          f"use model.seq_len <= {positions}")
+    log.warning(f"model.seq_len={cfg.seq_len} is longer than the {positions} positions (max_position_embeddings) "
+                f"this {config.model_type} model was made for; its positions are computed, so it runs, but "
+                "quality past them is not what it was trained for")
 
 
 def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
     config = read_config(cfg)
     cls = model_class(config)
     return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters
+
+
+@contextmanager
+def without_initialisation() -> Iterator[None]:
+    """Models built without transformers' `initialize_weights` (ties are still made): the values come
+    from the files or InitWeights afterwards, and under ZeRO-3's zero.Init that init would index into
+    empty partitions (an embedding's `padding_idx` row: Phi-3, Gemma)."""
+    from transformers import PreTrainedModel
+
+    own = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = lambda self: None
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = own
 
 
 def pretrained_weights(cfg: ModelConfig, model: nn.Module,
@@ -125,17 +164,52 @@ def description(cfg: ModelConfig, tokenizer: str | None) -> dict:
             "tokenizer": str(found) if found else None}
 
 
+def read_pretrained(source: dict, names: list[str], fingerprint: str) -> dict[str, torch.Tensor]:
+    """Weights a checkpoint did not save (LoRA's frozen base), from the pretrained folder it
+    records, provided its files are still the ones trained on (`fingerprint`)."""
+    config = config_of(source)
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if name in names}
+    path = Path(source["path"])
+    if not safetensors_files(path):
+        raise ConfigError(f"{path}: the frozen base weights of this checkpoint are gone (no *.safetensors)")
+    files = SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), None, known_extra_keys(model))
+    if files.fingerprint != fingerprint:
+        raise ConfigError(f"{path}: its weights are not the ones these adapters were trained on (fingerprint "
+                          f"{files.fingerprint}, checkpoint {fingerprint})")
+    return {name: files.read(name, 0, math.prod(shape)).view(shape) for name, shape in shapes.items()}
+
+
+def config_of(source: dict):
+    """The model's config, as a checkpoint's `source` records it."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[source["config"]["model_type"]].from_dict(source["config"])
+
+
+def generation_config(source: dict, config):
+    """The source folder's generation_config.json (sampling defaults, stop tokens), else the one
+    transformers derives from config.json."""
+    from transformers import GenerationConfig
+
+    path = Path(source.get("path") or "")
+    if (path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(path))
+    return GenerationConfig.from_model_config(config)
+
+
 def export_folder(weights: dict[str, torch.Tensor], source: dict, out: Path, tokenizer: Path | None,
                   max_shard_size: str = "5GB") -> list[str]:
-    """A folder `AutoModelForCausalLM.from_pretrained(out)` loads: config.json, the weights in
-    safetensors (sharded, with an index, above `max_shard_size`) and the tokenizer's files."""
+    """A folder `AutoModelForCausalLM.from_pretrained(out)` loads: config.json, generation_config.json,
+    the weights in safetensors (sharded, with an index, above `max_shard_size`) and the tokenizer's files."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from transformers import CONFIG_MAPPING
     from transformers.core_model_loading import revert_weight_conversion
 
     out.mkdir(parents=True, exist_ok=True)
-    config = CONFIG_MAPPING[source["config"]["model_type"]].from_dict(source["config"])
+    config = config_of(source)
     config.save_pretrained(str(out))
+    generation_config(source, config).save_pretrained(str(out))
     with torch.device("meta"):
         model = model_class(config)(config)
     weights = revert_weight_conversion(model, weights)  # the keys transformers itself saves

@@ -67,10 +67,11 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(shape.d_model, 3 * shape.d_model, shape.bias)
         self.proj = Linear(shape.d_model, shape.d_model, shape.bias, std=residual_std(shape))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` [b, 1, t, t] (True: may attend), for packed documents; None: causal."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).transpose(1, 3).unbind(2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -96,8 +97,8 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(shape)
         self.mlp = MLP(shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -114,13 +115,27 @@ class Transformer(nn.Module):
         self.norm = make_norm(shape)
         self.lm_head = Linear(shape.d_model, shape.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits [b, t, vocab] of token ids [b, t]."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, t, vocab] of token ids [b, t]. `position_ids` [b, t], for rows of packed
+        documents: each document starts where they are 0, and attends to itself only."""
+        mask = None
+        if position_ids is None:
+            position_ids = torch.arange(idx.shape[1], device=idx.device)
+        else:
+            mask = document_mask(position_ids)
+        x = self.tok_emb(idx) + self.pos_emb(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.lm_head(self.norm(x))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-causal [b, 1, t, t]: a position attends to the positions before it in its own
+    document, documents starting where `position_ids` is 0."""
+    document = (position_ids == 0).cumsum(-1)
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
 def shape_of(cfg) -> ModelShape:

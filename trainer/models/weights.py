@@ -12,6 +12,7 @@ parameter, named as in the plain model (`canonical_name`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,7 +26,8 @@ from torch import nn
 
 from trainer.config import ConfigError
 
-WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod"}  # activation checkpointing, torch.compile
+# activation checkpointing, torch.compile, and peft's LoRA layer around the layer it adapts
+WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod", "base_layer"}
 
 
 def canonical_name(name: str) -> str:
@@ -48,6 +50,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 class WeightSource(Protocol):
     description: str
+    fingerprint: str | None  # pretrained files: a hash of their tensors' names and shapes and their sizes
 
     def read(self, name: str, start: int, numel: int) -> torch.Tensor:
         """fp32 values [start, start + numel) of parameter `name`, flattened."""
@@ -129,7 +132,8 @@ class InitWeights:
     parameters; every other parameter an ancestor's init reaches is a meta stand-in, which draws
     no random numbers."""
 
-    description = "initialised from the model's config"
+    description = "initialised by the model's own init (reset_parameters, _init_weights), seeded by train.seed"
+    fingerprint = None
 
     def __init__(self, model: nn.Module, seed: int):
         self.seed = seed
@@ -139,7 +143,7 @@ class InitWeights:
         seen = set()
         for module_name, module in model.named_modules():
             module_name = canonical_name(module_name)
-            self.modules[module_name] = module
+            self.modules.setdefault(module_name, module)  # a LoRA layer, not the layer it wraps (same name)
             parent = self.init_fn.get(module_name.rpartition(".")[0]) if module_name else None
             # A Hugging Face sub-model (a PreTrainedModel inside) brings its own _init_weights.
             self.init_fn[module_name] = getattr(module, "_init_weights", None) or parent
@@ -277,6 +281,10 @@ class SafetensorsWeights:
             raise ConfigError(f"model.path: the weights in {directory} do not fit the model built from its "
                               f"config.json ({len(problems)} parameters):\n  " + "\n  ".join(problems[:10]))
         self.where = {name: stored[name][:2] for name in shapes}
+        # What a checkpoint that does not save these weights (frozen under LoRA) records of them.
+        self.fingerprint = hashlib.sha256(json.dumps(
+            {f.name: f.stat().st_size for f in self.files} | {name: list(stored[name][2]) for name in sorted(stored)},
+            sort_keys=True).encode()).hexdigest()[:16]
         self.buffers = {name: stored[name][:2] for name in buffers if name in stored}
 
     def read_buffer(self, name: str) -> torch.Tensor | None:

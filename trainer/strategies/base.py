@@ -218,6 +218,8 @@ class TorchStrategy(Strategy):
         """The model wrapped/sharded for this backend, with this rank's values from `weights`."""
 
     def setup(self, model, optimizer_factory, weights):
+        if self.precision is not Precision.fp32:
+            hold_frozen_in(model, DTYPES[self.precision])
         self.model = self.wrap(model, weights)
         self.optimizer = optimizer_factory(self.model)
         return self.model, self.optimizer
@@ -284,7 +286,8 @@ class TorchStrategy(Strategy):
     @torch.no_grad()
     def load_state_dict(self, values):
         for key, t in self._tensors():
-            self.local_range(t)[1].copy_(values[key])
+            if key in values:  # not: frozen pretrained weights, which a checkpoint does not save
+                self.local_range(t)[1].copy_(values[key])
         for state in self.optimizer.state.values():
             state["step"].fill_(values[STEP_KEY].item())
 
@@ -305,6 +308,18 @@ class TorchStrategy(Strategy):
         params = list(self.model.parameters())
         return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
                 "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.device)}
+
+
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen parameters (LoRA's base), still on the meta device, in the training dtype: weights
+    that never change need no fp32 master copy (DeepSpeed keeps none of them either)."""
+    held: dict[int, nn.Parameter] = {}  # a tied parameter stays one
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta and not p.requires_grad and p.is_floating_point():
+                if id(p) not in held:
+                    held[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
+                module._parameters[name] = held[id(p)]
 
 
 @contextmanager

@@ -6,13 +6,14 @@ one `coalesce_grad_reduction` block, so gradients are reduced once, after the fi
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import deepspeed
 import torch
 
-from trainer.config import Precision
+from trainer.config import ModelKind, Precision
 from trainer.log import chatter, log
 from trainer.models.weights import WeightSource, allocate, fill
 from trainer.strategies.base import (
@@ -31,9 +32,35 @@ from trainer.strategies.base import (
 from trainer.strategies.ds_config import build_ds_config
 
 
+def announce_op_builds() -> None:
+    """DeepSpeed JIT-compiles its CPU ops (shared-memory collectives at the first zero run, CPU Adam
+    at the first optimizer offload) wherever ~/.cache/torch_extensions lacks a build for this
+    environment: a minute or more of silence otherwise. Said when ninja finds work to do."""
+    import shutil
+    import subprocess
+
+    import torch.utils.cpp_extension as extensions
+
+    run = extensions._run_ninja_build
+    if getattr(run, "announces", False):
+        return
+
+    def announced(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        ninja = shutil.which("ninja")
+        dry = subprocess.run([ninja, "-n", "-C", build_directory], capture_output=True, text=True) if ninja else None
+        if dry is None or "no work to do" not in dry.stdout:  # said by the rank that builds, whichever it is
+            log.warning(f"building DeepSpeed's op {Path(build_directory).name} for this environment (once: about a "
+                     f"minute; cached in {build_directory})")
+        run(build_directory, verbose, error_prefix)
+
+    announced.announces = True
+    extensions._run_ninja_build = announced
+
+
 class DeepSpeedStrategy(Strategy):
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
+        announce_op_builds()
         with chatter():
             deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
         self.ds_config = build_ds_config(cfg, env.world_size)
@@ -44,7 +71,13 @@ class DeepSpeedStrategy(Strategy):
 
     def model_init_context(self):
         if self.stage == 3:  # parameters are partitioned as each module is built
-            return deepspeed.zero.Init(config_dict_or_path=self.ds_config)
+            from trainer.models.hf import without_initialisation
+
+            stack = ExitStack()
+            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.ds_config))
+            if self.cfg.model.kind is ModelKind.hf:
+                stack.enter_context(without_initialisation())
+            return stack
         return super().model_init_context()
 
     def setup(self, model, optimizer_factory, weights):
@@ -57,8 +90,6 @@ class DeepSpeedStrategy(Strategy):
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            log.info("optimizer offload: loading DeepSpeed's CPU Adam (compiled on its first use, about a minute; "
-                     "cached afterwards)")
             d = optimizer.defaults
             optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                                          weight_decay=d["weight_decay"], adamw_mode=True)
@@ -271,6 +302,8 @@ class DeepSpeedStrategy(Strategy):
 
         for name, p in self._params():
             keys = state_keys(name)
+            if keys["param"] not in values:  # frozen pretrained weights, which a checkpoint does not save
+                continue
             if self.stage == 3 and not p.requires_grad:
                 if self._z3_range(p)[1]:
                     self._z3_local(p)[1].copy_(values[keys["param"]])

@@ -1,0 +1,263 @@
+"""Chat SFT data (`data=chat`): the targets are the assistant's tokens, found in the chat
+template's rendering; conversations are packed padding-free, with position ids that keep
+attention within each, for the same loss as one padded row per conversation."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from examples.tiny_hf import (
+    CHAT_TEMPLATE,
+    VOCAB,
+    conversations,
+    documents,
+    make_model_dir,
+    train_chat_tokenizer,
+    write_rows,
+)
+from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
+from trainer.config import TrainOn, to_config
+from trainer.data.sources import IGNORE_INDEX
+
+LOSS_RTOL = 1e-5
+
+
+def longer(rows: list[dict], roles: set[str]) -> list[dict]:
+    """The same conversations with the messages of `roles` three times as long."""
+    return [{"messages": [{**m, "content": " ".join([m["content"]] * 3)} if m["role"] in roles else m
+                          for m in row["messages"]]} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """Tokenizers with and without a chat template, the template as a file, a Qwen2 config,
+    and 60 conversations three ways: as made, longer user and system turns, longer answers."""
+    from types import SimpleNamespace
+
+    root = tmp_path_factory.mktemp("chat")
+    texts = documents()
+    rows = conversations(texts, n=60)
+    (root / "chatml.jinja").write_text(CHAT_TEMPLATE)
+    return SimpleNamespace(
+        root=root, rows=rows, cache=root / "cache", template=root / "chatml.jinja",
+        tokenizer=train_chat_tokenizer(root / "tokenizer", texts),
+        no_template=train_chat_tokenizer(root / "no_template", texts, template=False),
+        # Initialised 10x wider than usual: attention that is far from uniform, so a model that
+        # attended across conversations would give a measurably different loss (1e-5 at 0.02).
+        qwen2=make_model_dir(root / "qwen2", "qwen2", weights=False, initializer_range=0.2),
+        data=write_rows(root / "chat.jsonl", rows),
+        longer_context=write_rows(root / "longer_context.jsonl", longer(rows, {"user", "system"})),
+        longer_answers=write_rows(root / "longer_answers.jsonl", longer(rows, {"assistant"})),
+    )
+
+
+def tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def target_text(tok, ids: list[int], targets: list[int]) -> list[str]:
+    """The decoded runs of consecutive targets."""
+    runs, run = [], []
+    for i, t in zip(ids, targets):
+        if t:
+            run.append(i)
+        elif run:
+            runs, run = runs + [tok.decode(run)], []
+    return runs + ([tok.decode(run)] if run else [])
+
+
+def encode(tok, row: dict, train_on: str = "assistant", template: str | None = None) -> tuple[list[int], list[int]]:
+    from trainer.data.chat import Conversations
+
+    ((ids, targets),) = Conversations(TrainOn(train_on), template).encode(tok, {k: [v] for k, v in row.items()}, 0)
+    return ids, targets
+
+
+def message(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+DIALOGUE = [message("system", "Be brief."), message("user", "Name a license."), message("assistant", "MIT, say."),
+            message("user", "Another?"), message("assistant", " Apache 2.0 ")]
+
+
+def test_the_targets_are_each_assistant_message_and_its_end_of_turn(chat):
+    tok = tokenizer(chat.tokenizer)
+    ids, targets = encode(tok, {"messages": DIALOGUE})
+    assert target_text(tok, ids, targets) == ["MIT, say.<|im_end|>", " Apache 2.0 <|im_end|>"]
+    assert tok.decode(ids) == tok.apply_chat_template(DIALOGUE, tokenize=False)
+    ids_all, targets_all = encode(tok, {"messages": DIALOGUE}, "all")
+    assert ids_all == ids and all(targets_all)
+    # A template file gives a tokenizer without one the same rendering and targets.
+    assert encode(tokenizer(chat.no_template), {"messages": DIALOGUE}, template=str(chat.template)) == (ids, targets)
+    # A template that trims the content, and puts a space before the end of the turn.
+    trimmed = chat.root / "trimmed.jinja"
+    trimmed.write_text(CHAT_TEMPLATE.replace("message['content'] + '<|im_end|>'",
+                                             "message['content'] | trim + ' <|im_end|>'"))
+    ids, targets = encode(tok, {"messages": DIALOGUE}, template=str(trimmed))
+    assert target_text(tok, ids, targets) == ["MIT, say. <|im_end|>", "Apache 2.0 <|im_end|>"]
+
+
+def test_prompt_completion_rows_train_on_the_completion(chat):
+    tok = tokenizer(chat.tokenizer)
+    ids, targets = encode(tok, {"prompt": "The MIT license is", "completion": " short."})
+    assert target_text(tok, ids, targets) == [" short.<|im_end|>"]  # no template: prompt + completion + EOS
+    assert tok.decode(ids) == "The MIT license is short.<|im_end|>"
+    row = {"prompt": DIALOGUE[:4], "completion": DIALOGUE[4:]}
+    for train_on, expected in (("completion", [" Apache 2.0 <|im_end|>"]),
+                               ("assistant", ["MIT, say.<|im_end|>", " Apache 2.0 <|im_end|>"])):
+        ids, targets = encode(tok, row, train_on)
+        assert target_text(tok, ids, targets) == expected, train_on
+
+
+def test_the_cache_keeps_a_target_mask_and_is_keyed_by_template_and_train_on(chat, tmp_path):
+    from trainer.data import _tokenized
+
+    def source(**data):
+        cfg = to_config({"data": {"name": "chat", "path": str(chat.data), "tokenizer": str(chat.no_template),
+                                  "chat_template": str(tmp_path / "t.jinja"), "cache_dir": str(tmp_path / "cache"),
+                                  **data}, "model": {"vocab_size": VOCAB}})
+        return _tokenized(cfg, cfg.data.path, "data.path")
+
+    (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE)
+    first = source()
+    first.prepare()
+    tokens, _ = first.tokens()
+    assert tokens.targets is not None and len(tokens.targets) == len(tokens.ids)
+    assert 0 < tokens.targets.mean() < 1
+    assert source(train_on="all").dir != first.dir
+    (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE.replace("<|im_end|>' + '\\n'", "<|im_end|>'"))
+    assert source().dir != first.dir
+
+
+def test_packed_rows_hold_whole_conversations_whose_positions_restart():
+    from trainer.data.sources import Documents, PackedDocuments, Tokens
+
+    lengths = [5, 3, 10, 4, 2]  # seq_len 8: the third is longer than seq_len + 1 and is cut to 9
+    starts = np.cumsum([0] + lengths[:-1])
+    ids = np.arange(1, sum(lengths) + 1, dtype=np.uint16)
+    targets = np.ones(len(ids), dtype=np.uint8)
+    targets[[1, 2, 6]] = 0  # context tokens of the first two conversations
+    tokens = Tokens(ids, starts, targets)
+    packed = PackedDocuments(tokens, seq_len=8, vocab_size=64, pad_id=0)
+    assert len(packed) == 3 and packed.long == 1  # [5, 3] | [10 -> 9] | [4, 2]: greedy, in order
+    x, y, position_ids = packed[0]
+    assert x.tolist() == [1, 2, 3, 4, 6, 7, 0, 0]
+    assert y.tolist() == [IGNORE_INDEX, IGNORE_INDEX, 4, 5, IGNORE_INDEX, 8] + [IGNORE_INDEX] * 2
+    assert position_ids.tolist() == [0, 1, 2, 3, 0, 1, 0, 1]  # the padded tail is no conversation's
+    assert packed[1][2].tolist() == list(range(8)) and packed[1][0].tolist() == list(range(9, 17))
+    assert packed[2][2].tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    padded = Documents(tokens, seq_len=8, vocab_size=64, pad_id=0)
+    assert sorted(t for r in packed for t in r[1].tolist() if t != IGNORE_INDEX) == \
+        sorted(t for r in padded for t in r[1].tolist() if t != IGNORE_INDEX)
+    assert len(PackedDocuments(tokens, 8, 64, 0, drop_long=True).spans) == 4
+
+
+def test_the_reference_model_keeps_packed_documents_apart():
+    from trainer.models.reference import ModelShape, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelShape(vocab_size=50, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64))
+    a, b = torch.randint(0, 50, (1, 10)), torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        apart = torch.cat([model(a), model(b)], dim=1)
+        position_ids = torch.cat([torch.arange(10), torch.arange(6)])[None]
+        packed = model(torch.cat([a, b], dim=1), position_ids=position_ids)
+        joined = model(torch.cat([a, b], dim=1))
+        one_document = model(a, position_ids=torch.arange(10)[None])
+    assert torch.allclose(packed, apart, atol=1e-5)
+    assert not torch.allclose(joined[:, 10:], apart[:, 10:], atol=1e-2)  # without them b would see a
+    assert torch.allclose(one_document, model(a), atol=1e-6)
+
+
+def chat_case(chat, path, **overrides) -> dict:
+    """One epoch of every conversation at lr 0, a micro-batch of one row per step."""
+    return with_overrides(case("ddp", steps=0), **{
+        "model__vocab_size": VOCAB, "model__seq_len": 512, "data__name": "chat", "data__path": str(path),
+        "data__tokenizer": str(chat.tokenizer), "data__cache_dir": str(chat.cache), "train__micro_batch_size": 1,
+        "optim__lr": 0.0, **overrides})
+
+
+@pytest.fixture(scope="module")
+def epochs(chat):
+    """Epochs of the reference model and of a Qwen2 model, packed and padded (the reference model
+    evaluated on the same conversations); and of the reference model on the longer ones."""
+    qwen2 = {"name": "hf", "kind": "hf", "path": str(chat.qwen2), "seq_len": 256, "vocab_size": VOCAB}
+    cfgs = {"packed": chat_case(chat, chat.data, data__val_path=str(chat.data)),
+            "padded": chat_case(chat, chat.data, data__val_path=str(chat.data), data__packing=False),
+            "longer_context": chat_case(chat, chat.longer_context),
+            "longer_answers": chat_case(chat, chat.longer_answers),
+            "hf_packed": {**chat_case(chat, chat.data), "model": qwen2},
+            "hf_padded": {**chat_case(chat, chat.data, data__packing=False), "model": qwen2}}
+    on_ranks(1, train_cases, cfgs, str(chat.root / "runs"))
+    return chat.root / "runs"
+
+
+def summed_loss(run_dir) -> tuple[float, int, int]:
+    """(sum of the token losses, target tokens, steps) of the run's records (a step each)."""
+    steps = [r for r in records(run_dir) if "tokens" in r]  # not the evaluations
+    tokens = [0] + [r["tokens"] for r in steps]
+    return sum(r["loss"] * (t - before) for r, before, t in zip(steps, tokens, tokens[1:])), tokens[-1], len(steps)
+
+
+def val_loss(run_dir) -> float:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r["loss"] for r in lines if r.get("split") == "val")
+
+
+@pytest.mark.parametrize("model", ["", "hf_"])
+def test_packed_and_padded_rows_give_the_same_loss_on_the_same_targets(epochs, model):
+    packed_loss, packed_tokens, packed_rows = summed_loss(epochs / f"{model}packed")
+    padded_loss, padded_tokens, padded_rows = summed_loss(epochs / f"{model}padded")
+    assert packed_tokens == padded_tokens > 0
+    assert math.isclose(packed_loss, padded_loss, rel_tol=LOSS_RTOL), (packed_loss, padded_loss)
+    assert packed_rows < padded_rows / 2  # a row (and a step) per conversation when padded
+    if not model:  # evaluation too
+        assert math.isclose(val_loss(epochs / "packed"), val_loss(epochs / "padded"), rel_tol=LOSS_RTOL)
+
+
+def test_only_the_assistants_tokens_count_as_targets(epochs):
+    tokens = {name: summed_loss(epochs / name)[1] for name in ("packed", "longer_context", "longer_answers")}
+    assert tokens["longer_context"] == tokens["packed"], "user and system text must not be targets"
+    assert tokens["longer_answers"] > 2 * tokens["packed"]
+
+
+BAD_CHAT = {
+    "no template": ([], ["data.chat_template", "has no chat template", "data.chat_template=FILE.jinja"]),
+    "no template file": (["data.chat_template={root}/nowhere.jinja"], ["data.chat_template: no file"]),
+    "content not rendered": (["data.chat_template={root}/upper.jinja"],
+                             ["data.path", "row 1: the content of message 1", "not in the chat template's rendering"]),
+    "completion of messages": (["data.tokenizer={tok}", "data.train_on=completion"],
+                               ["data.train_on", "needs prompt + completion rows"]),
+    "no conversations": (["data.tokenizer={tok}", "data.path={root}/text.jsonl"],
+                         ["data.path", "neither a `messages` column nor `prompt` + `completion`", "columns: text"]),
+    "custom model packed": (["data.tokenizer={tok}", "model=custom", "model._target_=examples.toy_model.build",
+                             "+model.vocab=512", "strategy.wrap=[ToyBlock]"],
+                            ["data.packing", "takes none", "position_ids", "data.packing=false"]),
+    "train_on elsewhere": (["data=hf", "data.train_on=all"], ["data.train_on", "only read by data=chat"]),
+    "drop_long when packed": (["data=hf", "data.drop_long=true"], ["data.drop_long", "data.packing=false"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CHAT))
+def test_bad_chat_settings_are_refused_before_any_rank_starts(chat, tmp_path, name):
+    (tmp_path / "upper.jinja").write_text(CHAT_TEMPLATE.replace("message['content']", "message['content'] | upper"))
+    # Row 0 survives the upper-casing template; row 1 does not.
+    write_rows(tmp_path / "rows.jsonl", [{"messages": [message("user", "HI"), message("assistant", "OK")]},
+                                         {"messages": [message("user", "Hi"), message("assistant", "Ok")]}])
+    write_rows(tmp_path / "text.jsonl", [{"text": "no conversation here"}])
+    overrides, fragments = BAD_CHAT[name]
+    args = [o.format(root=tmp_path, tok=chat.tokenizer) for o in overrides]
+    args += ["data=chat"] if not any(a.startswith("data=") for a in args) else []
+    args += [f"{key}={value}" for key, value in (("data.path", tmp_path / "rows.jsonl"),
+                                                 ("data.tokenizer", chat.no_template)) if f"{key}=" not in str(args)]
+    args += ["model.vocab_size=512", f"data.cache_dir={chat.cache}"]
+    message_ = refusal(tmp_path, *args)
+    for fragment in fragments:
+        assert fragment in message_, message_

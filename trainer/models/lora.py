@@ -1,0 +1,197 @@
+"""peft=lora: LoRA adapters from the `peft` library, added where the model is built (on the meta
+device, or inside ZeRO-3's zero.Init), so every strategy shards, fills, saves and resumes them
+as it does any parameter. The model's own weights are frozen: no gradients, no optimizer state.
+
+Names: peft moves a wrapped layer's weight to `<layer>.base_layer.weight`; `canonical_name`
+drops `base_layer`, so the frozen weights keep the plain model's names (and its pretrained
+files fit them), and the adapters are `<layer>.lora_A.default.weight` / `lora_B`. A PEFT
+adapter folder names them `base_model.model.<layer>.lora_A.weight` (`peft_key`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, PeftConfig, PeftName
+from trainer.models.weights import WeightSource, canonical_name, full_shape, module_seed
+
+ADAPTER = "default"  # peft's name for the one adapter
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def enabled(cfg: PeftConfig | None) -> bool:
+    return cfg is not None and PeftName(cfg.name) is PeftName.lora
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every layer LoRA can adapt (torch's Linear; transformers' Conv1D, GPT-2's), by name, but the
+    output layer (adapting the vocabulary projection is not what all-linear means, in peft either)."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = getattr(output, "out_features", None)
+    return {name: m for name, m in model.named_modules()
+            if type(m).__name__ in ("Linear", "Conv1D") or isinstance(m, nn.Linear)
+            if m is not output and not (output is None and getattr(m, "out_features", None) == vocab)
+            and name}
+
+
+def matches(name: str, target: str) -> bool:
+    """peft's rule for a list of target names: the name itself, or a name that ends in `.target`."""
+    return name == target or name.endswith(f".{target}")
+
+
+def target_modules(model: nn.Module, cfg: PeftConfig) -> list[str]:
+    """The names to give peft: the leaf names (q_proj, ...) where they pick exactly the layers meant,
+    else full names. A given name that matches no linear layer is refused, naming those there are."""
+    layers = linear_layers(model)
+    if cfg.target_modules == "all-linear":
+        chosen = sorted(layers)
+    else:
+        unknown = [t for t in cfg.target_modules if not any(matches(n, t) for n in layers)]
+        if unknown:
+            # the last part of each name (q_proj), with its parent's where it is an index (mlp.0)
+            leaves = sorted({".".join(n.split(".")[-2:] if n.rpartition(".")[2].isdigit() else n.split(".")[-1:])
+                             for n in layers})
+            raise ConfigError(f"peft.target_modules: {', '.join(unknown)} matches no linear layer of "
+                              f"{type(model).__name__}; its linear layers: {', '.join(leaves)}")
+        chosen = sorted(n for n in layers if any(matches(n, t) for t in cfg.target_modules))
+    leaves = sorted({n.rpartition(".")[2] for n in chosen})
+    every_linear = [n for n, _ in model.named_modules() if any(matches(n, leaf) for leaf in leaves)]
+    return leaves if sorted(every_linear) == chosen else chosen
+
+
+def lora_config(settings: dict):
+    """peft's LoraConfig from what a checkpoint records (`settings`)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
+                      target_modules=list(settings["target_modules"]), bias="none")
+
+
+def add_adapters(model: nn.Module, cfg: PeftConfig) -> nn.Module:
+    """The model with LoRA adapters on its target layers, the rest frozen; in place."""
+    from peft import inject_adapter_in_model
+
+    settings = read_adapter_folder(Path(cfg.init)) if cfg.init else adapter_settings(model, cfg)
+    inject_adapter_in_model(lora_config(settings), model)
+    model.lora_settings = settings  # read by the checkpoint's manifest (export needs them)
+    return model
+
+
+def adapter_settings(model: nn.Module, cfg: PeftConfig) -> dict:
+    return {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout, "target_modules": target_modules(model, cfg)}
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def peft_key(name: str) -> str:
+    """A canonical adapter name as a PEFT adapter folder keys it (no adapter name, under base_model.model)."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+def read_adapter_folder(path: Path) -> dict:
+    """peft.init=DIR: its settings, from adapter_config.json (refused unless LoRA)."""
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"peft.init: {path} is not a PEFT adapter folder ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
+        raise ConfigError(f"peft.init: {path} holds a {config.get('peft_type')} adapter"
+                          f"{' with DoRA or rsLoRA' if config.get('peft_type') == 'LORA' else ''}; "
+                          "the trainer continues plain LoRA adapters")
+    targets = config["target_modules"]
+    return {"r": config["r"], "alpha": config["lora_alpha"], "dropout": config.get("lora_dropout", 0.0),
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+
+
+class AdapterWeights:
+    """The first values of a LoRA model: the base's from `base` (pretrained files or the model's
+    own init), the adapters' as peft makes them (A: Kaiming-uniform, seeded per layer; B: zeros, so
+    training starts at the base model), or from a PEFT adapter folder (`peft.init`)."""
+
+    def __init__(self, base: WeightSource, shapes: dict[str, tuple[int, ...]], seed: int, init: Path | None):
+        self.base, self.shapes, self.seed, self.init = base, shapes, seed, init
+        self.fingerprint = getattr(base, "fingerprint", None)
+        count = sum(math.prod(shape) for shape in shapes.values())
+        self.description = (f"{base.description}, frozen; {count:,} parameters of LoRA adapters train"
+                            + (f", from {init}" if init else ""))
+        if init is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(init / ADAPTER_WEIGHTS), framework="pt") as f:
+                stored = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            wrong = [f"{name}: {'missing' if peft_key(name) not in stored else list(stored[peft_key(name)])}, "
+                     f"model {list(shape)}" for name, shape in shapes.items() if stored.get(peft_key(name)) != shape]
+            if wrong:
+                raise ConfigError(f"peft.init: the adapters in {init} do not fit this model ({len(wrong)}):\n  "
+                                  + "\n  ".join(wrong[:10]))
+
+    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        if name not in self.shapes:
+            return self.base.read(name, start, numel)
+        return self._values(name).view(-1)[start:start + numel]
+
+    def read_buffer(self, name: str) -> torch.Tensor | None:
+        return self.base.read_buffer(name)
+
+    def _values(self, name: str) -> torch.Tensor:
+        if self.init is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(self.init / ADAPTER_WEIGHTS), framework="pt") as f:
+                return f.get_tensor(peft_key(name)).float()
+        values = torch.zeros(self.shapes[name])
+        if ".lora_A." in name:  # as peft's reset_lora_parameters, seeded by the layer's name
+            generator = torch.Generator().manual_seed(module_seed(self.seed, name))
+            nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)
+        return values
+
+
+def write_adapter_folder(adapters: dict[str, torch.Tensor], settings: dict, base_path: str | None, out: Path) -> None:
+    """A folder `PeftModel.from_pretrained(base, out)` loads: adapter_config.json and
+    adapter_model.safetensors (`adapters` by canonical name)."""
+    from trainer.models.weights import save_safetensors
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = lora_config(settings)
+    config.base_model_name_or_path = base_path
+    config.save_pretrained(str(out))
+    save_safetensors({peft_key(n): w.contiguous() for n, w in adapters.items()}, out / ADAPTER_WEIGHTS,
+                     metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def merged(weights: dict[str, torch.Tensor], settings: dict, build: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
+    """The plain model's weights with the adapters merged in, by peft itself (`merge_and_unload`):
+    `weights` holds the base's and the adapters' values by canonical name; `build` makes the plain model."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    from trainer.models.weights import allocate, params_on_meta
+
+    with params_on_meta():
+        model = build()
+    allocate(model, torch.device("cpu"))  # ties kept: a tied matrix is loaded once
+    base = {n: w for n, w in weights.items() if not is_adapter(n)}
+    missing = set(n for n, _ in model.named_parameters()) - set(base)
+    if missing:
+        raise ConfigError(f"merge: no values for {len(missing)} parameters of the model, e.g. {sorted(missing)[0]}")
+    model.load_state_dict(base, strict=False)
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, lora_config(settings))
+    loaded = set_peft_model_state_dict(peft_model, {peft_key(n): w for n, w in weights.items() if is_adapter(n)})
+    if loaded.unexpected_keys:
+        raise ConfigError(f"merge: adapters the model does not have: {loaded.unexpected_keys[:5]}")
+    plain = peft_model.merge_and_unload()
+    return {canonical_name(n): p.detach() for n, p in plain.named_parameters()}
+
+
+def adapter_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {canonical_name(n): full_shape(p) for n, p in model.named_parameters() if is_adapter(canonical_name(n))}
