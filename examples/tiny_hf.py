@@ -58,7 +58,8 @@ def bpe(texts: list[str], special_tokens: list[str], vocab: int = VOCAB):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=special_tokens,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
     return tok
 
 
@@ -161,6 +162,9 @@ def make_model_dir(out: Path, family: str, weights: bool, tokenizer: Path | None
 
 def main(out: Path) -> None:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" for a model of one small file
 
     texts = documents()
     out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,8 @@ def main(out: Path) -> None:
     np.asarray(ids, dtype=np.uint16).tofile(out / "train.bin")
     chat_tokenizer = train_chat_tokenizer(out / "chat_tokenizer", texts)
     chats = write_rows(out / "chat.jsonl", conversations(texts))
-    print(f"{model}: a Qwen2-shaped model ({VOCAB} tokens, tied embeddings) with its weights and tokenizer\n"
+    print(f"{model}: a Qwen2-shaped model ({VOCAB} tokens, tied embeddings) with its weights and tokenizer "
+          f"(also alone in {tokenizer})\n"
           f"{out / 'train.jsonl'}: {len(texts)} documents; {out / 'train.bin'}: {len(ids):,} uint16 token ids\n"
           f"{chats}: 300 conversations; {chat_tokenizer}: a tokenizer with a ChatML chat template")
 

@@ -1,4 +1,4 @@
-"""Issue 12: what a new user meets in the first hour — messages, files and launch scripts."""
+"""Issues 12 and 20: what a new user meets in the first hour — messages, files and launch scripts."""
 from __future__ import annotations
 
 import json
@@ -27,6 +27,7 @@ def checkpointed(tmp_path_factory):
     result = run_cli(f"checkpoint.dir={root / 'ckpt'}", "checkpoint.every_steps=3", "train.max_steps=6",
                      "train.log_every=1", f"hydra.run.dir={root / 'run'}")
     assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(root / "ckpt" / "step_00000003", root / "kept" / "step_00000003")  # others' saves prune it
     return root
 
 
@@ -183,3 +184,58 @@ def test_the_launch_script_uses_the_active_environments_torchrun(tmp_path):
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in records(tmp_path)] == [2, 4]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
+def test_every_schedule_warms_up_then_ends_where_it_should(schedule):
+    from trainer.config import OptimConfig
+    from trainer.loop import lr_at
+
+    o = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule=schedule, decay_fraction=0.25)
+    lrs = [lr_at(step, 20, o) for step in range(24)]
+    assert lrs[:2] == [0.5, 1.0]
+    if schedule == "constant":
+        assert set(lrs[2:]) == {1.0}
+        return
+    assert lrs[19] == pytest.approx(0.1) and lrs[23] == pytest.approx(0.1)  # the end, then held
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))  # never rises after the warmup
+    if schedule == "wsd":  # stable until the last quarter (5 steps) of the 20, then linear
+        assert lrs[:15] == [0.5] + [1.0] * 14 and lrs[15] < 1.0
+        assert lrs[17] - lrs[18] == pytest.approx(lrs[18] - lrs[19])
+    if schedule == "linear":
+        assert lrs[10] - lrs[11] == pytest.approx(lrs[11] - lrs[12])
+    shorter = OptimConfig(**{**vars(o), "schedule_steps": 10})  # optim.schedule_steps: its own end
+    assert lr_at(9, 20, shorter) == pytest.approx(0.1) and lr_at(15, 20, shorter) == pytest.approx(0.1)
+
+
+def test_a_resume_says_what_it_changes(checkpointed, tmp_path):
+    """From step 3 of a 6-step, batch-8 run saved with checkpoint.dir: batch 16, 8 steps, no
+    checkpoint.dir, a new run dir."""
+    ckpt = checkpointed / "kept" / "step_00000003"
+    result = run_cli(f"checkpoint.resume={ckpt}", "train.max_steps=8", "train.micro_batch_size=16",
+                     f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line.removeprefix("[trainer] resume: ") for line in result.stdout.splitlines() if "resume:" in line]
+    assert len(said) == 4, result.stdout
+    assert said[0].startswith("the checkpoint was trained at global batch 8 and this run's is 16")
+    assert said[1].startswith("the learning-rate schedule now ends at step 8, not 6: step 4 trains at ")
+    assert said[1].endswith("optim.schedule_steps=6 keeps the old end")
+    assert said[2] == f"the steps before 4 are in {checkpointed / 'run'}/metrics.jsonl"
+    assert said[3] == "no checkpoint.dir: nothing of this run is saved (checkpoint.resume only reads)"
+
+
+def test_early_stopping_ends_the_run_and_keep_best_keeps_the_best_checkpoint(tmp_path):
+    """At lr 0 the val loss never falls: evaluations at steps 2 (the best), 4 and 6 (two without a
+    lower loss) stop the run at step 6 of 20, saved; keep_last=1 and keep_best=1 keep steps 6 and 2."""
+    ckpt = tmp_path / "ckpt"
+    result = run_cli("optim.lr=0", "train.max_steps=20", "train.log_every=2", "data.val_fraction=0.1",
+                     "eval.every_steps=2", "eval.early_stop_patience=2", f"checkpoint.dir={ckpt}",
+                     "checkpoint.every_steps=2", "checkpoint.keep_last=1", "checkpoint.keep_best=1",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "early stop after step 6: no lower val loss in 2 evaluations (eval.early_stop_patience=2); the best" \
+        in result.stdout
+    events = [r for r in lines(tmp_path / "run") if "event" in r]
+    assert events[-2] == {"event": "early_stop", "step": 6, "best_step": 2, "best_val_loss": events[-2]["best_val_loss"]}
+    assert events[-1]["event"] == "end" and events[-1]["step"] == 6
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000006"]

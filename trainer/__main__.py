@@ -117,10 +117,13 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
 
     stop_codes = {128 + int(sig) for sig in STOP_SIGNALS}
     quiet_codes = stop_codes | {ERROR_EXIT_CODE}  # the ranks said why (metrics.jsonl, `trainer: error:`)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(QuietRankExits(quiet_codes))
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(QuietRankExits(quiet_codes))
     try:
         return distributed.launch_local(cfg.nproc, worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
-                                        shutdown_timeout_s=cfg.shutdown_timeout_s)[0]
+                                        shutdown_timeout_s=cfg.shutdown_timeout_s,
+                                        on_restart=lambda rank, failure, restart: say_restart(cfg, rank, failure,
+                                                                                              restart))[0]
     except SignalException as e:  # to this process: passed on to the ranks, which saved and stopped
         exit_code = 128 + int(e.sigval)
     except ChildFailedError as e:
@@ -130,19 +133,46 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
         exit_code = max(codes)
         if exit_code == ERROR_EXIT_CODE:
             sys.exit(exit_code)
-    sys.stderr.write(f"trainer: stopped by a signal; exit code {exit_code}; see {run_dir}/metrics.jsonl\n")
+    sys.stderr.write(f"trainer: stopped by a signal{stopped_at(run_dir)}; exit code {exit_code}\n")
     sys.exit(exit_code)
 
 
-def rank_failure(cfg: Config, rank: int, failure) -> str:
-    """The line that ends a launch whose rank died (a signal: no traceback to show) or raised (its
-    traceback was logged above, by torch's launcher)."""
+def stopped_at(run_dir: Path) -> str:
+    """Where the ranks stopped, from their `preempted` record: the step and what was saved."""
+    import json
+
+    metrics = run_dir / "metrics.jsonl"
+    events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    stop = next((e for e in reversed(events) if e.get("event") == "preempted"), None)
+    if stop is None:
+        return f"; see {metrics}"
+    saved = (f"saved {stop['checkpoint']}: the same command resumes from it" if stop["checkpoint"] else
+             "nothing saved (no checkpoint.dir, or the save failed)")
+    return f" after step {stop['step']}; {saved}"
+
+
+def what_happened(rank: int, failure) -> str:
+    """A rank that died (a signal: no traceback to show) or raised (torch's launcher logged its traceback)."""
     cause = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else
              f"failed with exit code {failure.exitcode} (its traceback is above)")
+    return f"rank {rank} (pid {failure.pid}) {cause}"
+
+
+def rank_failure(cfg: Config, rank: int, failure) -> str:
+    """The line that ends a launch whose rank died or raised."""
     restarts = f" after max_restarts={cfg.max_restarts} restarts" if cfg.max_restarts else ""
     resume = (f"; the same command resumes from the newest checkpoint in {cfg.checkpoint.dir}"
               if cfg.checkpoint.dir else "")
-    return f"trainer: error: rank {rank} (pid {failure.pid}) {cause}{restarts}; the other ranks were stopped{resume}"
+    return f"trainer: error: {what_happened(rank, failure)}{restarts}; the other ranks were stopped{resume}"
+
+
+def say_restart(cfg: Config, rank: int, failure, restart: int) -> None:
+    """max_restarts: the line before each restart of every rank."""
+    resume = (f"resuming from the newest checkpoint in {cfg.checkpoint.dir}" if cfg.checkpoint.dir else
+              "starting over (no checkpoint.dir)")
+    sys.stderr.write(f"trainer: {what_happened(rank, failure)}; restart {restart} of {cfg.max_restarts}, "
+                     f"{resume}\n")
+    sys.stderr.flush()
 
 
 def objective(summary: dict) -> float | None:

@@ -363,18 +363,27 @@ class CheckpointManager:
                             f"{self.resumed_older.name}: renamed {aside.name}")
 
     def _prune(self, keep: Path) -> None:
-        """Keep the newest `keep_last`, the one just written and an older one this run resumed from.
-        The save is complete by now: a step dir that cannot be removed is a warning, not a failed save."""
+        """Keep the newest `keep_last`, the `keep_best` of lowest validation loss, the one just
+        written and an older one this run resumed from. The save is complete by now: a step dir
+        that cannot be removed is a warning, not a failed save."""
         if self.cfg.keep_last <= 0:
             return
         done = complete_checkpoints(self.root)
+        kept = {keep, self.resumed_older, *self.best(done)}
         for path in done[:-self.cfg.keep_last]:
-            if path not in (keep, self.resumed_older):
+            if path not in kept:
                 try:
                     shutil.rmtree(path)
                 except OSError as e:
                     log.warning(f"checkpoint: saved {keep.name}, but could not remove the older {path.name} "
                                 f"(checkpoint.keep_last={self.cfg.keep_last}): {e}")
+
+    def best(self, done: list[Path]) -> list[Path]:
+        """Of the step dirs `done`, the `keep_best` saved at an evaluation with the lowest val loss."""
+        if not self.cfg.keep_best:
+            return []
+        scored = [(read_manifest(p)["trainer"].get("val_loss"), p) for p in done]
+        return [p for val_loss, p in sorted(s for s in scored if s[0] is not None)[:self.cfg.keep_best]]
 
     def load(self, path: Path) -> dict:
         """Load model and optimizer state into the strategy; return the trainer's state."""

@@ -83,6 +83,13 @@ class PeftName(str, Enum):
     lora = "lora"  # LoRA adapters (the `peft` library) train; the model's own weights are frozen
 
 
+class Schedule(str, Enum):
+    cosine = "cosine"  # cosine decay from lr to lr * min_lr_ratio over the schedule
+    linear = "linear"  # linear decay to lr * min_lr_ratio
+    constant = "constant"  # lr after warmup, throughout
+    wsd = "wsd"  # warmup-stable-decay: lr, then a linear decay over the last decay_fraction of the schedule
+
+
 class LogLevel(str, Enum):
     debug = "debug"
     info = "info"
@@ -167,6 +174,7 @@ class DataConfig:
 class EvalConfig:
     every_steps: int = 0  # 0: only after the last step (when there is validation data)
     max_batches: int = 0  # micro-batches per rank and evaluation; 0: the whole validation set
+    early_stop_patience: int = 0  # stop after this many evaluations in a row without a lower val loss; 0: never
 
 
 @dataclass
@@ -176,7 +184,10 @@ class OptimConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at its last step
+    schedule: Schedule = Schedule.cosine
+    schedule_steps: int = 0  # the schedule's length; 0: the run's steps (a resume that trains longer re-plans it)
+    decay_fraction: float = 0.1  # wsd: the last fraction of the schedule that decays
 
 
 @dataclass
@@ -202,6 +213,7 @@ class CheckpointConfig:
     dir: Optional[str] = None
     every_steps: int = 0
     keep_last: int = 2
+    keep_best: int = 0  # also keep the N checkpoints with the lowest val loss (saved at evaluation steps)
     resume: str = "auto"  # auto | none | PATH
     max_failed_saves: int = 3  # failed saves in a row that stop the run (fewer: reported, training goes on)
 
@@ -332,6 +344,8 @@ def validate(cfg: Config) -> None:
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
              f"two values in [0, 1), got {list(o.betas)}")
     _require(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _require(o.schedule_steps >= 0, "optim.schedule_steps", f"must be >= 0 (0: the run's steps), got {o.schedule_steps}")
+    _require(0 < o.decay_fraction <= 1, "optim.decay_fraction", f"must be in (0, 1], got {o.decay_fraction}")
     _require(c.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0 (0: the last step only), got {c.every_steps}")
     _require(c.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0 (0: keep all), got {c.keep_last}")
     _require(c.max_failed_saves >= 1, "checkpoint.max_failed_saves", f"must be >= 1, got {c.max_failed_saves}")
@@ -363,6 +377,9 @@ def validate(cfg: Config) -> None:
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
     _require(cfg.eval.max_batches >= 0, "eval.max_batches", f"must be >= 0, got {cfg.eval.max_batches}")
+    _require(cfg.eval.early_stop_patience >= 0, "eval.early_stop_patience",
+             f"must be >= 0 (0: never stop early), got {cfg.eval.early_stop_patience}")
+    _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
     _require(not (s.offload_params and name not in (StrategyName.fsdp, StrategyName.zero3)),
              "strategy.offload_params", f"only fsdp and zero3 shard parameters; strategy={name.value} "
              "cannot offload them (use strategy=zero3 or strategy=fsdp)")

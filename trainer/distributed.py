@@ -7,8 +7,10 @@ import re
 import socket
 import tempfile
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -142,6 +144,12 @@ def init(timeout_s: float = 600) -> DistEnv:
         _own_variables.update(env)
     os.environ.update(env)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if world > 1:  # `ps` tells the ranks apart
+        import setproctitle
+
+        title = setproctitle.getproctitle()
+        if not title.startswith("trainer rank"):
+            setproctitle.setproctitle(f"trainer rank {rank}/{world}: {title}")
     local_rank = int(env.get("LOCAL_RANK", rank))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     device = pick_device(local_rank, local_world)
@@ -187,14 +195,17 @@ def on_main(fn):
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_s: int = 30) -> dict:
+def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_s: int = 30,
+                 on_restart: Callable | None = None) -> dict:
     """fn(*args) in `nproc` fresh local processes under torch's elastic launcher, which sets the
     rank variables for `init`, restarts all of them up to `max_restarts` times when one fails,
     and passes stop signals on to them. The rendezvous is on a fresh free port, so back-to-back
     launches (a Hydra sweep, a test suite) never clash: static (the quickest) for one round;
     with restarts torchrun --standalone's (c10d), which gives each round a store of its own (the
     static one keeps the first round's keys: seen, a restarted group hanging in
-    init_process_group). `fn` must be importable (not from __main__)."""
+    init_process_group). `fn` must be importable (not from __main__). `on_restart(rank, failure,
+    restart)`: told, before each restart, which rank failed and how (torch's agent only logs
+    "Worker group FAILED")."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rendezvous = ({"rdzv_backend": "c10d", "rdzv_configs": {"timeout": 120}} if max_restarts else
@@ -203,7 +214,31 @@ def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", **rendezvous, max_restarts=max_restarts,
                           monitor_interval=0.1, signals_to_handle=SIGNALS_TO_HANDLE,
                           shutdown_timeout=shutdown_timeout_s)
-    return elastic_launch(config, fn)(*args)
+    with reported_restarts(on_restart):
+        return elastic_launch(config, fn)(*args)
+
+
+@contextmanager
+def reported_restarts(report: Callable | None) -> Iterator[None]:
+    """Around a launch: `report(global rank, ProcessFailure, restart number)` for each failed rank
+    the agent is about to restart the group for, read from the result of its monitoring."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitored(agent, group):
+        result = monitor(agent, group)
+        if report is not None and result.is_failed() and agent._remaining_restarts > 0:
+            restart = group.spec.max_restarts - agent._remaining_restarts + 1
+            for rank, failure in sorted(result.failures.items()):
+                report(rank, failure, restart)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitored
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = monitor
 
 
 def shutdown(peers_alive: bool = True) -> None:

@@ -76,11 +76,15 @@ class QuietRankExits(logging.Filter):
     """Drops torch elastic's failure report (with a traceback) for ranks that left with one of
     `exit_codes` (a stop signal's: they saved and stopped as asked; a bad setting's: rank 0 said
     which) or were killed by a signal (the launcher names the rank in one line; there is no
-    traceback to show)."""
+    traceback to show), and its lines about passing a stop signal on (the launcher's own line
+    says where the ranks stopped)."""
 
     def __init__(self, exit_codes: set[int]):
         super().__init__()
         self.needles = [f"exitcode: {code})" for code in exit_codes] + ["exitcode: -"]
+        # passing a stop signal on to the ranks: the launcher's own line says what came of it
+        self.needles += ["death signal, shutting down workers", "via signal SIGTERM", "via signal SIGUSR1",
+                         "via signal SIGINT"]
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(needle in record.getMessage() for needle in self.needles)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from trainer.config import Config, ConfigError, LoggerConfig
+from trainer.log import log
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
@@ -94,9 +95,14 @@ class WandbLogger:
         import wandb
 
         online = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
+        self.mode = cfg.mode or ("online" if online else "offline")
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, dir=str(run_dir),
-                              mode=cfg.mode or ("online" if online else "offline"), config=hparams,
-                              settings=wandb.Settings(console="off", silent=True))
+                              mode=self.mode, config=hparams, settings=wandb.Settings(console="off", silent=True))
+
+    def say_where(self) -> None:
+        if self.mode == "offline":
+            files = Path(self.run.dir).parent  # wandb/offline-run-<time>-<id>
+            log.info(f"W&B ran offline: its files are in {files}; upload them with: wandb sync {files}")
 
     def log(self, record: dict) -> None:
         if "step" in record and "event" not in record:
@@ -105,9 +111,11 @@ class WandbLogger:
     def finish(self, summary: dict) -> None:
         self.run.summary.update(final_numbers(summary))
         self.run.finish()
+        self.say_where()
 
     def stop(self) -> None:
         self.run.finish(exit_code=1)  # W&B's mark for a run that did not finish
+        self.say_where()
 
 
 class MLflowLogger:

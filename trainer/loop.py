@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from tqdm import tqdm
 
 from trainer.blocks import apply_checkpointing, find_blocks
 from trainer.checkpoint import CheckpointManager, read_manifest, resolve_resume
-from trainer.config import Config, OptimConfig, StrategyName, profile_steps
+from trainer.config import Config, OptimConfig, Schedule, StrategyName, profile_steps
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.faults import StepGuard, Stopped
@@ -25,12 +26,39 @@ from trainer.strategies import Strategy, build_strategy
 
 
 def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps`,
-    then cosine decay to `lr * min_lr_ratio` at the last step (`total_steps - 1`)."""
+    """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps`, then
+    `optim.schedule` down to `lr * min_lr_ratio` at the schedule's last step (`optim.schedule_steps`,
+    else the run's `total_steps`), held there after it. A pure function of the step: resumable."""
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
-    progress = (step - o.warmup_steps) / max(1, total_steps - 1 - o.warmup_steps)
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    schedule, last = Schedule(o.schedule), (o.schedule_steps or total_steps) - 1
+    if schedule is Schedule.constant:
+        return o.lr
+    # wsd decays over its last decay_fraction, the others from the end of the warmup
+    start = last - max(1, round(o.decay_fraction * (last + 1))) if schedule is Schedule.wsd else o.warmup_steps
+    progress = min(1.0, max(0.0, (step - start) / max(1, last - start)))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule is Schedule.cosine else 1 - progress
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * decay)
+
+
+def resume_notes(state: dict, cfg: Config, global_batch: int, total_steps: int, run_dir: Path) -> list[str]:
+    """What a resume changes against the run that saved the checkpoint, one line each."""
+    notes, step, o = [], state["step"], cfg.optim
+    if state.get("global_batch", global_batch) != global_batch:
+        notes.append(f"the checkpoint was trained at global batch {state['global_batch']} and this run's is "
+                     f"{global_batch}: the data order from here on, and so the losses, differ from those of the "
+                     "run that saved it (the learning rate is not rescaled)")
+    saved_end, end = state.get("schedule_steps"), o.schedule_steps or total_steps
+    if saved_end and saved_end != end:
+        before = lr_at(step, saved_end, OptimConfig(**{**vars(o), "schedule_steps": saved_end}))
+        notes.append(f"the learning-rate schedule now ends at step {end}, not {saved_end}: step {step + 1} trains "
+                     f"at {lr_at(step, total_steps, o):.3g} instead of {before:.3g}; "
+                     f"optim.schedule_steps={saved_end} keeps the old end")
+    if state.get("run_dir") and Path(state["run_dir"]) != run_dir:
+        notes.append(f"the steps before {step + 1} are in {state['run_dir']}/metrics.jsonl")
+    if not cfg.checkpoint.dir:
+        notes.append("no checkpoint.dir: nothing of this run is saved (checkpoint.resume only reads)")
+    return notes
 
 
 def adamw_factory(o: OptimConfig):
@@ -125,15 +153,43 @@ class StepProfiler:
         if self.steps and step == self.steps[0]:
             self.profiler = torch.profiler.profile(activities=self.activities)
             self.profiler.__enter__()
+        if self.profiler is not None:  # each step a span of its own in the trace, as profiler.step() names them
+            self.span = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self.span.__enter__()
 
     def after(self, step: int) -> None:
-        if self.profiler is not None and step == self.steps[1]:
+        if self.profiler is None:
+            return
+        self.span.__exit__(None, None, None)
+        if step == self.steps[1]:
             self.profiler.__exit__(None, None, None)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(self.path))
             self.profiler = None
             log.info(f"profile of steps {self.steps[0]}-{self.steps[1]}: {self.path.parent}/trace_rank*.json "
                      "(chrome://tracing, ui.perfetto.dev)")
+
+
+class EarlyStop:
+    """eval.early_stop_patience=K: the run ends after K evaluations in a row without a lower
+    validation loss (0: never). Its state goes into checkpoints, so a resume counts on."""
+
+    def __init__(self, patience: int):
+        self.patience, self.best, self.best_step, self.worse = patience, math.inf, 0, 0
+
+    def update(self, step: int, val_loss: float) -> bool:
+        """Whether to stop after this evaluation (the same on every rank: the loss is all-reduced)."""
+        if val_loss < self.best:
+            self.best, self.best_step, self.worse = val_loss, step, 0
+        else:
+            self.worse += 1
+        return 0 < self.patience <= self.worse
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step, "worse": self.worse}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step, self.worse = state["best"], state["best_step"], state["worse"]
 
 
 def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
@@ -167,20 +223,29 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                     description(cfg.model, cfg.data.tokenizer, strategy.module), records,
                                     base_fingerprint=weights.fingerprint)
-    step, tokens = 0, 0
+    step, tokens, notes = 0, 0, []
+    early_stop = EarlyStop(cfg.eval.early_stop_patience)
+    global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
     if resume_from:
         state = checkpoints.load(resume_from)
+        notes = resume_notes(state, cfg, global_batch, total_steps, run_dir)
         step, tokens, guard.skipped = state["step"], state.get("tokens", 0), state.get("skipped", 0)
         if state.get("loss_scale"):
             strategy.load_loss_scale_state(state["loss_scale"])
         stream.load_state_dict(state["data"])
+        if state.get("early_stop"):
+            early_stop.load_state_dict(state["early_stop"])
 
     log.info(f"{describe(cfg, env, total_steps)}; run dir: {run_dir}")
     if restart_count():
         records.log({"event": "restarted", "restart": restart_count(), "step": step})
+        log.warning(f"restart {restart_count()}: " + (f"resumed from {resume_from} at step {step}" if resume_from
+                                                      else "from the start (no checkpoint)"))
     if resume_from:
         log.info(f"resumed from {resume_from} at step {step}: model, optimizer state, schedule and data position")
         records.log({"event": "resumed", "step": step, "from": str(resume_from)})
+        for note in notes:
+            log.warning(f"resume: {note}")
     else:
         log.info(f"model: {weights.description}")
     eval_every = cfg.eval.every_steps
@@ -192,11 +257,16 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         records.log({"step": step, "split": "val", "loss": val_loss, "ppl": math.exp(min(val_loss, 700))})
         return val_loss
 
-    def save() -> Path | None:
+    def save(last: bool = False) -> Path | None:
         return checkpoints.save(step, {"step": step, "epoch": stream.epoch, "skipped": guard.skipped,
                                        "loss_scale": strategy.loss_scale_state(),
-                                       "tokens": tokens + int(tokens_since.item()), "data": stream.state_dict()},
-                                last=step == total_steps)
+                                       "tokens": tokens + int(tokens_since.item()), "data": stream.state_dict(),
+                                       # what a resume compares against (resume_notes)
+                                       "global_batch": global_batch,
+                                       "schedule_steps": cfg.optim.schedule_steps or total_steps,
+                                       "run_dir": str(run_dir), "early_stop": early_stop.state_dict(),
+                                       "val_loss": val_loss if evaluated else None},  # for checkpoint.keep_best
+                                last=last or step == total_steps)
 
     def stop(checkpoint: Path | None) -> None:
         name = signal.Signals(guard.stop_signal).name
@@ -210,8 +280,11 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         release()
         raise Stopped(guard.stop_signal, step)
 
+    # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named
+    # semaphore of a rank that leaves with os._exit is reported leaked by the resource tracker.
+    tqdm.set_lock(threading.RLock())
     progress = tqdm(total=total_steps, initial=step, disable=not env.is_main, desc="train", dynamic_ncols=True)
-    last, val_loss, first_step = {}, None, step + 1
+    last, val_loss, first_step, evaluated, stopping_early = {}, None, step + 1, False, False
     since, steps_since = time.perf_counter(), 0
     tokens_since = torch.zeros((), dtype=torch.long, device=env.device)  # read at log steps only
     try:  # the bar ends its line before anything else is printed
@@ -256,6 +329,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             evaluated = val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps)
             if evaluated:
                 val_loss = validate()
+                stopping_early = early_stop.update(step, val_loss)
             since += time.perf_counter() - paused  # step times leave evaluations out
             if log_now:
                 mean_loss = (strategy.all_reduce(loss_sum) / targets).item()  # at log steps only
@@ -271,6 +345,10 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                         else None, "mem": mem}
                 records.log(last)
                 postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
+                if tokens_per_s:
+                    postfix["tok/s"] = f"{tokens_per_s:,.0f}"
+                if last["mfu"] is not None:
+                    postfix["mfu"] = f"{last['mfu']:.1%}"
                 if val_loss is not None:
                     postfix["val_loss"] = f"{val_loss:.4f}"
                 progress.set_postfix(postfix)
@@ -278,20 +356,26 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             # Recorded before saved: a rank killed during a save leaves the step's record behind
             # (the restart resumes from the checkpoint before and records those steps again).
             paused = time.perf_counter()
-            due = checkpoints.due(step, total_steps)
-            saved = save() if due else None
+            due = checkpoints.due(step, total_steps) or (stopping_early and checkpoints.root is not None)
+            saved = save(last=stopping_early) if due else None
             if (evaluated or due) and not guard.stop_signal:  # a signal during them: honoured now
                 guard.check_stop()
             if guard.stop_signal and step < total_steps:  # at the last step: the run ends as planned
                 stop(saved or (save() if checkpoints.root else None))
             since += time.perf_counter() - paused  # ... and saves
+            if stopping_early:
+                e = early_stop
+                log.info(f"early stop after step {step}: no lower val loss in {e.worse} evaluations "
+                         f"(eval.early_stop_patience={e.patience}); the best, {e.best:.4f}, was at step {e.best_step}")
+                records.log({"event": "early_stop", "step": step, "best_step": e.best_step, "best_val_loss": e.best})
+                break
     finally:
         progress.close()
     strategy.barrier()
-    summary = {"step": step, "loss": last["loss"], "tokens": tokens,
+    summary = {"step": step, "loss": last.get("loss"), "tokens": tokens,
                **({"val_loss": val_loss} if val_loss is not None else {})}
     records.finish(summary)
-    log.info(f"done: {step} steps, final loss {last['loss']:.4f}"
+    log.info(f"done: {step} steps" + (f", final loss {last['loss']:.4f}" if last else "")
              + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; run dir: {run_dir}")
     release()
     return summary

@@ -1,19 +1,20 @@
 """`trainer -m ...`: after the last job, one table comparing the jobs (a Hydra callback)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from trainer.metrics import read_records
+
 
 def job_summary(job_dir: Path) -> dict | None:
     metrics = job_dir / "metrics.jsonl"
     if not metrics.is_file():
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = read_records(metrics, events=True)
     steps = [r for r in rows if "event" not in r]
     if not steps:
         return None

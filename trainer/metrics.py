@@ -1,0 +1,48 @@
+"""`python -m trainer.metrics RUN_DIR` (or a metrics.jsonl): a run's step and evaluation records as
+they stand, one JSON object per line.
+
+A restart (`max_restarts`, torchrun's) or a resume into the same run dir trains again the steps
+after its checkpoint, so metrics.jsonl holds their records twice (with the same losses: the
+restart continues exactly). Its `{"event": "restarted"|"resumed", "step": N}` record marks the
+place: the records of steps after N written before it are superseded by those written after it.
+Plots and tables should read the records through `read_records`, which drops the superseded ones.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESTARTS = ("restarted", "resumed")
+
+
+def metrics_file(path: Path) -> Path:
+    return path / "metrics.jsonl" if path.is_dir() else path
+
+
+def read_records(path: Path, events: bool = False) -> list[dict]:
+    """The records of `path` (a run dir or its metrics.jsonl) without the superseded ones; with
+    `events`, the event records too (each where it was written)."""
+    kept: list[dict] = []
+    for line in metrics_file(Path(path)).read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") in RESTARTS:
+            kept = [r for r in kept if "event" in r or r["step"] <= record["step"]]
+        if events or "event" not in record:
+            kept.append(record)
+    return kept
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trainer.log import refuse
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not metrics_file(Path(argv[0])).is_file():
+        refuse("usage: python -m trainer.metrics RUN_DIR|metrics.jsonl (a run dir that holds metrics.jsonl)",
+               "trainer.metrics")
+    for record in read_records(Path(argv[0])):
+        print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
