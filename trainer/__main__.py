@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -23,7 +24,7 @@ from trainer.config import Config, ConfigError, StrategyName, check_overrides, r
 from trainer.data import BatchStream, check_data
 from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
-from trainer.log import ERROR_EXIT_CODE, QuietRankExits, refuse, setup_logging
+from trainer.log import ERROR_EXIT_CODE, QuietRankExits, log, refuse, setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
 from trainer.run import check_run_dir, worker
@@ -49,6 +50,32 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
         BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
     if run_dir is not None:
         check_run_dir(run_dir, resume_from)
+
+
+def take_foreign_resume(cfg: Config, run_dir: Path) -> str:
+    """checkpoint.resume=DIR of another format (torch DCP, DeepSpeed, DeepSpeed universal, a Hugging
+    Face folder): converted once, before any rank starts, into a step dir of ours in the run dir,
+    which the ranks then resume from like any other; the resume setting that does that."""
+    from trainer.convert import detect, read, write_trainer
+
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "none") or not Path(resume).is_dir() or detect(Path(resume)) == "trainer":
+        return resume
+    kind = detect(Path(resume))
+    if distributed.launched_externally():
+        raise ConfigError(f"checkpoint.resume: {resume} is a {kind} checkpoint; under a launcher each rank would "
+                          f"convert it: convert it once first (python -m trainer.convert {resume} DIR --to trainer) "
+                          "and resume from DIR")
+    started = time.perf_counter()
+    portable = read(Path(resume))
+    portable.fit(param_shapes(build_model(cfg.model, torch.device("meta"), cfg.peft)))
+    out = write_trainer(portable, run_dir / f"converted-{kind}")
+    held = sum(t.numel() * 4 for t in portable.tensors())
+    log.info(f"checkpoint.resume: the {kind} checkpoint {resume} converted to {out} in "
+             f"{time.perf_counter() - started:.1f} s, read whole in this process ({held / 1e9:.2f} GB of fp32 weights "
+             f"and moments): {len(portable.weights)} weights, Adam moments of {len(portable.moments)}, step "
+             f"{portable.step}" + (f"; it lacks {', '.join(portable.lacks)}" if portable.lacks else ""))
+    return str(out)
 
 
 def remove_refused_run_dir(run_dir: Path) -> None:
@@ -85,6 +112,7 @@ def app(cfg: DictConfig):
     try:
         distributed.use_device(cfg.train.device)  # before DeepSpeed is imported
         typed = resolve_settings(cfg, world)
+        typed.checkpoint.resume = cfg.checkpoint.resume = take_foreign_resume(typed, run_dir)
         check_before_work(typed, world, None if distributed.launched_externally() else run_dir)
     except ConfigError as e:
         if first:

@@ -170,6 +170,19 @@ def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "c
     return torch.Generator(device=device).manual_seed(seed).get_state()
 
 
+def manifest_of(step: int, trainer_state: dict, strategy: str, world_size: int, shapes: dict[str, tuple[int, ...]],
+                buffers: dict[str, torch.Tensor], source: dict, base: dict | None, tensors: dict[str, dict]) -> dict:
+    """A step dir's manifest.json: `tensors` maps each key to its shape and pieces."""
+    return {
+        "format": FORMAT_VERSION, "step": step, "epoch": trainer_state["epoch"], "strategy": strategy,
+        "world_size": world_size, "trainer": trainer_state,
+        "model": {name: {"shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()},
+        "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                    for name, b in buffers.items()},
+        "source": source, "base": base, "files": [rank_file(r) for r in range(world_size)], "tensors": tensors,
+    }
+
+
 class PieceReader:
     """Reads ranges of flat tensors from the pieces of a checkpoint, touching only what overlaps."""
 
@@ -316,17 +329,10 @@ class CheckpointManager:
         key_shapes.update({buffer_key(name): tuple(b.shape) for name, b in buffers.items()})
         for key, spec in tensors.items():
             spec["shape"] = list(key_shapes[key])
-        manifest = {
-            "format": FORMAT_VERSION, "step": step, "epoch": trainer_state["epoch"], "strategy": self.strategy_name,
-            "world_size": self.strategy.world_size, "trainer": trainer_state,
-            "model": {name: {"shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()},
-            "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
-                        for name, b in buffers.items()},
-            "source": self.source,
-            "base": {"path": self.source.get("path"), "fingerprint": self.base_fingerprint,
-                     "params": len(self.unsaved)} if self.unsaved else None,
-            "files": [rank_file(r) for r in range(len(outcomes))], "tensors": tensors,
-        }
+        base = {"path": self.source.get("path"), "fingerprint": self.base_fingerprint,
+                "params": len(self.unsaved)} if self.unsaved else None
+        manifest = manifest_of(step, trainer_state, self.strategy_name, self.strategy.world_size, shapes,
+                               buffers, self.source, base, tensors)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         fsync(tmp / MANIFEST)
         fsync(tmp)
@@ -423,7 +429,8 @@ class CheckpointManager:
             for name in saved_buffers:
                 buffers[name].copy_(values.pop(buffer_key(name)).view_as(buffers[name]))
         s.load_state_dict(values)
-        torch.set_rng_state(rng["rng.torch"])
+        if "rng.torch" in rng:  # not in a checkpoint converted from another format
+            torch.set_rng_state(rng["rng.torch"])
         if s.device.type == "cuda" and "rng.cuda" in rng:
             torch.cuda.set_rng_state(rng["rng.cuda"])
         s.barrier()

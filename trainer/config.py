@@ -438,6 +438,16 @@ def model_config(node: dict | ModelConfig) -> ModelConfig:
         raise ConfigError(f"model.{e.key}: {e.msg}") from None
 
 
+def model_node(m: ModelConfig) -> dict:
+    """The `model` node that `model_config` reads back as `m` (a checkpoint records it)."""
+    kind = ModelKind(m.kind)
+    node = {k: getattr(m, k) for k in MODEL_KEYS[kind] if k != "_target_"}
+    node["kind"] = kind.value
+    if kind is ModelKind.custom:
+        node.update({"_target_": m.target, **m.args})
+    return node
+
+
 def to_config(cfg: DictConfig | dict) -> Config:
     """A typed Config (enums as enums) from Hydra's DictConfig or a plain dict sent to a worker."""
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)

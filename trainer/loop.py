@@ -239,13 +239,13 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     log.info(f"{describe(cfg, env, total_steps)}; run dir: {run_dir}")
     if restart_count():
         records.log({"event": "restarted", "restart": restart_count(), "step": step})
-        log.warning(f"restart {restart_count()}: " + (f"resumed from {resume_from} at step {step}" if resume_from
+        log.info(f"restart {restart_count()}: " + (f"resumed from {resume_from} at step {step}" if resume_from
                                                       else "from the start (no checkpoint)"))
     if resume_from:
         log.info(f"resumed from {resume_from} at step {step}: model, optimizer state, schedule and data position")
         records.log({"event": "resumed", "step": step, "from": str(resume_from)})
-        for note in notes:
-            log.warning(f"resume: {note}")
+        for note in notes:  # rank 0's console, like the other [trainer] lines
+            log.info(f"resume: {note}")
     else:
         log.info(f"model: {weights.description}")
     eval_every = cfg.eval.every_steps
@@ -265,6 +265,9 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                                        "global_batch": global_batch,
                                        "schedule_steps": cfg.optim.schedule_steps or total_steps,
                                        "run_dir": str(run_dir), "early_stop": early_stop.state_dict(),
+                                       # for other formats' optimizer param groups (trainer.convert)
+                                       "optim": {"lr": lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
+                                                 "weight_decay": cfg.optim.weight_decay},
                                        "val_loss": val_loss if evaluated else None},  # for checkpoint.keep_best
                                 last=last or step == total_steps)
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from trainer.config import ModelConfig, ModelKind, PeftConfig
+from trainer.config import ModelConfig, ModelKind, PeftConfig, model_node
 from trainer.models import custom, hf, lora
 from trainer.models.reference import Transformer, shape_of
 from trainer.models.weights import InitWeights, WeightSource, canonical_name, full_shape
@@ -73,6 +73,7 @@ def description(cfg: ModelConfig, tokenizer: str | None = None, model: nn.Module
     """What a checkpoint records about where the model came from (export needs it); `tokenizer`:
     the data's tokenizer folder, when not the model's own; `model`'s LoRA settings, if it has adapters."""
     found = hf.description(cfg, tokenizer) if ModelKind(cfg.kind) is ModelKind.hf else {"kind": ModelKind(cfg.kind).value}
+    found["model"] = model_node(cfg)  # to build it again (trainer.convert --to deepspeed)
     settings = getattr(model, "lora_settings", None)
     return {**found, "lora": settings} if settings else found
 

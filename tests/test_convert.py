@@ -1,0 +1,157 @@
+"""Issue 21: checkpoints in and out of other libraries' formats. The other side is always a program
+written against that library's API alone (tests/foreign.py), run as a subprocess: a plain FSDP2
+loop saving torch DCP, a plain DeepSpeed ZeRO-2 loop, accelerate's save_state under DeepSpeed; and
+programs that load what the trainer converts for them."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import CPU_ONLY, REPO, case, on_ranks, records, run_cli, train_cases, with_overrides
+from trainer.convert import detect, read
+
+SEQ = 32
+STEPS = 3  # the foreign programs' steps
+
+
+def foreign(command: str, **options) -> None:
+    args = [f"--{k}={v}" for k, v in options.items()]
+    done = subprocess.run([sys.executable, "-m", "tests.foreign", command, *args], cwd=REPO, capture_output=True,
+                          text=True, env={**__import__("os").environ, **CPU_ONLY})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def convert(src: Path, dst: Path, to: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "trainer.convert", str(src), str(dst), "--to", to], cwd=REPO,
+                          capture_output=True, text=True, env={**__import__("os").environ, **CPU_ONLY})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def model_node(path: Path) -> dict:
+    return {"name": "hf", "kind": "hf", "path": str(path), "seq_len": SEQ, "vocab_size": 512}
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory) -> Path:
+    from examples.tiny_hf import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("neox") / "model", "gpt_neox", weights=True)
+
+
+@pytest.fixture(scope="module")
+def saved(neox, tmp_path_factory):
+    """A plain FSDP2 loop's DCP checkpoint and a plain DeepSpeed ZeRO-2 loop's, each at 2 ranks."""
+    root = tmp_path_factory.mktemp("foreign")
+    foreign("fsdp2_save_dcp", model=neox, out=root / "dcp", steps=STEPS)
+    foreign("ds_zero2_save", model=neox, out=root / "deepspeed", steps=STEPS)
+    return root
+
+
+def full_state_after_loading(env, cfg: dict, step_dir: str) -> dict | None:
+    """What a strategy holds after loading `step_dir`: every parameter and Adam moment, whole, on rank 0."""
+    from tests.test_core_behaviour import build
+    from trainer.checkpoint import CheckpointManager
+    from trainer.config import to_config
+
+    strategy, _, _ = build(env, cfg)
+    CheckpointManager(to_config(cfg).checkpoint, strategy, cfg["strategy"]["name"]).load(Path(step_dir))
+    pieces = {key: (p.start, p.tensor.detach().float().cpu().clone()) for key, p in strategy.state_dict().items()}
+    shapes = strategy.param_shapes()
+    gathered = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(pieces, gathered, dst=0)
+    strategy.teardown()
+    if env.rank:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for rank_pieces in gathered:
+        for key, (start, values) in rank_pieces.items():
+            name = key.split(".", 1)[1].removesuffix(".exp_avg").removesuffix(".exp_avg_sq")
+            flat = full.setdefault(key, torch.full((int(torch.tensor(shapes.get(name, (1,))).prod()),), float("nan")))
+            flat[start:start + values.numel()] = values
+    return full
+
+
+def assert_state_equals(full: dict, truth: dict, what: str) -> None:
+    for name, value in truth["params"].items():
+        if f"model.{name}" not in full:  # a tied matrix's second name
+            continue
+        assert torch.equal(full[f"model.{name}"].view_as(value), value), (what, name)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(full[f"optim.{name}.{moment}"].view_as(value), truth[moment][name]), (what, name, moment)
+    assert full["optim.step"].item() == truth["step"], what
+
+
+@pytest.mark.parametrize("kind", ["dcp", "deepspeed"])
+def test_a_foreign_checkpoint_resumes_exactly_under_fsdp_and_zero3_and_trains_on(saved, neox, tmp_path, kind):
+    src = saved / kind
+    assert detect(src) == kind
+    truth = torch.load(src / "expected.pt", weights_only=False)
+    said = convert(src, tmp_path / "ours", "trainer")
+    assert f"step {truth['step']}" in said and "lacks" in said and "data position" in said, said
+    step_dir = str(tmp_path / "ours" / f"step_{truth['step']:08d}")
+    for strategy, world in (("fsdp", 1), ("zero3", 2)):
+        cfg = with_overrides(case(strategy), train__micro_batch_size=8 // world, data__name="synthetic")
+        cfg["model"] = model_node(neox)
+        full = on_ranks(world, full_state_after_loading, cfg, step_dir)[0]
+        assert_state_equals(full, truth, f"{kind} -> {strategy}@{world}")
+    # checkpoint.resume takes the foreign dir itself, converts it once and trains on
+    run = tmp_path / "run"
+    result = run_cli("model=hf", f"model.path={neox}", f"model.seq_len={SEQ}", "data=synthetic", "strategy=zero3",
+                     "nproc=2", f"checkpoint.resume={src}", f"train.max_steps={truth['step'] + 2}", "train.log_every=1",
+                     f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"checkpoint.resume: the {kind} checkpoint {src} converted to" in result.stdout, result.stdout
+    assert [r["step"] for r in records(run)] == [truth["step"] + 1, truth["step"] + 2]
+
+
+@pytest.fixture(scope="module")
+def ours(neox, tmp_path_factory):
+    """A trainer run on the same model, zero2 at 2 ranks, saved at its last step."""
+    root = tmp_path_factory.mktemp("ours")
+    cfg = with_overrides(case("zero2", steps=STEPS), data__name="synthetic", checkpoint__dir=str(root / "ckpt"))
+    cfg["model"] = model_node(neox)
+    on_ranks(2, train_cases, {"zero2": cfg}, str(root))
+    return root / "ckpt"
+
+
+def as_keys(p) -> dict:
+    """A Portable in the trainer's keys (model.NAME, optim.NAME.exp_avg, optim.step)."""
+    full = {f"model.{n}": w for n, w in p.weights.items()}
+    full.update({f"optim.{n}.{k}": v for n, m in p.moments.items() for k, v in m.items()})
+    full["optim.step"] = torch.tensor(float(p.step))
+    return full
+
+
+def test_ours_converted_to_dcp_loads_into_a_plain_fsdp2_program_at_3_ranks(ours, neox, tmp_path):
+    convert(ours, tmp_path / "dcp", "dcp")
+    foreign("fsdp2_load_dcp", model=neox, dcp=tmp_path / "dcp", out=tmp_path / "loaded.pt", nproc=3)
+    assert_state_equals(as_keys(read(ours)), torch.load(tmp_path / "loaded.pt", weights_only=False),
+                        "ours -> dcp -> fsdp2@3")
+
+
+def test_ours_converted_to_deepspeed_universal_loads_into_an_engine(ours, neox, tmp_path):
+    convert(ours, tmp_path / "universal", "deepspeed")
+    foreign("ds_load_universal", model=neox, ckpt=tmp_path / "universal", out=tmp_path / "loaded.pt", nproc=1)
+    assert_state_equals(as_keys(read(ours)), torch.load(tmp_path / "loaded.pt", weights_only=False),
+                        "ours -> universal -> deepspeed@1")
+
+
+def test_ours_converted_to_hf_loads_with_from_pretrained_and_a_stranger_is_refused(ours, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    convert(ours, tmp_path / "hf", "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    mine = read(ours)
+    for name, value in model.named_parameters():
+        assert torch.equal(value.detach(), mine.weights[name]), name
+    (tmp_path / "stranger").mkdir()
+    done = subprocess.run([sys.executable, "-m", "trainer.convert", str(tmp_path / "stranger"), str(tmp_path / "x"),
+                           "--to", "dcp"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("trainer.convert: error: ") \
+        and "not a checkpoint this trainer reads" in done.stderr, done.stderr
