@@ -8,8 +8,8 @@ ARGS ?=
 
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
-# setup instead, where there is no CUDA (the build lands in ~/.cache/torch_extensions).
-CPU_OPS := import torch; from deepspeed.accelerator import get_accelerator; torch.cuda.is_available() or [get_accelerator().create_op_builder(name).load(verbose=False) for name in ("ShareMemCommBuilder", "CPUAdamBuilder")]
+# setup instead, where there is no CUDA (the build lands in the venv's torch_extensions/, where trainer.distributed points DeepSpeed).
+CPU_OPS := import trainer.distributed, torch; from deepspeed.accelerator import get_accelerator; torch.cuda.is_available() or [get_accelerator().create_op_builder(name).load(verbose=False) for name in ("ShareMemCommBuilder", "CPUAdamBuilder")]
 
 setup: $(VENV)/.installed
 

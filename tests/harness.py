@@ -49,6 +49,29 @@ def case(strategy: str, steps: int = 8, **overrides) -> dict:
     return with_overrides(base, **overrides)
 
 
+def full_state(strategy, model_only: bool = True) -> dict | None:
+    """The strategy's portable state, whole, on rank 0 (None elsewhere): its ranks' pieces joined.
+    model_only: the weights by parameter name; else every key (model.NAME, optim.NAME.exp_avg, optim.step)."""
+    import math
+
+    import torch.distributed as dist
+
+    from trainer.strategies.base import STEP_KEY, state_keys
+
+    pieces = {k: (p.start, p.tensor.detach().float().cpu().clone()) for k, p in strategy.state_dict(model_only).items()}
+    gathered = [None] * strategy.world_size if strategy.is_main else None
+    dist.gather_object(pieces, gathered, dst=0)
+    if not strategy.is_main:
+        return None
+    shapes = {key: shape for name, shape in strategy.param_shapes().items() for key in state_keys(name).values()}
+    shapes[STEP_KEY] = (1,)
+    full: dict[str, torch.Tensor] = {}
+    for rank_pieces in gathered:
+        for key, (start, values) in rank_pieces.items():
+            full.setdefault(key, torch.empty(math.prod(shapes[key])))[start:start + values.numel()] = values
+    return {(key.removeprefix("model.") if model_only else key): flat.view(shapes[key]) for key, flat in full.items()}
+
+
 def run_cli(*overrides: str, launcher: list[str] | None = None, timeout: int = 600, env: dict | None = None,
             cwd: Path = REPO):
     cmd = (launcher or [sys.executable, "-m", "trainer"]) + list(overrides)
@@ -84,8 +107,8 @@ def refusal(run_dir: Path, *overrides: str) -> str:
     overrides check, composition, resolution and checks as `trainer` (trainer/__main__.py)."""
     from hydra import compose, initialize_config_module
 
-    from trainer.__main__ import CONFIG_MODULE, check_before_work, resolve_settings
-    from trainer.config import ConfigError, check_overrides
+    from trainer.__main__ import check_before_work, resolve_settings
+    from trainer.config import CONFIG_MODULE, ConfigError, check_overrides
 
     try:
         check_overrides(list(overrides))

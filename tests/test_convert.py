@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.harness import CPU_ONLY, REPO, case, on_ranks, records, run_cli, train_cases, with_overrides
+from tests.harness import CPU_ONLY, REPO, case, full_state, on_ranks, records, run_cli, train_cases, with_overrides
 from trainer.convert import detect, read
 
 SEQ = 32
@@ -50,6 +49,7 @@ def saved(neox, tmp_path_factory):
     root = tmp_path_factory.mktemp("foreign")
     foreign("fsdp2_save_dcp", model=neox, out=root / "dcp", steps=STEPS)
     foreign("ds_zero2_save", model=neox, out=root / "deepspeed", steps=STEPS)
+    foreign("accelerate_ds_save", model=neox, out=root / "accelerate", steps=STEPS)
     return root
 
 
@@ -61,19 +61,8 @@ def full_state_after_loading(env, cfg: dict, step_dir: str) -> dict | None:
 
     strategy, _, _ = build(env, cfg)
     CheckpointManager(to_config(cfg).checkpoint, strategy, cfg["strategy"]["name"]).load(Path(step_dir))
-    pieces = {key: (p.start, p.tensor.detach().float().cpu().clone()) for key, p in strategy.state_dict().items()}
-    shapes = strategy.param_shapes()
-    gathered = [None] * env.world_size if env.rank == 0 else None
-    dist.gather_object(pieces, gathered, dst=0)
+    full = full_state(strategy, model_only=False)
     strategy.teardown()
-    if env.rank:
-        return None
-    full: dict[str, torch.Tensor] = {}
-    for rank_pieces in gathered:
-        for key, (start, values) in rank_pieces.items():
-            name = key.split(".", 1)[1].removesuffix(".exp_avg").removesuffix(".exp_avg_sq")
-            flat = full.setdefault(key, torch.full((int(torch.tensor(shapes.get(name, (1,))).prod()),), float("nan")))
-            flat[start:start + values.numel()] = values
     return full
 
 
@@ -87,10 +76,14 @@ def assert_state_equals(full: dict, truth: dict, what: str) -> None:
     assert full["optim.step"].item() == truth["step"], what
 
 
-@pytest.mark.parametrize("kind", ["dcp", "deepspeed"])
-def test_a_foreign_checkpoint_resumes_exactly_under_fsdp_and_zero3_and_trains_on(saved, neox, tmp_path, kind):
-    src = saved / kind
-    assert detect(src) == kind
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["dcp", "deepspeed", "accelerate"])
+def test_a_foreign_checkpoint_resumes_exactly_under_fsdp_and_zero3_and_trains_on(saved, neox, tmp_path, source):
+    """From a plain FSDP2 loop (DCP), a plain DeepSpeed ZeRO-2 loop, accelerate's save_state under
+    DeepSpeed (a DeepSpeed dir whose tag is `pytorch_model`), each at 2 ranks."""
+    src = saved / source
+    kind = detect(src)
+    assert kind == {"accelerate": "deepspeed"}.get(source, source)
     truth = torch.load(src / "expected.pt", weights_only=False)
     said = convert(src, tmp_path / "ours", "trainer")
     assert f"step {truth['step']}" in said and "lacks" in said and "data position" in said, said
@@ -128,6 +121,7 @@ def as_keys(p) -> dict:
     return full
 
 
+@pytest.mark.slow
 def test_ours_converted_to_dcp_loads_into_a_plain_fsdp2_program_at_3_ranks(ours, neox, tmp_path):
     convert(ours, tmp_path / "dcp", "dcp")
     foreign("fsdp2_load_dcp", model=neox, dcp=tmp_path / "dcp", out=tmp_path / "loaded.pt", nproc=3)
@@ -135,6 +129,7 @@ def test_ours_converted_to_dcp_loads_into_a_plain_fsdp2_program_at_3_ranks(ours,
                         "ours -> dcp -> fsdp2@3")
 
 
+@pytest.mark.slow
 def test_ours_converted_to_deepspeed_universal_loads_into_an_engine(ours, neox, tmp_path):
     convert(ours, tmp_path / "universal", "deepspeed")
     foreign("ds_load_universal", model=neox, ckpt=tmp_path / "universal", out=tmp_path / "loaded.pt", nproc=1)
@@ -142,6 +137,7 @@ def test_ours_converted_to_deepspeed_universal_loads_into_an_engine(ours, neox, 
                         "ours -> universal -> deepspeed@1")
 
 
+@pytest.mark.slow
 def test_ours_converted_to_hf_loads_with_from_pretrained_and_a_stranger_is_refused(ours, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -155,3 +151,27 @@ def test_ours_converted_to_hf_loads_with_from_pretrained_and_a_stranger_is_refus
                            "--to", "dcp"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("trainer.convert: error: ") \
         and "not a checkpoint this trainer reads" in done.stderr, done.stderr
+
+
+def round_trip(env, out_dir: str) -> dict:
+    """The tiny reference model trained 3 steps with a checkpoint; that converted to DCP and back."""
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.convert import convert as convert_in_process
+
+    cfg = case("ddp", steps=3)
+    cfg["checkpoint"] = {"dir": f"{out_dir}/ckpt"}
+    train_cases(env, {"run": cfg}, out_dir)
+    said = convert_in_process(Path(out_dir) / "ckpt", Path(out_dir) / "dcp", "dcp")
+    said += "\n" + convert_in_process(Path(out_dir) / "dcp", Path(out_dir) / "back", "trainer")
+    return {"said": said, "ours": str(latest_checkpoint(Path(out_dir) / "ckpt"))}
+
+
+def test_ours_to_dcp_and_back_is_exact_and_keeps_the_trainer_state(tmp_path):
+    result = on_ranks(1, round_trip, str(tmp_path))[0]
+    assert detect(tmp_path / "dcp") == "dcp" and detect(tmp_path / "back") == "trainer"
+    first, back = read(Path(result["ours"])), read(tmp_path / "back")
+    assert back.step == first.step == 3 and back.weights.keys() == first.weights.keys()
+    assert all(torch.equal(back.weights[n], w) for n, w in first.weights.items())
+    assert all(torch.equal(back.moments[n][k], m[k]) for n, m in first.moments.items() for k in m)
+    assert back.train["data"] == first.train["data"]  # the data position rode along in DCP's "train"
+    assert "lacks the RNG state" in result["said"] and "data position" not in result["said"]

@@ -14,7 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import REPO, CollectiveBytes, case, on_ranks, records, run_cli, train_cases, with_overrides
+from tests.harness import (
+    REPO,
+    CollectiveBytes,
+    case,
+    full_state,
+    on_ranks,
+    records,
+    run_cli,
+    train_cases,
+    with_overrides,
+)
 from trainer.config import ConfigError, GradReduce, Precision, StrategyName, to_config
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
@@ -307,7 +317,7 @@ def first_weights(env, strategy: str) -> dict:
     from tests.test_core_behaviour import build
 
     strategy_obj, _, _ = build(env, case(strategy))
-    weights = strategy_obj.full_state_dict()
+    weights = full_state(strategy_obj)
     strategy_obj.teardown()
     return weights
 

@@ -190,8 +190,8 @@ def test_export_is_a_hugging_face_folder_with_the_trained_logits(resumed, hf_ass
     root, _ = resumed
     step = root / "zero3" / "step_00000012"
     model, tokenizer = export_and_load(step, tmp_path / "export")
-    assert sorted(p.name for p in (tmp_path / "export").iterdir()) >= ["config.json", "model.safetensors",
-                                                                         "tokenizer.json"]
+    assert {p.name for p in (tmp_path / "export").iterdir()} >= {"config.json", "generation_config.json",
+                                                                  "model.safetensors", "tokenizer.json"}
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     ids = torch.tensor([tokenizer("Permission is hereby granted, free of charge")["input_ids"]])
     expected = on_ranks(1, logits_in_trainer, str(step), hf_model(hf_assets.pretrained["qwen2"]), ids)[0]

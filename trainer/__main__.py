@@ -20,7 +20,16 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.blocks import find_blocks
 from trainer.checkpoint import check_base, check_fingerprint, check_writable, read_manifest, resolve_resume
-from trainer.config import Config, ConfigError, StrategyName, check_overrides, register_configs, to_config, validate
+from trainer.config import (
+    CONFIG_MODULE,
+    Config,
+    ConfigError,
+    StrategyName,
+    check_overrides,
+    register_configs,
+    to_config,
+    validate,
+)
 from trainer.data import BatchStream, check_data
 from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
@@ -98,9 +107,6 @@ def resolve_settings(cfg: DictConfig, world_size: int) -> Config:
 
 OmegaConf.register_new_resolver("trainer_run_dir", distributed.run_dir_resolver, replace=True)
 register_configs()
-
-
-CONFIG_MODULE = "trainer.conf"  # conf/ of the repo, installed with the package
 
 
 @hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name="config")

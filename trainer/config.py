@@ -284,6 +284,9 @@ class Config:
     log_level: LogLevel = LogLevel.warning  # third-party libraries' console output (DeepSpeed, torch, HF)
 
 
+CONFIG_MODULE = "trainer.conf"  # conf/ of the repo, installed with the package (trainer, trainer.plan)
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="trainer_schema", node=Config)

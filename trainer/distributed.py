@@ -5,6 +5,7 @@ import os
 import random
 import re
 import socket
+import sys
 import tempfile
 import uuid
 from contextlib import contextmanager
@@ -21,6 +22,9 @@ import torch.distributed as dist
 # for a run (train.device).
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed JIT-builds its ops into torch's extension cache, shared by every environment of a user
+# by default: two venvs rebuild each other's builds (a minute each). One cache per environment.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 DEVICE_VARIABLE = "TRAINER_DEVICE"  # the run's device type, set once and inherited by its ranks
 _own_variables: dict[str, str] = {}  # rank variables `init` set for a process alone
 

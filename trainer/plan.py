@@ -230,8 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from trainer.__main__ import CONFIG_MODULE
-    from trainer.config import ConfigError, check_overrides, to_config
+    from trainer.config import CONFIG_MODULE, ConfigError, check_overrides, to_config
     from trainer.log import refuse
     from trainer.models import resolve_model
 

@@ -165,20 +165,6 @@ class Strategy(ABC):
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Take the fp32 ranges of `state_layout` (parameters, moments, step)."""
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights on rank 0 ({} elsewhere), for export: the ranks' pieces, joined."""
-        pieces = {k[len("model."):]: (p.start, p.tensor.detach().float().cpu())
-                  for k, p in self.state_dict(model_only=True).items()}
-        gathered = [None] * self.world_size if self.is_main else None
-        dist.gather_object(pieces, gathered, dst=0)
-        if not self.is_main:
-            return {}
-        full = {name: torch.empty(shape).view(-1) for name, shape in self.param_shapes().items()}
-        for rank_pieces in gathered:
-            for name, (start, values) in rank_pieces.items():
-                full[name][start:start + values.numel()] = values
-        return {name: flat.view(self.param_shapes()[name]) for name, flat in full.items()}
-
     def loss_scale_state(self) -> dict | None:
         """fp16's loss scaler as {"scale", "good_steps"} (steps since it last backed off or grew),
         the same for every backend, kept in the trainer state of a checkpoint; None without one.
