@@ -321,14 +321,15 @@ def convert(src: Path, dst: Path, to: str) -> str:
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty: give a new directory")
     written = WRITERS[to](p, dst)
-    moments = f", Adam moments of {len(p.moments)}" if p.moments else ""
+    moments = f", Adam moments of {len(p.moments)}" if p.moments and to != "hf" else ""
     lacks = f"; {kind} lacks {', '.join(p.lacks)}" if p.lacks else ""
     return f"{kind} {src} -> {to} {written}: {len(p.weights)} weights{moments}, step {p.step}{lacks}"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.log import refuse
+    from trainer.log import refuse, setup_logging
 
+    setup_logging(None, is_main=True)  # [trainer] lines (a DeepSpeed op build), as the trainer's
     parser = argparse.ArgumentParser(prog="python -m trainer.convert", description=__doc__.splitlines()[0])
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
