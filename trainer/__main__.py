@@ -19,7 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
 from trainer.blocks import find_blocks
-from trainer.checkpoint import check_base, check_fingerprint, check_writable, read_manifest, resolve_resume
+from trainer.checkpoint import (
+    CheckpointError,
+    check_base,
+    check_fingerprint,
+    check_writable,
+    read_manifest,
+    resolve_resume,
+)
 from trainer.config import (
     CONFIG_MODULE,
     Config,
@@ -68,9 +75,14 @@ def take_foreign_resume(cfg: Config, run_dir: Path) -> str:
     from trainer.convert import detect, read, write_trainer
 
     resume = cfg.checkpoint.resume
-    if resume in ("auto", "none") or not Path(resume).is_dir() or detect(Path(resume)) == "trainer":
+    if resume in ("auto", "none") or not Path(resume).is_dir():
         return resume
-    kind = detect(Path(resume))
+    try:
+        kind = detect(Path(resume))
+    except CheckpointError:  # a step dir of ours without its manifest, say: read_manifest tells what is wrong
+        return resume
+    if kind == "trainer":
+        return resume
     if distributed.launched_externally():
         raise ConfigError(f"checkpoint.resume: {resume} is a {kind} checkpoint; under a launcher each rank would "
                           f"convert it: convert it once first (python -m trainer.convert {resume} DIR --to trainer) "
