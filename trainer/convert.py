@@ -225,7 +225,8 @@ def write_trainer(p: Portable, root: Path) -> Path:
     final = root / step_dir_name(p.step)
     final.mkdir(parents=True, exist_ok=True)
     tensors = {state_keys(n)["param"]: w for n, w in p.weights.items()}
-    for name, moments in p.moments.items():
+    for name, weight in p.weights.items():  # zeros, Adam's own start, where the source has no moments
+        moments = p.moments.get(name) or {k: torch.zeros_like(weight) for k in ADAM_KEYS}
         tensors.update({state_keys(name)[k]: v for k, v in moments.items()})
     tensors[STEP_KEY] = torch.tensor([float(p.step)])
     save_safetensors({f"{key}@0": t.detach().float().contiguous().view(-1) for key, t in tensors.items()},
