@@ -56,7 +56,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
     find_blocks(model, cfg.strategy.wrap)
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
     check_data(cfg, world_size)
-    if cfg.checkpoint.dir:
+    if cfg.checkpoint.dir and distributed.launcher_rank() == 0:  # one try: ranks that all try race to remove it
         check_writable(Path(cfg.checkpoint.dir))
     resume_from = resolve_resume(cfg.checkpoint)
     if resume_from:

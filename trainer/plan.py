@@ -230,11 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from trainer.config import CONFIG_MODULE, ConfigError, check_overrides, to_config
+    from trainer.config import CONFIG_MODULE, ConfigError, check_overrides, register_configs, to_config
     from trainer.log import refuse
     from trainer.models import resolve_model
 
     overrides = sys.argv[1:] if argv is None else argv
+    register_configs()
     try:
         check_overrides(overrides)
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
