@@ -1,5 +1,6 @@
-# `make train` and `make test` set up .venv on first use: torch==2.13.0 first (the CPU wheel
-# on this machine's disk), then the project with its dev extras.
+# `make train` sets up .venv on first use with the core alone: torch==2.13.0 first (the CPU wheel
+# on this machine's disk), then the project. `make test` (and lint, bench, soak) add the dev
+# extras and DeepSpeed's CPU ops into the same venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
@@ -8,20 +9,24 @@ ARGS ?=
 
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
-# setup instead, where there is no CUDA (the build lands in the venv's torch_extensions/, where trainer.distributed points DeepSpeed).
+# the test setup instead, where there is no CUDA (the build lands in the venv's torch_extensions/,
+# where trainer.distributed points DeepSpeed); a training run builds them at first use.
 CPU_OPS := import trainer.distributed, torch; from deepspeed.accelerator import get_accelerator; torch.cuda.is_available() or [get_accelerator().create_op_builder(name).load(verbose=False) for name in ("ShareMemCommBuilder", "CPUAdamBuilder")]
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.dev
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.core: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.core
 	$(PY) -m pip install -q -e '.[dev]'
 	DS_ACCELERATOR=cpu $(PY) -c '$(CPU_OPS)'
 	touch $@
 
-train: setup
+train: $(VENV)/.core
 	$(PY) -m trainer $(ARGS)
 
 test: setup  # every unit test, one multi-process run of each strategy, parity and resume (minutes)
