@@ -1,5 +1,7 @@
-"""Issue 2: no_sync, activation checkpointing, FSDP units, precision and offload options."""
+"""Issue 2: micro_step (no gradient sync before the final one), activation checkpointing, FSDP units, precision and offload options."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -37,7 +39,7 @@ def gradient_collectives_per_micro_step(env, strategy_name: str) -> list[int]:
     for i in range(4):
         x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(i))
         with CommDebugMode() as comm:
-            with strategy.no_sync(i < 3):
+            with strategy.micro_step(final=i == 3):
                 strategy.backward(loss_of(model, x) / 4)
         counts.append(sum(n for op, n in comm.get_comm_counts().items()
                           if any(name in str(op) for name in GRADIENT_COLLECTIVES)))
@@ -47,7 +49,7 @@ def gradient_collectives_per_micro_step(env, strategy_name: str) -> list[int]:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
-def test_no_sync_issues_no_gradient_collective_before_the_final_micro_step(strategy):
+def test_micro_steps_issue_no_gradient_collective_before_the_final_micro_step(strategy):
     counts = on_ranks(2, gradient_collectives_per_micro_step, strategy)
     for rank, per_step in counts.items():
         assert per_step[:3] == [0, 0, 0], f"rank {rank}: gradient collectives on non-final micro-steps {per_step}"
@@ -134,3 +136,135 @@ def test_fp32_offload_gives_the_losses_and_gradient_norms_of_the_run_without_it(
     run, reference = option_runs[name], option_runs[OFFLOAD_REFERENCE[name]]
     assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in reference], rel=2e-6, abs=0)
     assert [r["grad_norm"] for r in run] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5, abs=0)
+
+
+# -- what an option sets up, seen in this process (a group of one): quick, and each check fails
+# where the option is ignored (the runs above show that the options train, not that they act) --
+
+def ds_user_config(path) -> str:
+    """A user's ds_config: "auto" where ours fills in, and settings of its own."""
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                "gradient_clipping": "auto",
+                                "zero_optimization": {"stage": "auto", "reduce_bucket_size": 100000},
+                                "bf16": {"enabled": "auto"}, "steps_per_print": 1000}))
+    return str(path)
+
+
+def setup_cases(ds_config: str) -> dict[str, dict]:
+    cases = {f"{s}_compile": case(s, train__compile=True) for s in ("ddp", "fsdp", "zero3")}
+    cases.update({f"{s}_{p}": case(s, train__precision=p) for s, p in (
+        ("ddp", "bf16"), ("ddp", "fp16"), ("fsdp", "bf16"), ("fsdp", "fp16"), ("zero2", "bf16"), ("zero3", "bf16"))})
+    cases.update({"fsdp_offload": case("fsdp", strategy__offload_params=True, strategy__offload_optimizer=True),
+                  "zero3_offload": case("zero3", strategy__offload_params=True, strategy__offload_optimizer=True),
+                  "zero1_offload": case("zero1", strategy__offload_optimizer=True)})
+    cases["zero2_ds_config"] = case("zero2", strategy__deepspeed_config=ds_config, train__micro_batch_size=3,
+                                    train__grad_clip=0.5, train__precision="bf16")
+    return cases
+
+
+def set_up(env, cases: dict[str, dict]) -> dict[str, dict]:
+    """Per case, what `setup_model` built: compiled blocks, the dtypes of every Linear in a forward
+    under the strategy's autocast, the loss scaler, the offload machinery, DeepSpeed's own config."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    out = {}
+    for name, cfg in cases.items():
+        strategy, model, blocks = build(env, cfg)
+        seen = {"compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
+                "loss_scale": strategy.loss_scale_state() is not None}
+        if not to_config(cfg).train.compile:  # a compiled forward takes a minute here: the runs test that
+            linears, dtypes = [m for m in strategy.module.modules() if isinstance(m, torch.nn.Linear)], set()
+            hooks = [m.register_forward_hook(lambda m, args, y, dtypes=dtypes: dtypes.add((args[0].dtype, m.weight.dtype, y.dtype)))
+                     for m in linears]
+            with torch.no_grad(), strategy.autocast():
+                model(torch.randint(0, 256, (2, 64)))
+            for hook in hooks:
+                hook.remove()
+            seen["linear_dtypes"] = dtypes  # (input, weight as used, output) of each Linear
+            seen["params"] = {str(getattr(p, "ds_tensor", p).dtype) for p in strategy.module.parameters()}
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        seen["fsdp_cpu_offload"] = [isinstance(m._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+                                    for m in units]
+        engine = model if hasattr(model, "zero_optimization_stage") else None  # DeepSpeed's
+        if engine is not None:
+            zero = engine.optimizer
+            seen["deepspeed"] = {
+                "optimizer": type(zero.optimizer).__name__, "bf16": engine.bfloat16_enabled(),
+                "fp16": engine.fp16_enabled(), "stage": engine.zero_optimization_stage(),
+                "offload_optimizer": getattr(engine.zero_offload_optimizer(), "device", None),
+                "offload_param": getattr(engine.zero_offload_param(), "device", None),
+                # the ZeRO optimizer's own switches: ZeRO-1/2 `cpu_offload`, ZeRO-3 `offload_*`
+                "zero_offloads": [bool(getattr(zero, a, False)) for a in
+                                  ("cpu_offload", "offload_optimizer", "offload_param")],
+                "micro_batch": engine.train_micro_batch_size_per_gpu(),
+                "accumulation": engine.gradient_accumulation_steps(), "batch": engine.train_batch_size(),
+                "clipping": engine.gradient_clipping(), "steps_per_print": engine.steps_per_print(),
+                "reduce_bucket_size": engine._config.zero_config.reduce_bucket_size,
+                "communication_data_type": engine.communication_data_type}
+        strategy.teardown()
+        out[name] = seen
+    return out
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    from trainer.run import in_group
+
+    return in_group(set_up, setup_cases(ds_user_config(tmp_path_factory.mktemp("ds") / "ds.json")))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_compile_compiles_every_block_before_the_strategy_wraps_it(setups, strategy):
+    compiled = setups[f"{strategy}_compile"]["compiled"]
+    assert compiled == [True, True], compiled  # tiny: 2 blocks, each with torch.compile's call
+    assert setups[f"{strategy}_bf16"]["compiled"] == [False, False]
+
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("name", ["ddp_bf16", "ddp_fp16", "fsdp_bf16", "fsdp_fp16", "zero2_bf16", "zero3_bf16"])
+def test_low_precision_computes_in_its_dtype(setups, name):
+    strategy, precision = name.split("_")
+    low, seen = LOW[precision], setups[name]
+    outputs = {y for _, _, y in seen["linear_dtypes"]}
+    weights = {w for _, w, _ in seen["linear_dtypes"]}
+    assert outputs == {low}, seen["linear_dtypes"]  # every matmul, the LM head's included
+    if strategy == "ddp":  # fp32 parameters, cast by autocast inside each op
+        assert weights == {torch.float32} and seen["params"] == {"torch.float32"}
+    elif strategy == "fsdp":  # fp32 shards (the masters), gathered in the low dtype for compute
+        assert weights == {low} and seen["params"] == {"torch.float32"}
+    else:  # DeepSpeed holds its parameters in bf16 (fp32 masters in the optimizer)
+        assert weights == {low} and seen["params"] == {"torch.bfloat16"}
+        assert seen["deepspeed"]["bf16"] and not seen["deepspeed"]["fp16"]
+    assert seen["loss_scale"] is (precision == "fp16")  # fp16 has a loss scaler, bf16 none
+
+
+def test_fsdp_offload_puts_every_unit_under_a_cpu_offload_policy(setups):
+    assert setups["fsdp_offload"]["fsdp_cpu_offload"] == [True, True, True]  # 2 blocks and the root
+    assert setups["fsdp_bf16"]["fsdp_cpu_offload"] == [False, False, False]
+
+
+@pytest.mark.parametrize("name", ["zero3_offload", "zero1_offload"])
+def test_deepspeed_offload_steps_with_cpu_adam_and_engine_offload_settings(setups, name):
+    ds = setups[name]["deepspeed"]
+    assert ds["optimizer"] == "DeepSpeedCPUAdam"
+    assert ds["offload_optimizer"] == "cpu"
+    if name == "zero3_offload":
+        assert ds["offload_param"] == "cpu" and ds["zero_offloads"] == [False, True, True]
+    else:
+        assert ds["offload_param"] is None and ds["zero_offloads"] == [True, False, False]
+    plain = setups["zero3_bf16"]["deepspeed"]
+    assert plain["optimizer"] == "AdamW" and plain["offload_optimizer"] is None and not any(plain["zero_offloads"])
+
+
+def test_a_users_deepspeed_config_reaches_the_engine_with_auto_values_filled(setups):
+    ds = setups["zero2_ds_config"]["deepspeed"]
+    # "auto": ours (micro-batch 3 at world size 1, clip 0.5, stage 2, bf16)
+    assert (ds["micro_batch"], ds["accumulation"], ds["batch"], ds["clipping"]) == (3, 1, 3, 0.5)
+    assert ds["stage"] == 2 and ds["bf16"]
+    # its own settings, where ours differ (a reduce bucket sized by the model; no printing)
+    assert ds["reduce_bucket_size"] == 100000 and ds["steps_per_print"] == 1000
+    assert setups["zero2_bf16"]["deepspeed"]["reduce_bucket_size"] != 100000
+    # what it leaves out: ours (gradients reduced in fp32 under bf16)
+    assert ds["communication_data_type"] == torch.float32

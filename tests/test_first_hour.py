@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, records, run_cli
+from tests.harness import REPO, assert_refused, records, run_cli
 
 SHORT = ["train.max_steps=4", "train.log_every=2"]
 
@@ -50,7 +50,7 @@ def test_tokens_count_what_was_trained_across_a_resume_at_another_world_size(che
 
 def test_a_run_dir_holds_one_run_unless_it_resumes(checkpointed, tmp_path):
     again = run_cli(*SHORT, f"hydra.run.dir={checkpointed / 'run'}")
-    assert again.returncode == 2 and "already holds another run's metrics.jsonl" in again.stderr
+    assert_refused(again, "already holds another run's metrics.jsonl")
     assert [r["event"] for r in lines(checkpointed / "run") if "event" in r] == ["end"]
     run = tmp_path / "run"
     shutil.copytree(checkpointed / "run", run)
@@ -61,7 +61,7 @@ def test_a_run_dir_holds_one_run_unless_it_resumes(checkpointed, tmp_path):
 
 def test_a_refused_run_leaves_no_run_dir(tmp_path):
     result = run_cli("train.micro_batch_size=0", cwd=tmp_path)
-    assert result.returncode == 2 and "train.micro_batch_size" in result.stderr
+    assert_refused(result, "train.micro_batch_size")
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").iterdir())
 
 
@@ -120,8 +120,7 @@ def test_a_context_longer_than_learned_positions_is_refused_and_warned_for_compu
                                 bos_token_id=0, eos_token_id=0)
     AutoModelForCausalLM.from_config(gpt2).save_pretrained(str(tmp_path / "gpt2"))
     result = run_cli("model=hf", f"model.path={tmp_path / 'gpt2'}", "model.seq_len=256", "data=synthetic", cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert assert_refused(result) == (
         "trainer: error: model.seq_len: 256 is longer than this gpt2 model's 128 positions, which are learned "
         "(transformer.wpe: one row per position); use model.seq_len <= 128")
     qwen2 = make_model_dir(tmp_path / "qwen2", "qwen2", weights=False)  # rotary: it runs, with a warning
@@ -154,18 +153,15 @@ def test_export_names_its_step_and_files_follow_the_umask(checkpointed, tmp_path
 ])
 def test_mistakes_are_one_line_errors(tmp_path, args, fragments):
     result = run_cli(*args, f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 2
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 2, result.stderr
+    assert_refused(result, *fragments)
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr
 
 
 def test_a_resume_that_cannot_split_the_data_is_refused_before_any_rank_starts(checkpointed, tmp_path):
     result = run_cli(f"checkpoint.resume={checkpointed / 'ckpt' / 'step_00000006'}", "nproc=5",
                      "train.max_steps=8", f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 2
-    assert "consumed 48 samples of its epoch, which do not split over world size 5" in result.stderr
-    assert "Traceback" not in result.stderr and "world_size=" not in result.stdout
+    assert_refused(result, "consumed 48 samples of its epoch, which do not split over world size 5")
+    assert "world_size=" not in result.stdout
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -174,8 +170,7 @@ def test_a_resume_that_cannot_split_the_data_is_refused_before_any_rank_starts(c
 ])
 def test_the_planner_gives_the_same_one_line_errors(args, fragment):
     result = run_cli(*args, launcher=[sys.executable, "-m", "trainer.plan"])
-    assert result.returncode == 2
-    assert fragment in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert_refused(result, fragment, prog="trainer.plan")
 
 
 def test_the_launch_script_uses_the_active_environments_torchrun(tmp_path):
@@ -189,7 +184,7 @@ def test_the_launch_script_uses_the_active_environments_torchrun(tmp_path):
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
 def test_every_schedule_warms_up_then_ends_where_it_should(schedule):
     from trainer.config import OptimConfig
-    from trainer.loop import lr_at
+    from trainer.schedule import lr_at
 
     o = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule=schedule, decay_fraction=0.25)
     lrs = [lr_at(step, 20, o) for step in range(24)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples.tiny_hf import VOCAB
-from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
+from tests.harness import assert_refused, case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
 from trainer.config import to_config
 
 LOSS_RTOL = 2e-6
@@ -210,6 +210,6 @@ def test_a_missing_text_field_is_one_line_on_the_command_line(hf_assets, tmp_pat
     result = run_cli("data=hf", f"data.path={hf_assets.jsonl}", "data.text_field=body", "model.vocab_size=512",
                      f"data.tokenizer={hf_assets.tokenizer}", f"data.cache_dir={hf_assets.cache}", "nproc=2",
                      f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 2 and "world_size=" not in result.stdout
+    assert assert_refused(result) == result.stderr.strip() and "world_size=" not in result.stdout
     assert result.stderr.strip() == f"trainer: error: data.text_field: no column 'body' in {hf_assets.jsonl}; " \
                                     "columns: text, id"
