@@ -568,7 +568,8 @@ def test_gradients_are_reduced_in_the_reduce_dtype_on_every_backend():
 
 @pytest.mark.parametrize("precision,reduce_dtype", [("fp32", "bf16"), ("bf16", "fp16"), ("fp16", "bf16")])
 def test_gradients_reduce_in_fp32_or_the_training_dtype(precision, reduce_dtype):
-    from trainer.config import ConfigError, validate
+    from trainer.checks import validate
+    from trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"strategy.reduce_dtype: fp32, or the training dtype "
                                           f"\\(train.precision={precision}\\); got {reduce_dtype}"):

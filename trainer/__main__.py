@@ -20,27 +20,19 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.blocks import find_blocks
 from trainer.checkpoint import (
-    CheckpointError,
     check_base,
     check_fingerprint,
     check_writable,
     read_manifest,
     resolve_resume,
 )
-from trainer.config import (
-    CONFIG_MODULE,
-    Config,
-    ConfigError,
-    StrategyName,
-    check_overrides,
-    register_configs,
-    to_config,
-    validate,
-)
+from trainer.checks import check_overrides, validate
+from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
 from trainer.data import BatchStream, check_data
+from trainer.errors import ERROR_EXIT_CODE, CheckpointError, ConfigError, RunError, signal_exit_code
 from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
-from trainer.log import ERROR_EXIT_CODE, QuietRankExits, log, refuse, setup_logging
+from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
 from trainer.run import check_run_dir, worker
@@ -132,7 +124,7 @@ def app(cfg: DictConfig):
         typed = resolve_settings(cfg, world)
         typed.checkpoint.resume = cfg.checkpoint.resume = take_foreign_resume(typed, run_dir)
         check_before_work(typed, world, None if distributed.launched_externally() else run_dir)
-    except ConfigError as e:
+    except RunError as e:
         if first:
             remove_refused_run_dir(run_dir)
         refuse(e)
@@ -155,31 +147,31 @@ def app(cfg: DictConfig):
 
 
 def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
-    """nproc=N: the ranks under torch's elastic launcher. Ranks that stopped on a stop signal
-    (after saving) leave with its exit code, and so does this process, without a traceback. A rank
-    that dies or fails stops the others (torch's launcher does) and is named in one line."""
+    """nproc=N: the ranks under torch's elastic launcher. One rule for how it ends (trainer/errors.py):
+    ranks that left with a code that says why (ERROR_EXIT_CODE: rank 0 printed the error; a stop
+    signal's: they saved and stopped) are passed on as they are, the highest of their codes, without
+    a traceback; a stop also says where the ranks stopped. A rank that dies or fails otherwise stops
+    the others (torch's launcher does) and is named in one line."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    stop_codes = {128 + int(sig) for sig in STOP_SIGNALS}
-    quiet_codes = stop_codes | {ERROR_EXIT_CODE}  # the ranks said why (metrics.jsonl, `trainer: error:`)
+    said_codes = {signal_exit_code(sig) for sig in STOP_SIGNALS} | {ERROR_EXIT_CODE}
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
-        logging.getLogger(name).addFilter(QuietRankExits(quiet_codes))
+        logging.getLogger(name).addFilter(QuietRankExits(said_codes))
     try:
         return distributed.launch_local(cfg.nproc, worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
                                         shutdown_timeout_s=cfg.shutdown_timeout_s,
                                         on_restart=lambda rank, failure, restart: say_restart(cfg, rank, failure,
                                                                                               restart))[0]
     except SignalException as e:  # to this process: passed on to the ranks, which saved and stopped
-        exit_code = 128 + int(e.sigval)
+        exit_code = signal_exit_code(e.sigval)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if not codes <= quiet_codes:
+        if not codes <= said_codes:
             sys.exit(rank_failure(cfg, *e.get_first_failure()))
         exit_code = max(codes)
-        if exit_code == ERROR_EXIT_CODE:
-            sys.exit(exit_code)
-    sys.stderr.write(f"trainer: stopped by a signal{stopped_at(run_dir)}; exit code {exit_code}\n")
+    if exit_code != ERROR_EXIT_CODE:
+        sys.stderr.write(f"trainer: stopped by a signal{stopped_at(run_dir)}; exit code {exit_code}\n")
     sys.exit(exit_code)
 
 
@@ -230,7 +222,7 @@ def main() -> None:
     try:
         sys.argv[1:] = with_accelerate_choice(take_local_rank(sys.argv[1:]))
         check_overrides(sys.argv[1:])
-    except ConfigError as e:
+    except RunError as e:
         refuse(e)
     app()
 

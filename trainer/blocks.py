@@ -12,7 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 
 def block_class_names(model: nn.Module, wrap: list[str] | None) -> list[str]:

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from trainer.config import CheckpointConfig, ConfigError
+from trainer.config import CheckpointConfig
 from trainer.distributed import broadcast_object
+from trainer.errors import CheckpointError
 from trainer.log import log
 from trainer.models.weights import canonical_name, save_safetensors
 from trainer.strategies.base import STEP_KEY, Piece, Strategy, buffer_key, state_keys
@@ -40,10 +41,6 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a step dir being written: never resumed from, removed by the next save
 SUPERSEDED_PREFIX = "superseded-"  # newer than the step a run resumed from (see _set_aside_newer)
 REPLACED_PREFIX = "replaced-"  # a complete step dir while the same step is saved again (see _commit)
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used or written; nothing on disk was changed."""
 
 
 def step_dir_name(step: int) -> str:

@@ -110,7 +110,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def use_device(requested: str) -> str:
     """Decide the run's device type from train.device (auto|cpu|cuda), once, before any rank or
     DeepSpeed starts; the ranks inherit it. A GPU box can so run everything on the CPU."""
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
 
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device: cuda was asked for, but torch sees no CUDA device")

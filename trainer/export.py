@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import CheckpointError, PieceReader, latest_checkpoint, read_manifest
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.log import refuse
 from trainer.models import lora
 from trainer.models.weights import save_safetensors

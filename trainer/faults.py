@@ -11,6 +11,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from trainer.errors import RunError, signal_exit_code
+
 # SIGTERM: what schedulers and launchers send before SIGKILL. SIGUSR1: SLURM's warning before
 # the time limit (`#SBATCH --signal`). SIGINT: Ctrl-C. The trainer treats all three the same way.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -26,11 +28,11 @@ class Stopped(Exception):
     @property
     def exit_code(self) -> int:
         """What a process killed by the signal would return (143 for SIGTERM): not 0, the run is unfinished."""
-        return 128 + self.signum
+        return signal_exit_code(self.signum)
 
 
-class TooManyBadSteps(RuntimeError):
-    pass
+class TooManyBadSteps(RunError):
+    """train.max_bad_steps non-finite steps in a row: the same on every rank (they agree on each step)."""
 
 
 class StepGuard:

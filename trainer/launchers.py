@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 LOCAL_RANK_ARG = re.compile(r"^--local[_-]rank(?:=(\d+))?$")
 FSDP_SHARDING = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD"}

@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, NoReturn
 
+from trainer.errors import ERROR_EXIT_CODE
+
 log = logging.getLogger("trainer")
 THIRD_PARTY = ("DeepSpeed", "torch", "transformers", "datasets", "accelerate")
 _chatter_level = logging.WARNING
@@ -88,9 +90,6 @@ class QuietRankExits(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(needle in record.getMessage() for needle in self.needles)
-
-
-ERROR_EXIT_CODE = 2  # stopped with a one-line message: a bad setting before any rank starts, or alike on every rank
 
 
 def refuse(message: object, prog: str = "trainer") -> NoReturn:

@@ -14,7 +14,8 @@ import os
 import time
 from pathlib import Path
 
-from trainer.config import Config, ConfigError, LoggerConfig
+from trainer.config import Config, LoggerConfig
+from trainer.errors import ConfigError
 from trainer.log import log
 
 

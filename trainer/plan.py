@@ -207,7 +207,8 @@ def device_memory_bytes(cfg: Config) -> int:
 def resolve_auto(cfg, world_size: int) -> None:
     """strategy=auto: plan against this run's world size and device, then set the choice in `cfg`
     (a DictConfig) so that everything downstream sees a concrete strategy."""
-    from trainer.config import ConfigError, to_config
+    from trainer.config import to_config
+    from trainer.errors import ConfigError
     from trainer.log import log
 
     typed = to_config(cfg)
@@ -230,7 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from trainer.config import CONFIG_MODULE, ConfigError, check_overrides, register_configs, to_config
+    from trainer.checks import check_overrides
+    from trainer.config import CONFIG_MODULE, register_configs, to_config
+    from trainer.errors import RunError
     from trainer.log import refuse
     from trainer.models import resolve_model
 
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
         cfg.model = resolve_model(cfg.model)
         plan = make_plan(cfg, world, device_memory_bytes(cfg))
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:  # the trainer's one-line errors
+    except (RunError, HydraException, OmegaConfBaseException) as e:  # the trainer's one-line errors
         refuse(e, "trainer.plan")
     print(json.dumps(plan_as_json(plan), indent=1) if cfg.plan.json else format_plan(plan))
 

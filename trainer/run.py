@@ -8,9 +8,9 @@ from pathlib import Path
 
 from trainer import distributed
 from trainer.checkpoint import resolve_resume
-from trainer.config import ConfigError, to_config
-from trainer.faults import Stopped, TooManyBadSteps
-from trainer.log import ERROR_EXIT_CODE
+from trainer.config import to_config
+from trainer.errors import ERROR_EXIT_CODE, ConfigError, RunError
+from trainer.faults import Stopped
 
 
 def worker(cfg_dict: dict, run_dir: str) -> dict:
@@ -25,7 +25,7 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
         summary = train(cfg, env, run_dir)
     except Stopped as stopped:  # saved and recorded: leave with the signal's exit code, quietly
         leave(stopped.exit_code)
-    except (ConfigError, TooManyBadSteps) as e:  # the same on every rank: said once, in one line
+    except RunError as e:  # the same on every rank: said once, in one line
         if env.is_main:
             print(f"trainer: error: {e}", file=sys.stderr)
         leave(ERROR_EXIT_CODE)

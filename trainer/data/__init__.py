@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from trainer.config import Config, ConfigError, DataName, ModelKind
+from trainer.config import Config, DataName, ModelKind
 from trainer.data.chat import Conversations
 from trainer.data.sources import (
     IGNORE_INDEX,
@@ -22,6 +22,7 @@ from trainer.data.sources import (
 )
 from trainer.data.stream import BatchStream, eval_batches
 from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir
+from trainer.errors import ConfigError
 from trainer.log import log
 
 __all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "load_data"]

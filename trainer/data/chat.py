@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.config import ConfigError, TrainOn
+from trainer.config import TrainOn
 from trainer.data.tokenized import BadRow, Document
+from trainer.errors import ConfigError
 
 
 def row_format(columns: list[str], path: Path) -> str:

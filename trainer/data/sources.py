@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 IGNORE_INDEX = -100  # a target that is no token (padding): left out of the loss
 

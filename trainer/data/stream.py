@@ -18,8 +18,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from trainer.config import ConfigError
 from trainer.data.sources import IGNORE_INDEX
+from trainer.errors import ConfigError
 
 
 class _EpochBatches(Sampler):

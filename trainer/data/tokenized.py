@@ -30,8 +30,9 @@ from typing import IO, Protocol
 
 import numpy as np
 
-from trainer.config import ConfigError, require_hf
+from trainer.checks import require_hf
 from trainer.data.sources import Tokens
+from trainer.errors import ConfigError
 from trainer.log import log
 
 FORMAT = 1

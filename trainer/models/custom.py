@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, ModelConfig
+from trainer.config import ModelConfig
+from trainer.errors import ConfigError
 
 
 def factory(cfg: ModelConfig) -> Callable[..., nn.Module]:

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, PeftConfig, PeftName
+from trainer.config import PeftConfig, PeftName
+from trainer.errors import ConfigError
 from trainer.models.weights import WeightSource, canonical_name, full_shape, module_seed
 
 ADAPTER = "default"  # peft's name for the one adapter

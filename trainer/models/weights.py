@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 # activation checkpointing, torch.compile, and peft's LoRA layer around the layer it adapts
 WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod", "base_layer"}

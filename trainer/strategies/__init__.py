@@ -1,8 +1,9 @@
 """One backend per file; `build_strategy` is the only place that maps a name to a backend."""
 from __future__ import annotations
 
-from trainer.config import Config, ConfigError, Sharding, StrategyName
+from trainer.config import Config, Sharding, StrategyName
 from trainer.distributed import DistEnv, launcher_env
+from trainer.errors import ConfigError
 from trainer.strategies.base import Strategy
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer.config import ConfigError, GradReduce, Precision, ReduceDtype, StrategyName
+from trainer.config import GradReduce, Precision, ReduceDtype, StrategyName
 from trainer.distributed import device_type
+from trainer.errors import ConfigError
 
 ZERO_STAGE = {StrategyName.zero1: 1, StrategyName.zero2: 2, StrategyName.zero3: 3}
 # Keys the loop owns: a user's ds_config may leave them "auto" or repeat our value, nothing else.

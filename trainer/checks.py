@@ -1,0 +1,180 @@
+"""The checks before any work: settings that Hydra's schema cannot reject alone (`validate`, the
+cross-field rules), overrides mistyped on the command line (`check_overrides`, before Hydra) and
+the optional Hugging Face libraries (`require_hf`). Each raises ConfigError naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from enum import Enum
+from importlib import resources
+from typing import Any
+
+from trainer.config import (
+    Config,
+    DataName,
+    ModelKind,
+    PeftConfig,
+    PeftName,
+    Precision,
+    ReduceDtype,
+    Sharding,
+    StrategyName,
+    TrainOn,
+    known_keys,
+    profile_steps,
+    unknown_key_message,
+)
+from trainer.errors import ConfigError
+
+
+def require_hf(key: str, module: str = "transformers", extra: str = "hf") -> None:
+    """The Hugging Face libraries are extras (hf; ft for peft): say how to get them, before any work."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{key}: needs the `{module}` package, from the {extra!r} extra: "
+                          f"pip install 'strategy-trainer[{extra}]'")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(cfg: Config) -> None:
+    s, t, m, d = cfg.strategy, cfg.train, cfg.model, cfg.data
+    name = StrategyName(s.name)
+    _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    _require(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
+    _require(t.max_steps >= 0, "train.max_steps", f"must be >= 0, got {t.max_steps}")
+    _require(t.max_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.max_steps=0")
+    _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}")
+    _require(t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every}")
+    _require(t.profile is None or profile_steps(t.profile) is not None, "train.profile",
+             f"START:STOP, the first and last step to trace (1 <= START <= STOP), got {t.profile!r}")
+    _require(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
+    _require(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
+    _require(ReduceDtype(s.reduce_dtype).value in ("fp32", Precision(t.precision).value), "strategy.reduce_dtype",
+             f"fp32, or the training dtype (train.precision={Precision(t.precision).value}); got "
+             f"{ReduceDtype(s.reduce_dtype).value}")
+    _require(cfg.nproc >= 1, "nproc", f"must be >= 1, got {cfg.nproc}")
+    _require(cfg.max_restarts >= 0, "max_restarts", f"must be >= 0, got {cfg.max_restarts}")
+    _require(cfg.shutdown_timeout_s >= 0, "shutdown_timeout_s", f"must be >= 0, got {cfg.shutdown_timeout_s}")
+    _require(cfg.collective_timeout_s > 0, "collective_timeout_s", f"must be > 0, got {cfg.collective_timeout_s}")
+    o, c = cfg.optim, cfg.checkpoint
+    _require(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"two values in [0, 1), got {list(o.betas)}")
+    _require(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _require(o.schedule_steps >= 0, "optim.schedule_steps", f"must be >= 0 (0: the run's steps), got {o.schedule_steps}")
+    _require(0 < o.decay_fraction <= 1, "optim.decay_fraction", f"must be in (0, 1], got {o.decay_fraction}")
+    _require(c.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0 (0: the last step only), got {c.every_steps}")
+    _require(c.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0 (0: keep all), got {c.keep_last}")
+    _require(c.max_failed_saves >= 1, "checkpoint.max_failed_saves", f"must be >= 1, got {c.max_failed_saves}")
+    if m.kind is ModelKind.reference:
+        for key in ("d_model", "n_layers", "n_heads", "d_ff"):
+            _require(getattr(m, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
+        _require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}")
+        _require(m.mlp in ("gelu", "swiglu"), "model.mlp", f"allowed values: gelu, swiglu; got {m.mlp!r}")
+        _require(m.norm in ("layernorm", "rmsnorm"), "model.norm",
+                 f"allowed values: layernorm, rmsnorm; got {m.norm!r}")
+        _require(not m.shape_only, "model", f"model={m.name} is shape-only (for `python -m trainer.plan`); "
+                 "train one of tiny, small, gpt_125m, gpt_1b")
+    if PeftName(cfg.peft.name) is PeftName.lora:
+        check_lora(cfg.peft)
+    _require(m.seq_len is None or m.seq_len >= 1, "model.seq_len", f"must be >= 1, got {m.seq_len}")
+    _require(0 <= d.val_fraction < 1, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    _require(not (d.val_fraction and d.val_path), "data.val_fraction",
+             "give data.val_path or data.val_fraction, not both")
+    data_name = DataName(d.name)
+    _require(d.packing or data_name in (DataName.hf, DataName.chat), "data.packing",
+             f"data={data_name.value} has no documents to keep apart; packing=false needs data=hf or data=chat")
+    _require(not d.drop_long or data_name is DataName.chat or (data_name is DataName.hf and not d.packing),
+             "data.drop_long", "only rows of whole documents drop long ones: data=chat, or data=hf with "
+             "data.packing=false")
+    for key, is_set in (("chat_template", d.chat_template is not None),
+                        ("train_on", TrainOn(d.train_on) is not TrainOn.assistant)):
+        _require(not is_set or data_name is DataName.chat, f"data.{key}",
+                 f"only read by data=chat, not data={data_name.value}")
+    _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
+    _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
+    _require(cfg.eval.max_batches >= 0, "eval.max_batches", f"must be >= 0, got {cfg.eval.max_batches}")
+    _require(cfg.eval.early_stop_patience >= 0, "eval.early_stop_patience",
+             f"must be >= 0 (0: never stop early), got {cfg.eval.early_stop_patience}")
+    _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
+    _require(not (s.offload_params and name not in (StrategyName.fsdp, StrategyName.zero3)),
+             "strategy.offload_params", f"only fsdp and zero3 shard parameters; strategy={name.value} "
+             "cannot offload them (use strategy=zero3 or strategy=fsdp)")
+    _require(not (s.offload_optimizer and name is StrategyName.ddp), "strategy.offload_optimizer",
+             "ddp keeps the optimizer on the device; use zero1, zero2, zero3 or fsdp to offload it")
+    _require(s.deepspeed_config is None or name.value.startswith("zero"), "strategy.deepspeed_config",
+             f"only read by zero1/zero2/zero3, not strategy={name.value}")
+    _require(Sharding(s.sharding) is Sharding.FULL_SHARD or name is StrategyName.fsdp,
+             "strategy.sharding", f"only read by strategy=fsdp, not strategy={name.value}")
+
+
+def check_lora(p: PeftConfig) -> None:
+    require_hf("peft=lora", "peft", extra="ft")
+    _require(p.r >= 1, "peft.r", f"the adapters' rank must be >= 1, got {p.r}")
+    _require(p.alpha > 0, "peft.alpha", f"must be > 0, got {p.alpha}")
+    _require(0 <= p.dropout < 1, "peft.dropout", f"must be in [0, 1), got {p.dropout}")
+    targets = p.target_modules
+    _require(targets == "all-linear" or (isinstance(targets, list) and targets and all(
+        isinstance(t, str) and t for t in targets)), "peft.target_modules",
+             f"all-linear, or a list of module names such as [q_proj,v_proj]; got {targets!r}")
+
+
+def _values(value: str) -> list[str]:
+    """What an override sets: several values in a sweep (a,b); none to check where Hydra or
+    OmegaConf computes them (choice(...), ${...}, [...]) or for null."""
+    return [] if any(c in value for c in "()${}[]") or value == "null" else [v.strip() for v in value.split(",")]
+
+
+def _group_options(group: str) -> list[str]:
+    folder = resources.files("trainer.conf") / group
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml")) \
+        if folder.is_dir() else []
+
+
+def _enum_of(key: str) -> type[Enum] | None:
+    """The Enum a schema key takes, if any (train.precision: Precision)."""
+    cls: Any = Config
+    for part in key.split("."):
+        hint = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        cls = next((t for t in (hint, *typing.get_args(hint)) if isinstance(t, type)
+                    and (dataclasses.is_dataclass(t) or issubclass(t, Enum))), None)
+    return cls if isinstance(cls, type) and issubclass(cls, Enum) else None
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Caught before Hydra, whose own messages are tracebacks or suggest adding a key with `+`: a
+    mistyped key (the closest valid one is named), a config group option or an enum value that
+    does not exist (the allowed ones are listed). `+model.*` stays open: a custom model's factory
+    arguments."""
+    known = set(known_keys())
+    # a config dir of the user's may add group options that ours lack
+    own_groups = not any(a.startswith(("-cd", "--config-dir", "-cp", "--config-path", "hydra.searchpath"))
+                         for a in overrides)
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        added = key.startswith("+")
+        key = key.lstrip("+~")
+        if key.startswith("hydra"):
+            continue  # Hydra's own settings and groups (its plugins add launchers and sweepers)
+        if "." not in key and not added:  # a config group choice
+            allowed = _group_options(key) if own_groups else []
+        elif key in known:
+            allowed = [m.value for m in _enum_of(key) or ()]
+        elif added and key.startswith("model."):
+            continue
+        else:
+            raise ConfigError(unknown_key_message(key))
+        wrong = [v for v in _values(value) if allowed and v not in allowed]
+        if wrong:
+            raise ConfigError(f"{key}: allowed values: {', '.join(allowed)}; got {wrong[0]}")
