@@ -163,15 +163,37 @@ def test_log_level_lets_third_parties_speak(capsys):
     setup_logging(None, is_main=True)
 
 
-def test_mfu_follows_the_flops_and_the_peak(tmp_path):
-    from trainer.models import model_facts
+def counted_training_flops_per_token() -> float:
+    """The default model's matmul FLOPs per token in one forward and backward, counted by torch's
+    FlopCounterMode as they run (attention through SDPA's math kernel, which the counter sees as
+    bmm), not from a formula: the count the trainer's mfu must agree with."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
 
+    from trainer.models.reference import Transformer, shape_of
+
+    shape = shape_of(to_config({}).model)
+    model = Transformer(shape)
+    x = torch.randint(0, shape.vocab_size, (2, shape.seq_len))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x).float().sum().backward()
+    return counter.get_total_flops() / x.numel()
+
+
+# The trainer counts 6 FLOPs per token for every parameter that is not a lookup table, biases and
+# norm weights included, whose elementwise work the counter above leaves out (matmuls only): for
+# the tiny model 6 x 1,792 of 797,184 FLOPs per token, 1.3 % more than counted. Forward-only
+# FLOPs (a third), attention left out (-12 %) or the embeddings counted (+17 %) are all outside 2 %.
+MFU_FLOPS_RTOL = 0.02
+
+
+def test_mfu_follows_the_flops_and_the_peak(tmp_path):
     result = run_cli("nproc=2", "train.max_steps=4", "train.log_every=2", "train.peak_flops=1e12",
                      f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
-    flops = model_facts(to_config({}).model, None).flops_per_token
+    flops = counted_training_flops_per_token()
     for row in records(tmp_path):
-        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops / (1e12 * 2))
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops / (1e12 * 2), rel=MFU_FLOPS_RTOL)
         assert row["mem"]["peak"] is None  # the CPU reports no peak allocation
     plain = run_cli("train.max_steps=2", "train.log_every=1", f"hydra.run.dir={tmp_path}/2")
     assert plain.returncode == 0
@@ -412,7 +434,7 @@ def test_the_wheel_trains_plans_and_exports_from_another_directory(tmp_path):
 @pytest.mark.slow
 def test_an_optuna_sweep_minimises_the_final_val_loss(tmp_path):
     result = run_cli("-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=2", "data.val_fraction=0.1",
-                     "train.max_steps=6", f"hydra.sweep.dir={tmp_path}", timeout=600)
+                     "train.max_steps=6", "train.log_every=1", f"hydra.sweep.dir={tmp_path}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     import yaml
 
@@ -420,9 +442,16 @@ def test_an_optuna_sweep_minimises_the_final_val_loss(tmp_path):
     finals = [json.loads((tmp_path / job / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
               for job in ("0", "1")]
     assert best["best_value"] == pytest.approx(min(finals))
-    # each trial trained with the learning rate the sweeper chose for it
-    lrs = [yaml.safe_load((tmp_path / job / ".hydra" / "config.yaml").read_text())["optim"]["lr"] for job in ("0", "1")]
+    # each trial trained with the learning rate the sweeper chose for it: its config says so, and
+    # the learning rates its steps used (metrics.jsonl) are that one's warmup, step / warmup_steps of it
+    configs = [yaml.safe_load((tmp_path / job / ".hydra" / "config.yaml").read_text())["optim"] for job in ("0", "1")]
+    lrs = [c["lr"] for c in configs]
     assert lrs[0] != lrs[1] and best["best_params"]["optim.lr"] == lrs[finals.index(min(finals))], (lrs, best)
+    for job, optim in zip(("0", "1"), configs):
+        assert optim["warmup_steps"] >= 6  # the 6 steps all warm up
+        used = {r["step"]: r["lr"] for r in records(tmp_path / job) if "split" not in r}
+        assert used == pytest.approx({s: optim["lr"] * s / optim["warmup_steps"] for s in range(1, 7)}, rel=1e-12), job
+    assert finals[0] != finals[1]  # ... and the optimizer stepped with it
 
 
 # -- where CUDA exists (skipped on the CPU machines) ------------------------------------------------
