@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import assert_refused, case, full_state, on_ranks, records, run_cli, train_cases
-from trainer.checkpoint import PieceReader, read_manifest
+from trainer.checkpoint_format import PieceReader, read_manifest
 from trainer.config import to_config
 
 LOSS_RTOL = 2e-6  # the parity tolerance of tests/test_core_parity.py
@@ -123,18 +123,20 @@ def fingerprint_of(path):
 def save_with_a_failing_rank(env, ckpt_dir: str) -> str:
     import trainer.checkpoint as checkpoint
     from tests.test_core_behaviour import build
+    from trainer.errors import CheckpointError
+    from trainer.resume import resolve_resume
 
     cfg = case("ddp", checkpoint__dir=ckpt_dir, checkpoint__max_failed_saves=1)  # the first failure stops
     strategy, _, _ = build(env, cfg)
     manager = checkpoint.CheckpointManager(to_config(cfg).checkpoint, strategy, "ddp")
-    state = manager.load(checkpoint.resolve_resume(to_config(cfg).checkpoint))
+    state = manager.load(resolve_resume(to_config(cfg).checkpoint))
     if env.rank == 1:
         def broken(*args, **kwargs):
             raise OSError("disk full (injected)")
         checkpoint.save_safetensors = broken
     try:
         manager.save(state["step"] + 1, state)
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         return str(e)
     return "saved"
 

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from tests.harness import assert_refused, run_cli
-from trainer.checkpoint import REPLACED_PREFIX, CheckpointManager
+from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint_format import REPLACED_PREFIX
 from trainer.config import CheckpointConfig
 
 

@@ -166,8 +166,8 @@ def test_ours_converted_to_hf_loads_with_from_pretrained_and_a_stranger_is_refus
 
 def round_trip(env, out_dir: str) -> dict:
     """The tiny reference model trained 3 steps with a checkpoint; that converted to DCP and back."""
-    from trainer.checkpoint import latest_checkpoint
     from trainer.convert import convert as convert_in_process
+    from trainer.resume import latest_checkpoint
 
     cfg = case("ddp", steps=3)
     cfg["checkpoint"] = {"dir": f"{out_dir}/ckpt"}

@@ -152,7 +152,7 @@ def start_values():
 
 
 def test_frozen_parameters_save_resume_anywhere_and_never_change(toy_runs):
-    from trainer.checkpoint import PieceReader, read_manifest
+    from trainer.checkpoint_format import PieceReader, read_manifest
 
     model = start_values()
     for strategy in FROZEN_STRATEGIES:
@@ -171,7 +171,7 @@ def test_frozen_parameters_save_resume_anywhere_and_never_change(toy_runs):
 
 
 def buffers_at(path) -> dict[str, torch.Tensor]:
-    from trainer.checkpoint import PieceReader, read_manifest
+    from trainer.checkpoint_format import PieceReader, read_manifest
 
     manifest = read_manifest(path)
     return {name: PieceReader(path, manifest).read_full(f"buffer.{name}") for name in manifest["buffers"]}
@@ -465,7 +465,7 @@ STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
     # lr 0, one step: what each saves is where it started. DeepSpeed clones its masters from the
     # bf16 parameters unless they are set again from the fp32 values.
-    from trainer.checkpoint import PieceReader, read_manifest
+    from trainer.checkpoint_format import PieceReader, read_manifest
     from trainer.models.reference import Transformer, shape_of
     from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
 

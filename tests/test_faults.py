@@ -28,8 +28,8 @@ from tests.harness import (
     train_cases,
     with_overrides,
 )
-from trainer.checkpoint import resolve_resume
 from trainer.config import CheckpointConfig
+from trainer.resume import resolve_resume
 
 STEPS = 40  # long enough that a signal sent at step 3 lands well before the end
 

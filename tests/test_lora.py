@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
-from trainer.checkpoint import read_manifest
+from trainer.checkpoint_format import read_manifest
 
 LOSS_RTOL = 2e-6
 SEQ, VOCAB = 32, 512

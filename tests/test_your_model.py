@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from examples.tiny_hf import FAMILIES, VOCAB
 from tests.harness import assert_refused, case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
-from trainer.checkpoint import read_manifest
+from trainer.checkpoint_format import read_manifest
 from trainer.config import to_config
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]

@@ -19,13 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
 from trainer.blocks import find_blocks
-from trainer.checkpoint import (
-    check_base,
-    check_fingerprint,
-    check_writable,
-    read_manifest,
-    resolve_resume,
-)
+from trainer.checkpoint_format import check_base, check_fingerprint, read_manifest
 from trainer.checks import check_overrides, validate
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
 from trainer.data import BatchStream, check_data
@@ -35,6 +29,7 @@ from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import build_model, initial_weights, param_shapes, resolve_model
 from trainer.plan import resolve_auto
+from trainer.resume import check_writable, resolve_resume
 from trainer.run import check_run_dir, worker
 from trainer.strategies import preflight
 

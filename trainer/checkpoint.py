@@ -1,23 +1,10 @@
-"""CheckpointManager: step dirs, atomic commit, keep_last, auto-resume (DESIGN §5).
-
-Layout of one checkpoint, the same whichever strategy and world size wrote it:
-
-    step_00000100/
-      manifest.json           format, step, strategy, world size, model fingerprint, trainer
-                              state, and for every tensor key its shape and pieces
-      rank_00000.safetensors  what rank 0 saved: flat ranges named "<key>@<start>", its RNG
-      ...
-
-Keys are `model.<param>`, `optim.<param>.exp_avg|exp_avg_sq` (fp32) and `optim.step`. Each
-rank writes only the ranges it owns; a loading rank reads, from any files, only the ranges it
-needs, so any strategy at any world size resumes any checkpoint. (torch.distributed.checkpoint
-would need DTensor's even chunks; DeepSpeed's flat partitions cut parameters anywhere.)
+"""CheckpointManager: step dirs saved and loaded by any strategy, atomic commit, keep_last and
+keep_best (DESIGN §5). The format on disk: trainer/checkpoint_format.py; which checkpoint a run
+resumes from: trainer/resume.py.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 import shutil
 import zlib
@@ -27,137 +14,29 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from trainer.checkpoint_format import (
+    LATEST,
+    MANIFEST,
+    REPLACED_PREFIX,
+    STEP_PREFIX,
+    SUPERSEDED_PREFIX,
+    TMP_PREFIX,
+    PieceReader,
+    check_base,
+    check_fingerprint,
+    fsync,
+    manifest_of,
+    rank_file,
+    read_manifest,
+    step_dir_name,
+)
 from trainer.config import CheckpointConfig
 from trainer.distributed import broadcast_object
 from trainer.errors import CheckpointError
 from trainer.log import log
 from trainer.models.weights import canonical_name, save_safetensors
+from trainer.resume import checkpoints_with_manifest, latest_checkpoint
 from trainer.strategies.base import STEP_KEY, Piece, Strategy, buffer_key, state_keys
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-LATEST = "latest"
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp-"  # a step dir being written: never resumed from, removed by the next save
-SUPERSEDED_PREFIX = "superseded-"  # newer than the step a run resumed from (see _set_aside_newer)
-REPLACED_PREFIX = "replaced-"  # a complete step dir while the same step is saved again (see _commit)
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
-
-
-def readable_manifest(path: Path) -> bool:
-    """A step dir counts only when its manifest reads back whole (a save that died mid-write, a
-    truncated file on a full disk: skipped, with a warning)."""
-    try:
-        json.loads((path / MANIFEST).read_text())["tensors"]
-        return True
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning(f"checkpoint: skipping {path}: its {MANIFEST} cannot be read ({type(e).__name__}: {e})")
-        return False
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Step dirs with a readable manifest, oldest first (the manifest is written last, before the rename)."""
-    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if readable_manifest(p))
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    latest = root / LATEST
-    if latest.is_file():
-        path = root / latest.read_text().strip()
-        if readable_manifest(path):
-            return path
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
-
-
-def read_manifest(path: Path) -> dict:
-    if not path.exists():
-        raise CheckpointError(f"checkpoint: {path} does not exist")
-    if not (path / MANIFEST).is_file():
-        raise CheckpointError(f"checkpoint: {path} has no {MANIFEST}: not a checkpoint, or one whose save "
-                              "did not finish")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint: {path}/{MANIFEST} is damaged ({e}); resume from another step dir") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint: {path} has format {manifest.get('format')!r}; this trainer reads "
-                              f"format {FORMAT_VERSION}")
-    return manifest
-
-
-def fsync(path: Path) -> None:
-    """Flush a file or a directory (its entries: a rename, a new file) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_writable(root: Path) -> None:
-    """checkpoint.dir must take files: tried by writing one (permission bits do not tell for root,
-    read-only mounts, /proc); whatever the try created is removed again."""
-    created = [p for p in (root, *root.parents) if not p.exists()][::-1]
-    probe = root / f"{TMP_PREFIX}write-test"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={root}: cannot write there ({e.strerror or e})") from None
-    finally:
-        for path in reversed(created):
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-
-def resolve_resume(cfg: CheckpointConfig) -> Path | None:
-    """The step dir to resume from, or None to start fresh. Raises before any work starts."""
-    if cfg.resume not in ("auto", "none"):
-        path = Path(cfg.resume)
-        if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).exists():
-            path = latest_checkpoint(path)  # a checkpoint root: its newest
-        read_manifest(path)
-        return path
-    root = Path(cfg.dir) if cfg.dir else None
-    found = latest_checkpoint(root) if root and root.is_dir() else None
-    if cfg.resume == "none" and found:
-        raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {found.name}); "
-                              "checkpoint.resume=auto continues from it, another checkpoint.dir starts over")
-    return found if cfg.resume == "auto" else None
-
-
-def check_fingerprint(manifest: dict, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
-    saved = {name: tuple(spec["shape"]) for name, spec in manifest["model"].items()}
-    missing = sorted(set(shapes) - set(saved))
-    unexpected = sorted(set(saved) - set(shapes))
-    differ = sorted(n for n in set(saved) & set(shapes) if saved[n] != shapes[n])
-    if missing or unexpected or differ:
-        problems = [f"{n}: checkpoint {list(saved[n])}, model {list(shapes[n])}" for n in differ[:10]]
-        problems += [f"{n}: not in the checkpoint" for n in missing[:10]]
-        problems += [f"{n}: not in the model" for n in unexpected[:10]]
-        raise CheckpointError(f"checkpoint: {path} holds another model ({len(differ)} shapes differ, "
-                              f"{len(missing)} missing, {len(unexpected)} unexpected):\n  " + "\n  ".join(problems))
-
-
-def check_base(manifest: dict, fingerprint: str | None, path: Path) -> None:
-    """A checkpoint without its frozen weights resumes only on the same pretrained files."""
-    base = manifest.get("base")
-    if base and base["fingerprint"] != fingerprint:
-        now = "weights whose names, shapes or file sizes differ" if fingerprint else "no pretrained weights"
-        raise CheckpointError(f"checkpoint: {path} holds adapters trained on the frozen weights of {base['path']} "
-                              f"(fingerprint {base['fingerprint']}), which it does not save; this run has {now}: "
-                              f"set model.path to those weights")
 
 
 def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "cpu") -> torch.Tensor:
@@ -165,51 +44,6 @@ def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "c
     so it is the same on every resume and differs from every other rank's."""
     seed = (zlib.crc32(rank0_state.numpy().tobytes()) * 1_000_003 + rank) % 2 ** 63
     return torch.Generator(device=device).manual_seed(seed).get_state()
-
-
-def manifest_of(step: int, trainer_state: dict, strategy: str, world_size: int, shapes: dict[str, tuple[int, ...]],
-                buffers: dict[str, torch.Tensor], source: dict, base: dict | None, tensors: dict[str, dict]) -> dict:
-    """A step dir's manifest.json: `tensors` maps each key to its shape and pieces."""
-    return {
-        "format": FORMAT_VERSION, "step": step, "epoch": trainer_state["epoch"], "strategy": strategy,
-        "world_size": world_size, "trainer": trainer_state,
-        "model": {name: {"shape": list(shape), "dtype": "float32"} for name, shape in shapes.items()},
-        "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
-                    for name, b in buffers.items()},
-        "source": source, "base": base, "files": [rank_file(r) for r in range(world_size)], "tensors": tensors,
-    }
-
-
-class PieceReader:
-    """Reads ranges of flat tensors from the pieces of a checkpoint, touching only what overlaps."""
-
-    def __init__(self, path: Path, manifest: dict):
-        self.path, self.tensors, self.files = path, manifest["tensors"], {}
-
-    def _file(self, name: str):
-        if name not in self.files:
-            self.files[name] = safe_open(str(self.path / name), framework="pt")
-        return self.files[name]
-
-    def read(self, key: str, start: int, numel: int) -> torch.Tensor:
-        if key not in self.tensors:
-            raise CheckpointError(f"checkpoint: {self.path} has no {key}")
-        out = torch.empty(numel, dtype=torch.float32)
-        covered = 0
-        for file, piece_start, piece_numel in self.tensors[key]["pieces"]:
-            lo, hi = max(start, piece_start), min(start + numel, piece_start + piece_numel)
-            if lo < hi:
-                part = self._file(file).get_slice(f"{key}@{piece_start}")[lo - piece_start:hi - piece_start]
-                out[lo - start:hi - start] = part
-                covered += hi - lo
-        if covered != numel:
-            raise CheckpointError(f"checkpoint: {self.path} covers {covered} of the {numel} values of {key} "
-                                  f"from {start}")
-        return out
-
-    def read_full(self, key: str) -> torch.Tensor:
-        shape = self.tensors[key]["shape"]
-        return self.read(key, 0, math.prod(shape)).reshape(shape)
 
 
 def attempt(fn, who: str) -> list[str]:
@@ -334,10 +168,10 @@ class CheckpointManager:
         fsync(tmp / MANIFEST)
         fsync(tmp)
         self._set_aside_newer(step)
-        old = None
+        replaced = None
         if final.exists():  # the same step saved again (a resume from an older one): keep it until replaced
-            old = final.with_name(f"{REPLACED_PREFIX}{final.name}")
-            final.rename(old)
+            replaced = final.with_name(f"{REPLACED_PREFIX}{final.name}")
+            final.rename(replaced)
         tmp.rename(final)
         fsync(self.root)
         latest_tmp = self.root / f"{TMP_PREFIX}{LATEST}"
@@ -345,8 +179,8 @@ class CheckpointManager:
         fsync(latest_tmp)
         os.replace(latest_tmp, self.root / LATEST)
         fsync(self.root)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        if replaced:
+            shutil.rmtree(replaced, ignore_errors=True)
 
     def _set_aside_newer(self, step: int) -> None:
         """A run resumed from an older step: step dirs newer than the one it saves belong to the
@@ -371,7 +205,7 @@ class CheckpointManager:
         that cannot be removed is a warning, not a failed save."""
         if self.cfg.keep_last <= 0:
             return
-        done = complete_checkpoints(self.root)
+        done = checkpoints_with_manifest(self.root)
         kept = {keep, self.resumed_older, *self.best(done)}
         for path in done[:-self.cfg.keep_last]:
             if path not in kept:

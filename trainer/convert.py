@@ -26,18 +26,18 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import (
+from trainer.checkpoint_format import (
     LATEST,
     MANIFEST,
-    CheckpointError,
     PieceReader,
-    latest_checkpoint,
     manifest_of,
     rank_file,
     read_manifest,
     step_dir_name,
 )
+from trainer.errors import CheckpointError
 from trainer.models.weights import safetensors_files, save_safetensors
+from trainer.resume import latest_checkpoint
 from trainer.strategies.base import ADAM_KEYS, STEP_KEY, state_keys
 
 FORMATS = ("trainer", "dcp", "deepspeed", "universal", "hf")

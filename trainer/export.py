@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import CheckpointError, PieceReader, latest_checkpoint, read_manifest
-from trainer.errors import ConfigError
+from trainer.checkpoint_format import PieceReader, read_manifest
+from trainer.errors import CheckpointError, ConfigError
 from trainer.log import refuse
 from trainer.models import lora
 from trainer.models.weights import save_safetensors
+from trainer.resume import latest_checkpoint
 
 
 def export(checkpoint: Path, out: Path, merge: bool = False) -> str:

@@ -13,7 +13,8 @@ from torch import nn
 from tqdm import tqdm
 
 from trainer.blocks import apply_checkpointing, find_blocks
-from trainer.checkpoint import CheckpointManager, read_manifest, resolve_resume
+from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint_format import read_manifest
 from trainer.config import Config, OptimConfig, Schedule, StrategyName, profile_steps
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
@@ -22,6 +23,7 @@ from trainer.log import log, setup_logging
 from trainer.loggers import RunLog
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
 from trainer.models.weights import WeightSource
+from trainer.resume import resolve_resume
 from trainer.strategies import Strategy, build_strategy
 
 

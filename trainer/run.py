@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from trainer import distributed
-from trainer.checkpoint import resolve_resume
 from trainer.config import to_config
 from trainer.errors import ERROR_EXIT_CODE, ConfigError, RunError
 from trainer.faults import Stopped
+from trainer.resume import resolve_resume
 
 
 def worker(cfg_dict: dict, run_dir: str) -> dict:
