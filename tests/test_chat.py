@@ -23,7 +23,9 @@ from tests.harness import case, on_ranks, records, refusal, train_cases, with_ov
 from trainer.config import TrainOn, to_config
 from trainer.data.sources import IGNORE_INDEX
 
-LOSS_RTOL = 1e-5
+# Packed rows and padded ones are other shapes (other kernels, sums in another order): not the parity
+# tolerance of fp32 losses, tests/harness.py's, which compares runs of the same shapes.
+PACKED_RTOL = 1e-5
 
 
 def longer(rows: list[dict], roles: set[str]) -> list[dict]:
@@ -216,10 +218,10 @@ def test_packed_and_padded_rows_give_the_same_loss_on_the_same_targets(epochs, m
     packed_loss, packed_tokens, packed_rows = summed_loss(epochs / f"{model}packed")
     padded_loss, padded_tokens, padded_rows = summed_loss(epochs / f"{model}padded")
     assert packed_tokens == padded_tokens > 0
-    assert math.isclose(packed_loss, padded_loss, rel_tol=LOSS_RTOL), (packed_loss, padded_loss)
+    assert math.isclose(packed_loss, padded_loss, rel_tol=PACKED_RTOL), (packed_loss, padded_loss)
     assert packed_rows < padded_rows / 2  # a row (and a step) per conversation when padded
     if not model:  # evaluation too
-        assert math.isclose(val_loss(epochs / "packed"), val_loss(epochs / "padded"), rel_tol=LOSS_RTOL)
+        assert math.isclose(val_loss(epochs / "packed"), val_loss(epochs / "padded"), rel_tol=PACKED_RTOL)
 
 
 def test_only_the_assistants_tokens_count_as_targets(epochs):

@@ -11,11 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import assert_refused, case, full_state, on_ranks, records, run_cli, train_cases
+from tests.harness import (
+    LOSS_RTOL,
+    assert_refused,
+    assert_resumes,
+    case,
+    full_state,
+    on_ranks,
+    records,
+    resuming,
+    run_cli,
+    saving,
+    train_cases,
+)
 from trainer.checkpoint_format import PieceReader, read_manifest
 from trainer.config import to_config
 
-LOSS_RTOL = 2e-6  # the parity tolerance of tests/test_core_parity.py
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 # (source strategy, source world size) -> (target strategy, target world size)
 CROSS = [("fsdp", 2, "zero3", 2), ("zero3", 2, "fsdp", 1), ("zero2", 2, "ddp", 1), ("ddp", 1, "zero3", 2),
@@ -29,12 +40,11 @@ def at_world(cfg: dict, world: int) -> dict:
 
 
 def straight(strategy: str, world: int, root) -> dict:
-    return at_world(case(strategy, steps=12, checkpoint__dir=str(root / f"{strategy}@{world}"),
-                         checkpoint__every_steps=6, checkpoint__keep_last=0), world)
+    return at_world(saving(case(strategy, steps=12), root / f"{strategy}@{world}", 6), world)
 
 
 def resumed(source: str, strategy: str, world: int, root) -> dict:
-    return at_world(case(strategy, steps=12, checkpoint__resume=str(root / source / "step_00000006")), world)
+    return at_world(resuming(case(strategy, steps=12), root / source, 6), world)
 
 
 @pytest.fixture(scope="module")
@@ -51,28 +61,17 @@ def runs(tmp_path_factory):
     return root, {d.name: records(d) for d in out.iterdir()}
 
 
-def losses(rows):
-    return [r["loss"] for r in rows]
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_continues_exactly_under_the_same_strategy(runs, strategy):
     _, r = runs
-    full, tail = r[f"{strategy}@2"], r[f"{strategy}@2->{strategy}@2"]
-    assert [row["step"] for row in tail] == list(range(7, 13))
-    assert losses(tail) == losses(full)[6:]  # bitwise
-    assert [row["lr"] for row in tail] == [row["lr"] for row in full][6:]
-    assert [row["tokens"] for row in tail] == [row["tokens"] for row in full][6:]
+    assert_resumes(r[f"{strategy}@2->{strategy}@2"], r[f"{strategy}@2"], at=6, what=strategy)  # bitwise
 
 
 @pytest.mark.parametrize("source,n,target,m", CROSS)
 def test_resume_under_another_strategy_and_world_size(runs, source, n, target, m):
     _, r = runs
-    expected = losses(r[f"{target}@2->{target}@2"])
-    actual = losses(r[f"{source}@{n}->{target}@{m}"])
-    assert len(actual) == 6
-    for a, e in zip(actual, expected):
-        assert abs(a - e) <= LOSS_RTOL * abs(e), (actual, expected)
+    assert_resumes(r[f"{source}@{n}->{target}@{m}"], r[f"{target}@2"], at=6, what=f"{source}@{n}->{target}@{m}",
+                   rtol=LOSS_RTOL)
 
 
 def test_writes_only_complete_step_dirs_and_latest(runs):
@@ -179,7 +178,7 @@ def test_unusable_checkpoints_fail_clearly_and_touch_nothing(tiny_checkpoint, tm
         resume = [f"checkpoint.dir={ckpt}"]
     before = fingerprint_of(ckpt)
     result = run_cli(*resume, *overrides, "train.max_steps=14", f"hydra.run.dir={tmp_path / 'run'}")
-    assert_refused(result, *fragments)
+    assert_refused(result, *fragments, details=setup == "other_model")
     assert fingerprint_of(ckpt) == before
 
 

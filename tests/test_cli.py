@@ -81,6 +81,8 @@ def test_epochs_mode_runs_whole_epochs_and_counts_them(tmp_path):
 
 @pytest.mark.slow
 def test_a_users_deepspeed_config_is_merged_with_auto_values_filled(tmp_path):
+    """From the command line, at 2 ranks; the merged values the engine holds are read back in
+    tests/test_core_behaviour.py (test_a_users_deepspeed_config_reaches_the_engine_...)."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                               "zero_optimization": {"stage": "auto", "reduce_bucket_size": 100000},

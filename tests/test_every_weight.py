@@ -14,7 +14,20 @@ import time
 import pytest
 import torch
 
-from tests.harness import case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
+from tests.harness import (
+    LOSS_RTOL,
+    assert_resumes,
+    case,
+    on_ranks,
+    records,
+    refusal,
+    resuming,
+    run_cli,
+    saving,
+    train_and_resume,
+    train_cases,
+    with_overrides,
+)
 from trainer.config import to_config
 
 FRESH_INIT_FAMILIES = {
@@ -128,13 +141,11 @@ def toy_case(strategy: str, world: int, **overrides) -> dict:
 def toy_runs(tmp_path_factory):
     """Each strategy at 2 ranks, saving at steps 3 and 6; resumed from step 3 under another."""
     root = tmp_path_factory.mktemp("toys")
-    every_3 = dict(checkpoint__every_steps=3, checkpoint__keep_last=0)
-    straight = {f"{s}@2": toy_case(s, 2, checkpoint__dir=str(root / f"{s}@2"), **every_3) for s in FROZEN_STRATEGIES}
+    straight = {f"{s}@2": saving(toy_case(s, 2), root / f"{s}@2", 3) for s in FROZEN_STRATEGIES}
     on_ranks(2, train_cases, straight, str(root / "runs"))
     for world in (1, 2):
         on_ranks(world, train_cases, {
-            f"{a}->{b}@{m}": toy_case(b, m, checkpoint__resume=str(root / f"{a}@2" / "step_00000003"),
-                                      checkpoint__dir=str(root / f"{a}->{b}@{m}"), **every_3)
+            f"{a}->{b}@{m}": saving(resuming(toy_case(b, m), root / f"{a}@2", 3), root / f"{a}->{b}@{m}", 3)
             for a, _, b, m in FROZEN_CROSS if m == world}, str(root / "runs"))
     return root
 
@@ -165,9 +176,9 @@ def test_frozen_parameters_save_resume_anywhere_and_never_change(toy_runs):
             assert "optim.head.weight.exp_avg" in manifest["tensors"]
             assert not torch.equal(reader.read_full("model.head.weight"), model.head.weight)  # that one trains
     for source, _, target, world in FROZEN_CROSS:
-        tail = [r["loss"] for r in records(toy_runs / "runs" / f"{source}->{target}@{world}")]
-        expected = [r["loss"] for r in records(toy_runs / "runs" / f"{target}@2")][3:]
-        assert tail == pytest.approx(expected, rel=2e-6), (source, target, world)
+        assert_resumes(records(toy_runs / "runs" / f"{source}->{target}@{world}"),
+                       records(toy_runs / "runs" / f"{target}@2"), at=3, what=f"{source}->{target}@{world}",
+                       rtol=LOSS_RTOL)
 
 
 def buffers_at(path) -> dict[str, torch.Tensor]:
@@ -210,12 +221,8 @@ def dropout_case(**overrides) -> dict:
 
 def test_a_model_with_dropout_resumes_bit_exact(tmp_path):
     # A resume makes a new loader iterator, which must not draw from the RNG dropout draws from.
-    ckpt = tmp_path / "ckpt"
-    on_ranks(1, train_cases, {"straight": dropout_case(checkpoint__dir=str(ckpt), checkpoint__every_steps=3,
-                                                        checkpoint__keep_last=0)}, str(tmp_path))
-    on_ranks(1, train_cases, {"resumed": dropout_case(checkpoint__resume=str(ckpt / "step_00000003"))}, str(tmp_path))
-    straight, resumed = ([r["loss"] for r in records(tmp_path / name)] for name in ("straight", "resumed"))
-    assert resumed == straight[3:]  # bitwise
+    straight, resumed = train_and_resume(1, dropout_case(), tmp_path, at=3)
+    assert_resumes(resumed, straight, at=3)  # bitwise
 
 
 def test_ranks_beyond_the_saved_world_size_get_rng_states_of_their_own():
@@ -233,7 +240,7 @@ def test_ranks_beyond_the_saved_world_size_get_rng_states_of_their_own():
 
 def test_the_cosine_reaches_its_floor_at_the_last_step():
     from trainer.config import OptimConfig
-    from trainer.loop import lr_at
+    from trainer.schedule import lr_at
 
     o = OptimConfig(lr=1e-3, warmup_steps=2, min_lr_ratio=0.1)
     lrs = [lr_at(step, 10, o) for step in range(10)]
@@ -552,11 +559,12 @@ def test_gradients_are_reduced_in_the_reduce_dtype_on_every_backend():
     from trainer.config import GradReduce, Precision, ReduceDtype, StrategyName
     from trainer.models import model_facts
     from trainer.plan import step_traffic
+    from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
     measured = on_ranks(2, reduced_bytes)[0]
     facts = model_facts(to_config(case("ddp")).model, None)
     for (strategy, dtype), carried in measured.items():
-        planned = step_traffic(StrategyName(strategy), facts.params, facts.small_params, 2, Precision.bf16, 1,
+        planned = step_traffic(StrategyName(strategy), facts.params, facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), 2, Precision.bf16, 1,
                                GradReduce.step, offload=False, reduce_dtype=ReduceDtype(dtype))
         kind = "all_reduce" if strategy in ("ddp", "zero2") else "reduce_scatter"
         assert carried[kind] == pytest.approx(planned[kind], rel=0.02, abs=64), (strategy, dtype, carried, planned)

@@ -20,6 +20,7 @@ from tests.harness import (
     CPU_ONLY,
     REPO,
     assert_refused,
+    assert_resumes,
     case,
     on_ranks,
     records,
@@ -59,22 +60,23 @@ def rank_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
                    if "resource_tracker" not in " ".join(child.cmdline())), key=lambda p: p.pid)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir)}
-
-
 ARGS = ("strategy=fsdp", f"train.max_steps={STEPS}", "train.log_every=1", "data.num_workers=0")
 
 
-def reference_losses(run_dir: Path) -> dict[int, float]:
-    """The losses of a 2-rank run that nothing stops: what every interrupted run must reproduce."""
+def reference_losses(run_dir: Path) -> list[dict]:
+    """The records of a 2-rank run that nothing stops: what every interrupted run must reproduce."""
     done = run_cli("nproc=2", *ARGS, f"hydra.run.dir={run_dir}")
     assert done.returncode == 0, done.stderr[-3000:]
-    return losses(run_dir)
+    return records(run_dir)
+
+
+def steps_after(run_dir: Path, step: int) -> list[dict]:
+    """The records of the steps after `step` in a run dir that a stopped run and its resume share."""
+    return [r for r in records(run_dir) if r["step"] > step]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference(tmp_path_factory) -> list[dict]:
     return reference_losses(tmp_path_factory.mktemp("reference"))
 
 
@@ -99,9 +101,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumi
 
     resumed = run_cli(*args, f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = {step: loss for step, loss in losses(run_dir).items() if step > stop_step}
-    assert after == {step: loss for step, loss in reference.items() if step > stop_step}
-    assert len(after) == STEPS - stop_step
+    assert_resumes(steps_after(run_dir, stop_step), reference, at=stop_step)  # bitwise
 
 
 @pytest.mark.slow
@@ -347,12 +347,10 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_group_resumes_with_the_losse
     resumed_at = restarted[-1]["step"]  # the newest checkpoint when the rank died, at step 7 or later
     assert restarted[0]["event"] == "restarted" and resumed_at % 3 == 0 and 6 <= resumed_at < STEPS
     assert f"[trainer] restart 1: resumed from {ckpt}/step_{resumed_at:08d} at step {resumed_at}" in stdout
-    after = records(run_dir)[-(STEPS - resumed_at):]
-    assert [r["step"] for r in after] == list(range(resumed_at + 1, STEPS + 1))
     from trainer.metrics import read_records  # the steps trained twice, once each
 
     assert [r["step"] for r in read_records(run_dir)] == list(range(1, STEPS + 1))
-    assert {r["step"]: r["loss"] for r in after} == {s: l for s, l in reference.items() if s > resumed_at}
+    assert_resumes(records(run_dir)[-(STEPS - resumed_at):], reference, at=resumed_at)  # bitwise
     assert events(run_dir)[-1]["event"] == "end"
 
 
@@ -423,8 +421,7 @@ def test_the_sbatch_script_passes_the_time_limit_warning_on_requeues_and_the_req
     _, stderr = requeued.communicate(timeout=600)
     assert requeued.returncode == 0, stderr[-3000:]
     assert (tmp_path / "requeued").read_text().split() == [str(job_id)]  # not again: it finished
-    after = {step: loss for step, loss in losses(run_dir).items() if step > stop_step}
-    assert after == {step: loss for step, loss in reference.items() if step > stop_step}
+    assert_resumes(steps_after(run_dir, stop_step), reference, at=stop_step)  # bitwise
 
 
 def port_is_free(port: int) -> bool:

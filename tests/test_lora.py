@@ -13,10 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
+from tests.harness import (
+    LOSS_RTOL,
+    assert_close,
+    assert_resumes,
+    case,
+    on_ranks,
+    records,
+    refusal,
+    resuming,
+    saving,
+    train_cases,
+    with_overrides,
+)
 from trainer.checkpoint_format import read_manifest
 
-LOSS_RTOL = 2e-6
 SEQ, VOCAB = 32, 512
 PHI3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -48,12 +59,6 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records(run_dir)]
 
 
-def assert_close(actual, expected, what, rtol=LOSS_RTOL):
-    assert len(actual) == len(expected) > 0, (what, actual, expected)
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= rtol * abs(e), f"{what}: step {i + 1}: {a} vs {e}"
-
-
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory) -> Path:
     return make_phi3(tmp_path_factory.mktemp("phi3") / "model")
@@ -64,16 +69,14 @@ def core(phi3, tmp_path_factory):
     """1 rank; fsdp and zero3 at 2 ranks (zero3 saving at steps 4 and 8); bf16 runs for the bytes;
     then zero3's step 4 resumed by ddp at 1 rank and fsdp at 2."""
     root = tmp_path_factory.mktemp("lora")
-    every_4 = dict(checkpoint__every_steps=4, checkpoint__keep_last=0)
     on_ranks(1, train_cases, {"ddp@1": lora_case(phi3, "ddp", 1)}, str(root))
-    two = {s: lora_case(phi3, s, 2, checkpoint__dir=str(root / f"ckpt_{s}"), **every_4) for s in ("fsdp", "zero3")}
+    two = {s: saving(lora_case(phi3, s, 2), root / f"ckpt_{s}", 4) for s in ("fsdp", "zero3")}
     two.update({f"{s}:bf16": lora_case(phi3, s, 2, steps=2, train__precision="bf16") for s in ("ddp", "fsdp", "zero2")})
     on_ranks(2, train_cases, two, str(root))
-    step_4 = str(root / "ckpt_zero3" / "step_00000004")
-    on_ranks(1, train_cases, {"zero3->ddp@1": lora_case(phi3, "ddp", 1, checkpoint__resume=step_4,
-                                                        checkpoint__dir=str(root / "ckpt_ddp@1"))}, str(root))
-    on_ranks(2, train_cases, {"zero3->fsdp@2": lora_case(phi3, "fsdp", 2, checkpoint__resume=step_4,
-                                                         checkpoint__dir=str(root / "ckpt_fsdp@2"))}, str(root))
+    for target, world in (("ddp", 1), ("fsdp", 2)):
+        resumed = resuming(lora_case(phi3, target, world, checkpoint__dir=str(root / f"ckpt_{target}@{world}")),
+                           root / "ckpt_zero3", 4)
+        on_ranks(world, train_cases, {f"zero3->{target}@{world}": resumed}, str(root))
     return root
 
 
@@ -94,9 +97,8 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_anywhere(core, p
     base = manifest["base"]
     assert base["path"] == str(phi3.resolve()) and base["fingerprint"] and base["params"] > 0
     assert sorted(manifest["source"]["lora"]["target_modules"]) == ADAPTED
-    straight = losses(core / "zero3")[4:]
     for resumed in ("zero3->ddp@1", "zero3->fsdp@2"):
-        assert_close(losses(core / resumed), straight, resumed)
+        assert_resumes(records(core / resumed), records(core / "zero3"), at=4, what=resumed, rtol=LOSS_RTOL)
 
 
 def test_only_the_adapters_have_gradients_and_optimizer_state_and_the_plan_counts_them(core, phi3):

@@ -10,10 +10,20 @@ import pytest
 import torch
 
 from examples.tiny_hf import VOCAB
-from tests.harness import assert_refused, case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
+from tests.harness import (
+    LOSS_RTOL,
+    assert_refused,
+    assert_resumes,
+    case,
+    on_ranks,
+    records,
+    refusal,
+    run_cli,
+    train_and_resume,
+    train_cases,
+    with_overrides,
+)
 from trainer.config import to_config
-
-LOSS_RTOL = 2e-6
 
 
 def all_records(run_dir):
@@ -96,8 +106,7 @@ def test_hf_data_resumes_mid_epoch_exactly(hf_runs):
     root, _, second = hf_runs
     straight, resumed = all_records(root / "first"), all_records(root / "second")
     assert "resumed from" in second.stdout
-    train_rows = [r for r in straight if "epoch" in r and r["step"] > 4]
-    assert [r["loss"] for r in resumed if "epoch" in r] == [r["loss"] for r in train_rows]
+    assert_resumes(records(root / "second"), records(root / "first"), at=4)  # bitwise
     assert [r for r in resumed if r.get("split") == "val"] == [r for r in straight if r.get("split") == "val"][1:]
 
 
@@ -116,16 +125,10 @@ def test_a_token_file_trains_evaluates_and_resumes_mid_epoch(hf_assets, tmp_path
     ids = [i for doc in hf_assets.docs for i in tokenizer(doc)["input_ids"] + [tokenizer.eos_token_id]]
     path = tmp_path / "train.bin"
     np.asarray(ids, dtype=np.uint16).tofile(path)
-    ckpt = tmp_path / "ckpt"
-    on_ranks(2, train_cases, {"straight": tokens_case(str(path), checkpoint__dir=str(ckpt),
-                                                      checkpoint__every_steps=4, checkpoint__keep_last=0)},
-             str(tmp_path))
-    on_ranks(2, train_cases, {"resumed": tokens_case(str(path), checkpoint__resume=str(ckpt / "step_00000004"))},
-             str(tmp_path))
-    straight, resumed = all_records(tmp_path / "straight"), all_records(tmp_path / "resumed")
+    straight, resumed = train_and_resume(2, tokens_case(str(path)), tmp_path, at=4)
     assert [r["step"] for r in straight if r.get("split") == "val"] == [4, 8]
-    assert [r["loss"] for r in resumed if "epoch" in r] == [r["loss"] for r in straight if "epoch" in r][4:]
-    assert records(tmp_path / "straight")[-1]["loss"] < records(tmp_path / "straight")[0]["loss"]
+    assert_resumes(resumed, straight, at=4)  # bitwise
+    assert straight[-1]["loss"] < straight[0]["loss"]
 
 
 # Unpacked documents of very different lengths: micro-batches hold different numbers of target

@@ -15,12 +15,26 @@ import torch
 from safetensors.torch import load_file
 
 from examples.tiny_hf import FAMILIES, VOCAB
-from tests.harness import assert_refused, case, on_ranks, records, refusal, run_cli, train_cases, with_overrides
+from tests.harness import (
+    LOSS_RTOL,
+    assert_close,
+    assert_refused,
+    assert_resumes,
+    case,
+    losses,
+    on_ranks,
+    records,
+    refusal,
+    resuming,
+    run_cli,
+    saving,
+    train_cases,
+    with_overrides,
+)
 from trainer.checkpoint_format import read_manifest
 from trainer.config import to_config
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
-LOSS_RTOL = 2e-6  # as for the reference model (tests/test_core_parity.py)
 SEQ = 32
 
 
@@ -38,16 +52,6 @@ def with_model(cfg: dict, model: dict, **overrides) -> dict:
     out = with_overrides(cfg, **{"data__name": "synthetic", "data__num_samples": 512, "optim__lr": 1e-2, **overrides})
     out["model"] = dict(model)
     return out
-
-
-def assert_close(actual, expected, what, rtol=LOSS_RTOL):
-    assert len(actual) == len(expected) > 0, (what, actual, expected)
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= rtol * abs(e), f"{what}: step {i + 1}: {a} vs {e}"
-
-
-def losses(rows):
-    return [r["loss"] for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +139,11 @@ def resumed(hf_assets, tmp_path_factory):
     model = hf_model(hf_assets.pretrained["qwen2"])
 
     def straight(strategy):
-        return with_model(case(strategy, steps=12), model, train__micro_batch_size=4,
-                          checkpoint__dir=str(root / strategy), checkpoint__every_steps=6, checkpoint__keep_last=0)
+        return saving(with_model(case(strategy, steps=12), model, train__micro_batch_size=4), root / strategy, 6)
 
     def resume(source, strategy, world):
-        return with_model(case(strategy, steps=12), model, train__micro_batch_size=8 // world,
-                          checkpoint__resume=str(root / source / "step_00000006"))
+        return resuming(with_model(case(strategy, steps=12), model, train__micro_batch_size=8 // world),
+                        root / source, 6)
     on_ranks(2, train_cases, {"fsdp": straight("fsdp"), "zero3": straight("zero3")}, str(out))
     on_ranks(2, train_cases, {"fsdp->zero3@2": resume("fsdp", "zero3", 2)}, str(out))
     on_ranks(1, train_cases, {"zero3->ddp@1": resume("zero3", "ddp", 1)}, str(out))
@@ -150,8 +153,8 @@ def resumed(hf_assets, tmp_path_factory):
 @pytest.mark.slow
 def test_hf_checkpoints_resume_across_strategies_and_world_sizes(resumed):
     _, r = resumed
-    assert_close(losses(r["fsdp->zero3@2"]), losses(r["fsdp"])[6:], "fsdp@2 -> zero3@2")
-    assert_close(losses(r["zero3->ddp@1"]), losses(r["zero3"])[6:], "zero3@2 -> ddp@1")
+    assert_resumes(r["fsdp->zero3@2"], r["fsdp"], at=6, what="fsdp@2 -> zero3@2", rtol=LOSS_RTOL)
+    assert_resumes(r["zero3->ddp@1"], r["zero3"], at=6, what="zero3@2 -> ddp@1", rtol=LOSS_RTOL)
 
 
 @pytest.mark.slow
