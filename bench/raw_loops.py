@@ -27,10 +27,10 @@ from trainer.blocks import find_blocks
 from trainer.config import Config, Precision, to_config
 from trainer.data import BatchStream, load_data
 from trainer.distributed import DistEnv
-from trainer.loop import lr_at
 from trainer.models import builder, initial_weights, logits_of
 from trainer.models.weights import fill
 from trainer.run import train_configs
+from trainer.schedule import lr_at
 from trainer.strategies.base import peak_device_bytes
 
 COMPUTE_DTYPE = {Precision.bf16: torch.bfloat16, Precision.fp32: torch.float32}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
-import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from tqdm import tqdm
 from trainer.blocks import apply_checkpointing, find_blocks
 from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint_format import read_manifest
-from trainer.config import Config, OptimConfig, Schedule, StrategyName, profile_steps
+from trainer.config import Config, OptimConfig
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.faults import StepGuard, Stopped
@@ -23,55 +23,18 @@ from trainer.log import log, setup_logging
 from trainer.loggers import RunLog
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
 from trainer.models.weights import WeightSource
-from trainer.resume import resolve_resume
+from trainer.resume import resolve_resume, resume_notes
+from trainer.schedule import lr_at
+from trainer.steps import EarlyStop, StepMeter, StepProfiler
 from trainer.strategies import Strategy, build_strategy
 
 
-def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps`, then
-    `optim.schedule` down to `lr * min_lr_ratio` at the schedule's last step (`optim.schedule_steps`,
-    else the run's `total_steps`), held there after it. A pure function of the step: resumable."""
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    schedule, last = Schedule(o.schedule), (o.schedule_steps or total_steps) - 1
-    if schedule is Schedule.constant:
-        return o.lr
-    # wsd decays over its last decay_fraction, the others from the end of the warmup
-    start = last - max(1, round(o.decay_fraction * (last + 1))) if schedule is Schedule.wsd else o.warmup_steps
-    progress = min(1.0, max(0.0, (step - start) / max(1, last - start)))
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule is Schedule.cosine else 1 - progress
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * decay)
-
-
-def resume_notes(state: dict, cfg: Config, global_batch: int, total_steps: int, run_dir: Path) -> list[str]:
-    """What a resume changes against the run that saved the checkpoint, one line each."""
-    notes, step, o = [], state["step"], cfg.optim
-    if state.get("global_batch", global_batch) != global_batch:
-        notes.append(f"the checkpoint was trained at global batch {state['global_batch']} and this run's is "
-                     f"{global_batch}: the data order from here on, and so the losses, differ from those of the "
-                     "run that saved it (the learning rate is not rescaled)")
-    saved_end, end = state.get("schedule_steps"), o.schedule_steps or total_steps
-    if saved_end and saved_end != end:
-        before = lr_at(step, saved_end, OptimConfig(**{**vars(o), "schedule_steps": saved_end}))
-        notes.append(f"the learning-rate schedule now ends at step {end}, not {saved_end}: step {step + 1} trains "
-                     f"at {lr_at(step, total_steps, o):.3g} instead of {before:.3g}; "
-                     f"optim.schedule_steps={saved_end} keeps the old end")
-    if state.get("run_dir") and Path(state["run_dir"]) != run_dir:
-        notes.append(f"the steps before {step + 1} are in {state['run_dir']}/metrics.jsonl")
-    if not cfg.checkpoint.dir:
-        notes.append("no checkpoint.dir: nothing of this run is saved (checkpoint.resume only reads)")
-    return notes
-
-
 def adamw_factory(o: OptimConfig):
-    """AdamW with weight decay on matrices only (nanoGPT's split)."""
-    def build(model: torch.nn.Module) -> torch.optim.Optimizer:
-        # Frozen parameters (LoRA's base) get no optimizer state. ZeRO-3 partitions parameters as
-        # they are built; their shape is kept in ds_shape.
-        params = [p for p in model.parameters() if p.requires_grad]
-        is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-        groups = [{"params": [p for p, m in zip(params, is_matrix) if m], "weight_decay": o.weight_decay},
-                  {"params": [p for p, m in zip(params, is_matrix) if not m], "weight_decay": 0.0}]
+    """AdamW with weight decay on matrices only (nanoGPT's split), over the trainable parameters
+    and their full shapes, as the strategy gives them (frozen ones, LoRA's base, get no state)."""
+    def build(params: list[tuple[nn.Parameter, tuple[int, ...]]]) -> torch.optim.Optimizer:
+        groups = [{"params": [p for p, shape in params if len(shape) >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p, shape in params if len(shape) < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return build
 
@@ -84,7 +47,7 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     Returns (model, optimizer, blocks, where the weights came from)."""
     model = build_model(cfg.model, strategy.model_init_context(), cfg.peft)
     blocks = find_blocks(model, cfg.strategy.wrap)
-    weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)
+    weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft, strategy.full_shape)
     if cfg.train.activation_checkpointing:
         apply_checkpointing(model, blocks)
     if cfg.train.compile:  # regional: each block compiled in place (names unchanged), before sharding
@@ -126,261 +89,229 @@ def evaluate(model: nn.Module, strategy: Strategy, batches, device: torch.device
     return (totals[0] / totals[1]).item()
 
 
-def describe(cfg: Config, env: DistEnv, total_steps: int) -> str:
+def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) -> str:
     """What will run, resolved: the start line."""
     s, t = cfg.strategy, cfg.train
     offload = "+".join(what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on)
-    sharding = f" sharding={s.sharding.value}" if s.name is StrategyName.fsdp else ""
     global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
-    return (f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name} "
-            f"steps={total_steps} precision={t.precision.value}{sharding} offload={offload or 'none'} "
-            f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'} global_batch={global_batch} "
-            f"({t.micro_batch_size} x {t.grad_accum_steps} accumulation x {env.world_size} "
-            f"rank{'s' if env.world_size > 1 else ''}) "
-            f"seq_len={cfg.model.seq_len}")
+    return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}",
+                     f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(),
+                     f"offload={offload or 'none'}",
+                     f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
+                     f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
+                     f"{env.world_size} rank{'s' if env.world_size > 1 else ''}) seq_len={cfg.model.seq_len}"])
 
 
-class StepProfiler:
-    """train.profile=START:STOP: a torch profiler trace of those steps, per rank, in the run dir."""
+def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
+                track_memory: bool) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    """Forward and backward of one optimizer step's micro-batches: (the summed token loss, the
+    target tokens of all ranks, the bytes held at the gradients' peak if `track_memory`)."""
+    # The loss is the sum of token losses over the target tokens of the whole step, all
+    # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
+    targets = strategy.all_reduce(sum(target_count(batch[1]) for batch in micro_batches))
+    scale = world_size / targets
+    loss_sum, mem = torch.zeros((), device=targets.device), None
+    for i, batch in enumerate(micro_batches):
+        with strategy.micro_step(final=i == len(micro_batches) - 1):
+            with strategy.autocast():
+                micro_loss = token_loss_sum(forward(model, batch), batch[1])
+            strategy.backward(micro_loss * scale)
+        loss_sum += micro_loss.detach()
+        if track_memory:  # the bytes held after each backward: gradients peak before they are reduced
+            held = strategy.memory_bytes()
+            mem = held if mem is None or held["grads"] > mem["grads"] else mem
+    return loss_sum, targets, mem
 
-    def __init__(self, spec: str | None, run_dir: Path, rank: int, device: torch.device):
-        self.steps = profile_steps(spec) if spec else None
-        self.path = run_dir / "profile" / f"trace_rank{rank}.json"
-        self.activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = None
 
-    def before(self, step: int) -> None:
-        if self.steps and step == self.steps[0]:
-            self.profiler = torch.profiler.profile(activities=self.activities)
-            self.profiler.__enter__()
-        if self.profiler is not None:  # each step a span of its own in the trace, as profiler.step() names them
-            self.span = torch.profiler.record_function(f"ProfilerStep#{step}")
-            self.span.__enter__()
+class Run:
+    """What a training run holds between its steps (model, optimizer, checkpoints, records, the
+    step count) and what it does besides stepping: evaluate, log, save, stop. `train` drives it."""
 
-    def after(self, step: int) -> None:
-        if self.profiler is None:
+    def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, strategy: Strategy, guard: StepGuard,
+                 stream: BatchStream, val_set, total_steps: int, resume_from: Path | None):
+        t = cfg.train
+        self.cfg, self.env, self.run_dir, self.strategy, self.guard = cfg, env, run_dir, strategy, guard
+        self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
+        self.global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
+        self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
+        self.records = RunLog(cfg, run_dir, env.is_main)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
+                                             description(cfg.model, cfg.data.tokenizer, strategy.module),
+                                             self.records, base_fingerprint=weights.fingerprint)
+        self.early_stop = EarlyStop(cfg.eval.early_stop_patience)
+        self.step, self.lr, self.val_loss, self.evaluated, self.last = 0, 0.0, None, False, {}
+        state = self.checkpoints.load(resume_from) if resume_from else {}
+        if state:
+            self.step, guard.skipped = state["step"], state.get("skipped", 0)
+            if state.get("loss_scale"):
+                strategy.load_loss_scale_state(state["loss_scale"])
+            stream.load_state_dict(state["data"])
+            if state.get("early_stop"):
+                self.early_stop.load_state_dict(state["early_stop"])
+        self.meter = StepMeter(env.device, model_facts(cfg.model, cfg.strategy.wrap).flops_per_token,
+                               t.peak_flops or peak_flops(env.device, t.precision), env.world_size,
+                               tokens=state.get("tokens", 0))
+        self.announce(resume_from, state, weights)
+
+    def announce(self, resume_from: Path | None, state: dict, weights: WeightSource) -> None:
+        log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps)}; run dir: {self.run_dir}")
+        if restart_count():
+            self.records.log({"event": "restarted", "restart": restart_count(), "step": self.step})
+            log.info(f"restart {restart_count()}: " + (f"resumed from {resume_from} at step {self.step}"
+                                                          if resume_from else "from the start (no checkpoint)"))
+        if not resume_from:
+            log.info(f"model: {weights.description}")
             return
-        self.span.__exit__(None, None, None)
-        if step == self.steps[1]:
-            self.profiler.__exit__(None, None, None)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.profiler.export_chrome_trace(str(self.path))
-            self.profiler = None
-            log.info(f"profile of steps {self.steps[0]}-{self.steps[1]}: {self.path.parent}/trace_rank*.json "
-                     "(chrome://tracing, ui.perfetto.dev)")
+        log.info(f"resumed from {resume_from} at step {self.step}: model, optimizer state, schedule and data position")
+        self.records.log({"event": "resumed", "step": self.step, "from": str(resume_from)})
+        for note in resume_notes(state, self.cfg, self.global_batch, self.total_steps, self.run_dir):
+            log.info(f"resume: {note}")  # rank 0's console, like the other [trainer] lines
 
+    def train_step(self, log_now: bool) -> tuple[torch.Tensor | None, torch.Tensor, dict | None]:
+        """One optimizer step: (the mean loss over all ranks, the gradient norm, the bytes held at
+        the gradients' peak); the loss and the bytes at log steps only (they cost a sync)."""
+        self.lr = lr_at(self.step, self.total_steps, self.cfg.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        self.strategy.track_memory = log_now
+        micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
+        loss_sum, targets, mem = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size, log_now)
+        # Every rank learns here whether the step is finite everywhere (else no update is made)
+        # and whether a stop signal reached any rank.
+        grad_norm = self.strategy.step(self.cfg.train.grad_clip, update_if=lambda norm: self.guard.check(
+            torch.isfinite(loss_sum) & torch.isfinite(norm)))
+        self.step += 1
+        self.guard.count(self.step)
+        self.meter.count(targets)
+        return self.strategy.all_reduce(loss_sum) / targets if log_now else None, grad_norm, mem
 
-class EarlyStop:
-    """eval.early_stop_patience=K: the run ends after K evaluations in a row without a lower
-    validation loss (0: never). Its state goes into checkpoints, so a resume counts on."""
+    def compiled(self) -> None:
+        """After the first step under train.compile, which compiles: its time, kept out of step times."""
+        first_step_s = self.meter.restart()
+        log.info(f"first step, with torch.compile: {first_step_s:.1f} s")
+        self.records.log({"event": "compiled", "step": self.step, "first_step_s": first_step_s})
 
-    def __init__(self, patience: int):
-        self.patience, self.best, self.best_step, self.worse = patience, math.inf, 0, 0
+    def validate(self) -> bool:
+        """Evaluate where due (eval.every_steps, and the last step); whether to stop early after it."""
+        every = self.cfg.eval.every_steps
+        self.evaluated = self.val_set is not None and bool((every and self.step % every == 0)
+                                                           or self.step == self.total_steps)
+        if not self.evaluated:
+            return False
+        t, env = self.cfg.train, self.env
+        batches = eval_batches(self.val_set, t.micro_batch_size, env.rank, env.world_size, self.cfg.eval.max_batches)
+        self.val_loss = evaluate(self.model, self.strategy, batches, env.device)
+        self.records.log({"step": self.step, "split": "val", "loss": self.val_loss,
+                          "ppl": math.exp(min(self.val_loss, 700))})
+        return self.early_stop.update(self.step, self.val_loss)
 
-    def update(self, step: int, val_loss: float) -> bool:
-        """Whether to stop after this evaluation (the same on every rank: the loss is all-reduced)."""
-        if val_loss < self.best:
-            self.best, self.best_step, self.worse = val_loss, step, 0
-        else:
-            self.worse += 1
-        return 0 < self.patience <= self.worse
+    def log_line(self, mean_loss: torch.Tensor, grad_norm, mem: dict | None) -> dict:
+        """Record the step's numbers; what the progress bar shows of them."""
+        self.last = {"step": self.step, "epoch": self.stream.epoch, "loss": mean_loss.item(), "lr": self.lr,
+                     "grad_norm": float(grad_norm), "skipped": self.guard.skipped, **self.meter.read(), "mem": mem}
+        self.records.log(self.last)
+        shown = {"loss": f"{self.last['loss']:.4f}", "lr": f"{self.lr:.2e}"}
+        if self.last["tokens_per_s"]:
+            shown["tok/s"] = f"{self.last['tokens_per_s']:,.0f}"
+        if self.last["mfu"] is not None:
+            shown["mfu"] = f"{self.last['mfu']:.1%}"
+        if self.val_loss is not None:
+            shown["val_loss"] = f"{self.val_loss:.4f}"
+        return shown
 
-    def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step, "worse": self.worse}
+    def save(self, last: bool = False) -> Path | None:
+        o = self.cfg.optim
+        return self.checkpoints.save(self.step, {
+            "step": self.step, "epoch": self.stream.epoch, "skipped": self.guard.skipped,
+            "loss_scale": self.strategy.loss_scale_state(), "tokens": self.meter.total_tokens(),
+            "data": self.stream.state_dict(),
+            # what a resume compares against (resume_notes)
+            "global_batch": self.global_batch, "schedule_steps": o.schedule_steps or self.total_steps,
+            "run_dir": str(self.run_dir), "early_stop": self.early_stop.state_dict(),
+            # for other formats' optimizer param groups (trainer.convert)
+            "optim": {"lr": self.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+            "val_loss": self.val_loss if self.evaluated else None},  # for checkpoint.keep_best
+            last=last or self.step == self.total_steps)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.best, self.best_step, self.worse = state["best"], state["best_step"], state["worse"]
+    def stop(self, saved: Path | None) -> None:
+        """After a stop signal: saved (if not yet, and there is a checkpoint.dir), recorded, raised."""
+        checkpoint = saved or (self.save() if self.checkpoints.root else None)
+        name = signal.Signals(self.guard.stop_signal).name
+        self.records.log({"event": "preempted", "step": self.step, "signal": name,
+                          "checkpoint": str(checkpoint) if checkpoint else None})
+        log.info(f"{name}: all ranks stopped after step {self.step}; " + (
+            f"saved {checkpoint}: the same command resumes from it" if checkpoint else
+            "nothing saved (" + ("the save failed" if self.checkpoints.root else "no checkpoint.dir") + ")"))
+        self.records.stop()
+        raise Stopped(self.guard.stop_signal, self.step)
+
+    def stop_early(self) -> None:
+        e = self.early_stop
+        log.info(f"early stop after step {self.step}: no lower val loss in {e.worse} evaluations "
+                 f"(eval.early_stop_patience={e.patience}); the best, {e.best:.4f}, was at step {e.best_step}")
+        self.records.log({"event": "early_stop", "step": self.step, "best_step": e.best_step,
+                          "best_val_loss": e.best})
+
+    def finish(self) -> dict:
+        summary = {"step": self.step, "loss": self.last.get("loss"), "tokens": self.meter.tokens,
+                   **({"val_loss": self.val_loss} if self.val_loss is not None else {})}
+        self.records.finish(summary)
+        log.info(f"done: {self.step} steps" + (f", final loss {self.last['loss']:.4f}" if self.last else "")
+                 + (f", val loss {self.val_loss:.4f}" if self.val_loss is not None else "")
+                 + f"; run dir: {self.run_dir}")
+        return summary
 
 
 def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
+    """One run on this rank: set up, resume, step to the end (or a stop signal, or an early stop)."""
     t = cfg.train
     setup_logging(run_dir, env.is_main, cfg.log_level.value)
-    guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
-    seed_everything(t.seed)
-    strategy = build_strategy(cfg, env)
-    train_set, val_set = load_data(cfg, env.local_rank)
-    stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
-                         num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
-    total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
-
-    def release() -> None:  # on every way out: the loader's workers, the signal handlers, the backend's state
-        stream.close()
-        guard.close()
-        strategy.teardown()
-
-    resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
-    resume_step = read_manifest(resume_from)["step"] if resume_from else 0
-    if resume_step >= total_steps:
-        log.info(f"nothing to do: {resume_from} is at step {resume_step}, and this run ends at step {total_steps}; "
-                 "to train longer, raise train.max_steps (or train.epochs)")
-        release()
-        return {}
-    model, optimizer, _, weights = setup_model(cfg, strategy)
-    flops_per_token = model_facts(cfg.model, cfg.strategy.wrap).flops_per_token
-    peak = t.peak_flops or peak_flops(env.device, t.precision)  # per device; None: no mfu
-
-    records = RunLog(cfg, run_dir, env.is_main)
-    checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
-                                    description(cfg.model, cfg.data.tokenizer, strategy.module), records,
-                                    base_fingerprint=weights.fingerprint)
-    step, tokens, notes = 0, 0, []
-    early_stop = EarlyStop(cfg.eval.early_stop_patience)
-    global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
-    if resume_from:
-        state = checkpoints.load(resume_from)
-        notes = resume_notes(state, cfg, global_batch, total_steps, run_dir)
-        step, tokens, guard.skipped = state["step"], state.get("tokens", 0), state.get("skipped", 0)
-        if state.get("loss_scale"):
-            strategy.load_loss_scale_state(state["loss_scale"])
-        stream.load_state_dict(state["data"])
-        if state.get("early_stop"):
-            early_stop.load_state_dict(state["early_stop"])
-
-    log.info(f"{describe(cfg, env, total_steps)}; run dir: {run_dir}")
-    if restart_count():
-        records.log({"event": "restarted", "restart": restart_count(), "step": step})
-        log.info(f"restart {restart_count()}: " + (f"resumed from {resume_from} at step {step}" if resume_from
-                                                      else "from the start (no checkpoint)"))
-    if resume_from:
-        log.info(f"resumed from {resume_from} at step {step}: model, optimizer state, schedule and data position")
-        records.log({"event": "resumed", "step": step, "from": str(resume_from)})
-        for note in notes:  # rank 0's console, like the other [trainer] lines
-            log.info(f"resume: {note}")
-    else:
-        log.info(f"model: {weights.description}")
-    eval_every = cfg.eval.every_steps
-    profiler = StepProfiler(t.profile, run_dir, env.rank, env.device)
-
-    def validate() -> float:
-        batches = eval_batches(val_set, t.micro_batch_size, env.rank, env.world_size, cfg.eval.max_batches)
-        val_loss = evaluate(model, strategy, batches, env.device)
-        records.log({"step": step, "split": "val", "loss": val_loss, "ppl": math.exp(min(val_loss, 700))})
-        return val_loss
-
-    def save(last: bool = False) -> Path | None:
-        return checkpoints.save(step, {"step": step, "epoch": stream.epoch, "skipped": guard.skipped,
-                                       "loss_scale": strategy.loss_scale_state(),
-                                       "tokens": tokens + int(tokens_since.item()), "data": stream.state_dict(),
-                                       # what a resume compares against (resume_notes)
-                                       "global_batch": global_batch,
-                                       "schedule_steps": cfg.optim.schedule_steps or total_steps,
-                                       "run_dir": str(run_dir), "early_stop": early_stop.state_dict(),
-                                       # for other formats' optimizer param groups (trainer.convert)
-                                       "optim": {"lr": lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
-                                                 "weight_decay": cfg.optim.weight_decay},
-                                       "val_loss": val_loss if evaluated else None},  # for checkpoint.keep_best
-                                last=last or step == total_steps)
-
-    def stop(checkpoint: Path | None) -> None:
-        name = signal.Signals(guard.stop_signal).name
-        records.log({"event": "preempted", "step": step, "signal": name,
-                     "checkpoint": str(checkpoint) if checkpoint else None})
-        log.info(f"{name}: all ranks stopped after step {step}; " + (
-            f"saved {checkpoint}: the same command resumes from it" if checkpoint else
-            "nothing saved (" + ("the save failed" if checkpoints.root else "no checkpoint.dir") + ")"))
-        progress.close()
-        records.stop()
-        release()
-        raise Stopped(guard.stop_signal, step)
-
-    # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named
-    # semaphore of a rank that leaves with os._exit is reported leaked by the resource tracker.
-    tqdm.set_lock(threading.RLock())
-    progress = tqdm(total=total_steps, initial=step, disable=not env.is_main, desc="train", dynamic_ncols=True)
-    last, val_loss, first_step, evaluated, stopping_early = {}, None, step + 1, False, False
-    since, steps_since = time.perf_counter(), 0
-    tokens_since = torch.zeros((), dtype=torch.long, device=env.device)  # read at log steps only
-    try:  # the bar ends its line before anything else is printed
-        while step < total_steps:
-            profiler.before(step + 1)
-            log_now = (step + 1) % t.log_every == 0 or step + 1 == total_steps
-            strategy.track_memory = log_now
-            lr = lr_at(step, total_steps, cfg.optim)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            micro_batches = [[t.to(env.device, non_blocking=True) for t in batch] for batch in stream.next_step()]
-            # The loss is the sum of token losses over the target tokens of the whole step, all
-            # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
-            targets = strategy.all_reduce(sum(target_count(batch[1]) for batch in micro_batches))
-            scale = env.world_size / targets
-            loss_sum = torch.zeros((), device=env.device)
-            mem = None
-            for i, batch in enumerate(micro_batches):
-                with strategy.no_sync(i < len(micro_batches) - 1):
-                    with strategy.autocast():
-                        micro_loss = token_loss_sum(forward(model, batch), batch[1])
-                    strategy.backward(micro_loss * scale)
-                loss_sum += micro_loss.detach()
-                if log_now:  # the bytes held after each backward: gradients peak before they are reduced
-                    held = strategy.memory_bytes()
-                    mem = held if mem is None or held["grads"] > mem["grads"] else mem
-            step += 1
-            tokens_since += targets
-            # Every rank learns here whether the step is finite everywhere (else no update is made)
-            # and whether a stop signal reached any rank.
-            grad_norm = strategy.step(
-                t.grad_clip, lambda norm, loss=loss_sum: guard.check(torch.isfinite(loss) & torch.isfinite(norm)))
-            guard.count(step)
-            steps_since += 1
-            progress.update()
-            profiler.after(step)
-            paused = time.perf_counter()
-            if t.compile and step == first_step:  # the first step compiles: timed apart, left out of step times
-                log.info(f"first step, with torch.compile: {paused - since:.1f} s")
-                records.log({"event": "compiled", "step": step, "first_step_s": paused - since})
-                since, steps_since = paused, 0
-            evaluated = val_set is not None and ((eval_every and step % eval_every == 0) or step == total_steps)
-            if evaluated:
-                val_loss = validate()
-                stopping_early = early_stop.update(step, val_loss)
-            since += time.perf_counter() - paused  # step times leave evaluations out
-            if log_now:
-                mean_loss = (strategy.all_reduce(loss_sum) / targets).item()  # at log steps only
-                elapsed = time.perf_counter() - since
-                new_tokens = int(tokens_since.item())
-                tokens += new_tokens
-                tokens_since.zero_()
-                tokens_per_s = new_tokens / elapsed if steps_since else None
-                last = {"step": step, "epoch": stream.epoch, "loss": mean_loss, "lr": lr,
-                        "grad_norm": float(grad_norm), "skipped": guard.skipped, "tokens": tokens,
-                        "tokens_per_s": tokens_per_s, "step_time_s": elapsed / steps_since if steps_since else None,
-                        "mfu": tokens_per_s * flops_per_token / (peak * env.world_size) if peak and tokens_per_s
-                        else None, "mem": mem}
-                records.log(last)
-                postfix = {"loss": f"{mean_loss:.4f}", "lr": f"{lr:.2e}"}
-                if tokens_per_s:
-                    postfix["tok/s"] = f"{tokens_per_s:,.0f}"
-                if last["mfu"] is not None:
-                    postfix["mfu"] = f"{last['mfu']:.1%}"
-                if val_loss is not None:
-                    postfix["val_loss"] = f"{val_loss:.4f}"
-                progress.set_postfix(postfix)
-                since, steps_since = time.perf_counter(), 0
-            # Recorded before saved: a rank killed during a save leaves the step's record behind
-            # (the restart resumes from the checkpoint before and records those steps again).
-            paused = time.perf_counter()
-            due = checkpoints.due(step, total_steps) or (stopping_early and checkpoints.root is not None)
-            saved = save(last=stopping_early) if due else None
-            if (evaluated or due) and not guard.stop_signal:  # a signal during them: honoured now
-                guard.check_stop()
-            if guard.stop_signal and step < total_steps:  # at the last step: the run ends as planned
-                stop(saved or (save() if checkpoints.root else None))
-            since += time.perf_counter() - paused  # ... and saves
-            if stopping_early:
-                e = early_stop
-                log.info(f"early stop after step {step}: no lower val loss in {e.worse} evaluations "
-                         f"(eval.early_stop_patience={e.patience}); the best, {e.best:.4f}, was at step {e.best_step}")
-                records.log({"event": "early_stop", "step": step, "best_step": e.best_step, "best_val_loss": e.best})
-                break
-    finally:
-        progress.close()
-    strategy.barrier()
-    summary = {"step": step, "loss": last.get("loss"), "tokens": tokens,
-               **({"val_loss": val_loss} if val_loss is not None else {})}
-    records.finish(summary)
-    log.info(f"done: {step} steps" + (f", final loss {last['loss']:.4f}" if last else "")
-             + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; run dir: {run_dir}")
-    release()
-    return summary
+    with ExitStack() as cleanup:  # on every way out: the signal handlers, the backend's state, the loader's workers
+        guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
+        cleanup.callback(guard.close)
+        seed_everything(t.seed)
+        strategy = build_strategy(cfg, env)
+        cleanup.callback(strategy.teardown)
+        train_set, val_set = load_data(cfg, env.local_rank)
+        stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
+                             num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
+        cleanup.callback(stream.close)
+        total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
+        resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
+        if resume_from and (at := read_manifest(resume_from)["step"]) >= total_steps:
+            log.info(f"nothing to do: {resume_from} is at step {at}, and this run ends at step {total_steps}; "
+                     "to train longer, raise train.max_steps (or train.epochs)")
+            return {}
+        run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from)
+        profiler, first_step = StepProfiler(t.profile, run_dir, env.rank, env.device), run.step + 1
+        # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named
+        # semaphore of a rank that leaves with os._exit is reported leaked by the resource tracker.
+        tqdm.set_lock(threading.RLock())
+        with tqdm(total=total_steps, initial=run.step, disable=not env.is_main, desc="train",
+                  dynamic_ncols=True) as progress:  # the bar ends its line before anything else is printed
+            while run.step < total_steps:
+                profiler.before(run.step + 1)
+                log_now = (run.step + 1) % t.log_every == 0 or run.step + 1 == total_steps
+                mean_loss, grad_norm, mem = run.train_step(log_now)
+                progress.update()
+                profiler.after(run.step)
+                if t.compile and run.step == first_step:  # the first step compiles: timed apart
+                    run.compiled()
+                with run.meter.paused():  # step times leave evaluations out
+                    stopping_early = run.validate()
+                if log_now:
+                    progress.set_postfix(run.log_line(mean_loss, grad_norm, mem))
+                # Recorded before saved: a rank killed during a save leaves the step's record behind
+                # (the restart resumes from the checkpoint before and records those steps again).
+                with run.meter.paused():  # ... and saves
+                    due = run.checkpoints.due(run.step, total_steps) or (stopping_early and run.checkpoints.root is not None)
+                    saved = run.save(last=stopping_early) if due else None
+                    if (run.evaluated or due) and not guard.stop_signal:  # a signal during them: honoured now
+                        guard.check_stop()
+                    if guard.stop_signal and run.step < total_steps:  # at the last step: the run ends as planned
+                        run.stop(saved)
+                if stopping_early:
+                    run.stop_early()
+                    break
+        strategy.barrier()
+        return run.finish()

@@ -22,6 +22,7 @@ import torch
 
 from trainer.config import Config, GradReduce, Precision, ReduceDtype, StrategyName
 from trainer.memory import DTYPE_BYTES, SHARDED, activation_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
+from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
 GB = 1e9
 STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
@@ -146,7 +147,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
                 gpu["activations"] = activation_bytes(m.seq_len, facts.d_model, facts.n_layers, m.vocab_size,
                                                       t.micro_batch_size, precision, checkpointing)
                 gpu["total"] = sum(gpu.values())
-                traffic = step_traffic(stage, trainable, min(facts.small_params, n_params), world_size, precision,
+                traffic = step_traffic(stage, trainable, min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params), world_size, precision,
                                        t.grad_accum_steps, cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype,
                                        frozen)
                 # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs

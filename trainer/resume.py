@@ -1,4 +1,5 @@
-"""Which checkpoint a run starts from (checkpoint.resume, checkpoint.dir), found before any work.
+"""Which checkpoint a run starts from (checkpoint.resume, checkpoint.dir), found before any work,
+and what resuming it changes against the run that saved it.
 
 A step dir counts once its manifest reads back whole: a save writes it last, before the rename
 that publishes the dir, so a save that died leaves none (trainer/checkpoint_format.py).
@@ -9,8 +10,9 @@ import contextlib
 from pathlib import Path
 
 from trainer.checkpoint_format import LATEST, MANIFEST, STEP_PREFIX, TMP_PREFIX, read_manifest, readable_manifest
-from trainer.config import CheckpointConfig
+from trainer.config import CheckpointConfig, Config, OptimConfig
 from trainer.errors import CheckpointError
+from trainer.schedule import lr_at
 
 
 def checkpoints_with_manifest(root: Path) -> list[Path]:
@@ -59,3 +61,23 @@ def resolve_resume(cfg: CheckpointConfig) -> Path | None:
         raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {found.name}); "
                               "checkpoint.resume=auto continues from it, another checkpoint.dir starts over")
     return found if cfg.resume == "auto" else None
+
+
+def resume_notes(state: dict, cfg: Config, global_batch: int, total_steps: int, run_dir: Path) -> list[str]:
+    """What a resume changes against the run that saved the checkpoint, one line each."""
+    notes, step, o = [], state["step"], cfg.optim
+    if state.get("global_batch", global_batch) != global_batch:
+        notes.append(f"the checkpoint was trained at global batch {state['global_batch']} and this run's is "
+                     f"{global_batch}: the data order from here on, and so the losses, differ from those of the "
+                     "run that saved it (the learning rate is not rescaled)")
+    saved_end, end = state.get("schedule_steps"), o.schedule_steps or total_steps
+    if saved_end and saved_end != end:
+        before = lr_at(step, saved_end, OptimConfig(**{**vars(o), "schedule_steps": saved_end}))
+        notes.append(f"the learning-rate schedule now ends at step {end}, not {saved_end}: step {step + 1} trains "
+                     f"at {lr_at(step, total_steps, o):.3g} instead of {before:.3g}; "
+                     f"optim.schedule_steps={saved_end} keeps the old end")
+    if state.get("run_dir") and Path(state["run_dir"]) != run_dir:
+        notes.append(f"the steps before {step + 1} are in {state['run_dir']}/metrics.jsonl")
+    if not cfg.checkpoint.dir:
+        notes.append("no checkpoint.dir: nothing of this run is saved (checkpoint.resume only reads)")
+    return notes

@@ -7,6 +7,8 @@ A model maps token ids [b, t] to logits [b, t, vocab] (`logits_of` also takes an
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from torch import nn
 from trainer.config import ModelConfig, ModelKind, PeftConfig, model_node
 from trainer.models import custom, hf, lora
 from trainer.models.reference import Transformer, shape_of
-from trainer.models.weights import InitWeights, WeightSource, canonical_name, full_shape
+from trainer.models.weights import InitWeights, ShapeOf, WeightSource, canonical_name, tensor_shape
 
 
 def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
@@ -40,6 +42,18 @@ def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftCon
         return lora.add_adapters(model, peft) if lora.enabled(peft) else model
 
 
+_META_MODELS: dict[str, nn.Module] = {}
+
+
+def meta_model(cfg: ModelConfig, peft: PeftConfig | None = None) -> nn.Module:
+    """The model on the meta device, to count and to check (never changed): built once per
+    process for the settings, however many checks and counts ask for it."""
+    key = json.dumps([model_node(cfg), dataclasses.asdict(peft) if peft else None], sort_keys=True, default=str)
+    if key not in _META_MODELS:
+        _META_MODELS[key] = build_model(cfg, torch.device("meta"), peft)
+    return _META_MODELS[key]
+
+
 def resolve_model(cfg: ModelConfig) -> ModelConfig:
     kind = ModelKind(cfg.kind)
     if kind is ModelKind.hf:
@@ -53,17 +67,19 @@ def logits_of(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
-def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {canonical_name(n): full_shape(p) for n, p in model.named_parameters()}
+def param_shapes(model: nn.Module, shape_of: ShapeOf = tensor_shape) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter name -> full shape (`shape_of`: the strategy's, for a model it built)."""
+    return {canonical_name(n): shape_of(p) for n, p in model.named_parameters()}
 
 
-def initial_weights(cfg: ModelConfig, model: nn.Module, seed: int, peft: PeftConfig | None = None) -> WeightSource:
+def initial_weights(cfg: ModelConfig, model: nn.Module, seed: int, peft: PeftConfig | None = None,
+                    shape_of: ShapeOf = tensor_shape) -> WeightSource:
     """Pretrained weights where a Hugging Face folder has them, else the model's own init; LoRA
     adapters as peft starts them, or from `peft.init`."""
-    adapters = lora.adapter_shapes(model)
-    shapes = {name: shape for name, shape in param_shapes(model).items() if name not in adapters}
+    adapters = lora.adapter_shapes(model, shape_of)
+    shapes = {name: shape for name, shape in param_shapes(model, shape_of).items() if name not in adapters}
     pretrained = hf.pretrained_weights(cfg, model, shapes) if ModelKind(cfg.kind) is ModelKind.hf else None
-    base = pretrained or InitWeights(model, seed)
+    base = pretrained or InitWeights(model, seed, shape_of)
     if not adapters:
         return base
     return lora.AdapterWeights(base, adapters, seed, Path(peft.init) if peft and peft.init else None)
@@ -78,19 +94,18 @@ def description(cfg: ModelConfig, tokenizer: str | None = None, model: nn.Module
     return {**found, "lora": settings} if settings else found
 
 
-# ZeRO-3 keeps parameters of fewer elements than this whole on every rank (DeepSpeed's default
-# stage3_param_persistence_threshold): they are gathered once per step, not per forward/backward.
-ZERO3_PERSISTENCE_THRESHOLD = 100_000
-
-
 @dataclass(frozen=True)
 class ModelFacts:
     params: int
     n_layers: int  # the blocks found by strategy.wrap / _no_split_modules
     d_model: int  # the width of the input embedding
     flops_per_token: int
-    small_params: int  # elements in parameters below ZERO3_PERSISTENCE_THRESHOLD
     trainable: int  # parameters that train (all but frozen ones: LoRA's base)
+    sizes: tuple[int, ...]  # of each parameter
+
+    def elements_below(self, size: int) -> int:
+        """Elements in parameters of fewer than `size` (what ZeRO-3 keeps whole on every rank)."""
+        return sum(n for n in self.sizes if n < size)
 
 
 def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | None = None) -> ModelFacts:
@@ -99,13 +114,13 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | Non
     width x context for attention."""
     from trainer.blocks import find_blocks
 
-    model = build_model(cfg, torch.device("meta"), peft)
+    model = meta_model(cfg, peft)
     params = sum(p.numel() for p in model.parameters())
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     lookups = sum(e.weight.numel() for e in embeddings if id(e.weight) not in matmul_weights)
     n_layers = len(find_blocks(model, wrap))
     d_model = embeddings[0].embedding_dim if embeddings else 0
-    small = sum(p.numel() for p in model.parameters() if p.numel() < ZERO3_PERSISTENCE_THRESHOLD)
     return ModelFacts(params, n_layers, d_model, 6 * (params - lookups) + 12 * n_layers * d_model * cfg.seq_len,
-                      small, sum(p.numel() for p in model.parameters() if p.requires_grad))
+                      sum(p.numel() for p in model.parameters() if p.requires_grad),
+                      tuple(p.numel() for p in model.parameters()))

@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.config import PeftConfig, PeftName
 from trainer.errors import ConfigError
-from trainer.models.weights import WeightSource, canonical_name, full_shape, module_seed
+from trainer.models.weights import ShapeOf, WeightSource, canonical_name, module_seed, tensor_shape
 
 ADAPTER = "default"  # peft's name for the one adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -194,5 +194,5 @@ def merged(weights: dict[str, torch.Tensor], settings: dict, build: Callable[[],
     return {canonical_name(n): p.detach() for n, p in plain.named_parameters()}
 
 
-def adapter_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {canonical_name(n): full_shape(p) for n, p in model.named_parameters() if is_adapter(canonical_name(n))}
+def adapter_shapes(model: nn.Module, shape_of: ShapeOf = tensor_shape) -> dict[str, tuple[int, ...]]:
+    return {canonical_name(n): shape_of(p) for n, p in model.named_parameters() if is_adapter(canonical_name(n))}

@@ -35,9 +35,13 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
-def full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """A parameter's full shape: ZeRO-3 keeps it in ds_shape, a DTensor in its global shape."""
-    return tuple(getattr(p, "ds_shape", p.shape))
+ShapeOf = Callable[[torch.Tensor], tuple[int, ...]]
+
+
+def tensor_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's full shape where the tensor has it (a DTensor's is global); a backend that
+    partitions parameters as they are built answers for them (`Strategy.full_shape`)."""
+    return tuple(p.shape)
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -135,8 +139,8 @@ class InitWeights:
     description = "initialised by the model's own init (reset_parameters, _init_weights), seeded by train.seed"
     fingerprint = None
 
-    def __init__(self, model: nn.Module, seed: int):
-        self.seed = seed
+    def __init__(self, model: nn.Module, seed: int, shape_of: ShapeOf = tensor_shape):
+        self.seed, self.shape_of = seed, shape_of
         self.owner: dict[str, tuple[str, nn.Module, str]] = {}  # param name -> (module name, module, attr)
         self.init_fn: dict[str, Callable[[nn.Module], None] | None] = {}
         self.modules: dict[str, nn.Module] = {}
@@ -170,7 +174,7 @@ class InitWeights:
 
     def _initialise(self, module_name: str, module: nn.Module) -> dict[str, torch.Tensor]:
         own = {attr: p for attr, p in module._parameters.items() if p is not None}
-        plain = {attr: nn.Parameter(torch.full(full_shape(p), math.nan)) for attr, p in own.items()}
+        plain = {attr: nn.Parameter(torch.full(self.shape_of(p), math.nan)) for attr, p in own.items()}
         module._parameters.update(plain)
         try:
             with torch.random.fork_rng(devices=[]):
@@ -183,7 +187,7 @@ class InitWeights:
                     self.init_fn[module_name](module)
                 for ancestor_name, ancestor in self.ancestors(module_name):
                     if self.init_fn[ancestor_name] is not None:
-                        with meta_stand_ins(ancestor, keep=module):
+                        with meta_stand_ins(ancestor, module, self.shape_of):
                             self.init_fn[ancestor_name](ancestor)
         finally:
             module._parameters.update(own)
@@ -197,7 +201,7 @@ class InitWeights:
 
 
 @contextmanager
-def meta_stand_ins(root: nn.Module, keep: nn.Module) -> Iterator[None]:
+def meta_stand_ins(root: nn.Module, keep: nn.Module, shape_of: ShapeOf) -> Iterator[None]:
     """Every parameter under `root`, but those of `keep`, replaced by a meta tensor of its full
     shape (a ZeRO-3 partition or an FSDP2 shard is not what an initialiser expects to see)."""
     swapped = []
@@ -207,7 +211,7 @@ def meta_stand_ins(root: nn.Module, keep: nn.Module) -> Iterator[None]:
         for attr, p in module._parameters.items():
             if p is not None:
                 swapped.append((module, attr, p))
-                module._parameters[attr] = nn.Parameter(torch.empty(full_shape(p), device="meta"),
+                module._parameters[attr] = nn.Parameter(torch.empty(shape_of(p), device="meta"),
                                                         requires_grad=p.requires_grad)
     try:
         yield

@@ -11,9 +11,11 @@ from torch import nn
 
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
-from trainer.models.weights import WeightSource, canonical_name, params_on_meta, persistent_buffers
+from trainer.models import param_shapes
+from trainer.models.weights import WeightSource, params_on_meta, persistent_buffers, tensor_shape
 
-OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+# Builds the optimizer over the trainable parameters, each with its full shape.
+OptimizerFactory = Callable[[list[tuple[nn.Parameter, tuple[int, ...]]]], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
 REDUCE_DTYPES = {r: DTYPES[Precision(r.value)] for r in ReduceDtype}  # the same names as the precisions
 
@@ -108,18 +110,30 @@ class Strategy(ABC):
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory,
               weights: WeightSource) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap/shard per block, give this rank's part of every parameter its values from
-        `weights`, then build the optimizer over the wrapped parameters."""
+        `weights`, then build the optimizer over the wrapped parameters (`trainable`)."""
+
+    def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """A parameter's full shape, also where this rank holds a part of it."""
+        return tensor_shape(p)
+
+    def trainable(self, model: nn.Module) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
+        """What the optimizer factory takes: the parameters that train, with their full shapes."""
+        return [(p, self.full_shape(p)) for p in model.parameters() if p.requires_grad]
+
+    def start_words(self) -> list[str]:
+        """This backend's own settings, as words of the run's start line."""
+        return []
 
     def autocast(self) -> AbstractContextManager:
         """Around the forward; backends that cast parameters themselves need none."""
         return nullcontext()
 
     @abstractmethod
-    def no_sync(self, non_final: bool) -> AbstractContextManager:
-        """Around a micro-step's forward and backward; `non_final`: more micro-steps follow in this
-        optimizer step. With strategy.grad_reduce=step there is no gradient communication inside
-        a non-final one (the final micro-step reduces once, full gradients held until then); with
-        micro_step every backward reduces and gradients stay sharded."""
+    def micro_step(self, final: bool) -> AbstractContextManager:
+        """Around a micro-step's forward and backward; `final`: the last of this optimizer step.
+        With strategy.grad_reduce=step there is no gradient communication before the final one
+        (which reduces once, full gradients held until then); with micro_step every backward
+        reduces and gradients stay sharded."""
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
@@ -127,9 +141,9 @@ class Strategy(ABC):
 
     @abstractmethod
     def step(self, max_grad_norm: float,
-             allowed: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor | float:
-        """Clip (0: don't), step unless `allowed(global gradient norm)` says no (the same answer on
-        every rank: no for a non-finite step), zero grads; return the norm before clipping."""
+             update_if: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor | float:
+        """Clip (0: don't), update unless `update_if(global gradient norm)` says no (the same answer
+        on every rank: no for a non-finite step), zero grads; return the norm before clipping."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
@@ -148,9 +162,9 @@ class Strategy(ABC):
     # Portable state (DESIGN §5): keys from `state_keys` and STEP_KEY, values as flat ranges,
     # so a checkpoint is independent of how a backend splits tensors.
 
-    @abstractmethod
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical parameter name -> full shape."""
+        return param_shapes(self.module, self.full_shape)
 
     @abstractmethod
     def state_dict(self, model_only: bool = False) -> dict[str, Piece]:
@@ -164,6 +178,41 @@ class Strategy(ABC):
     @abstractmethod
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Take the fp32 ranges of `state_layout` (parameters, moments, step)."""
+
+    # Adam's state, created and stepped the same way by every backend; where it lives and how
+    # its update runs are the backend's.
+
+    @abstractmethod
+    def adam(self) -> torch.optim.Optimizer:
+        """The torch optimizer that holds Adam's state (DeepSpeed's is inside its own)."""
+
+    @abstractmethod
+    def _stepped_tensors(self) -> list[torch.Tensor]:
+        """The tensors Adam updates (the parameters, or a backend's flat master partitions)."""
+
+    def _adam_update(self) -> None:
+        self.adam().step()
+
+    def _adam_step(self) -> float:
+        return float(next(iter(self.adam().state.values()))["step"])
+
+    def _set_adam_step(self, step: float) -> None:
+        for state in self.adam().state.values():
+            state["step"] = state["step"].fill_(step) if isinstance(state["step"], torch.Tensor) else int(step)
+
+    @torch.no_grad()
+    def _create_optimizer_state(self) -> None:
+        """Adam creates its moments at its first step: take one on zero gradients with lr 0 (which
+        leaves the parameters as they are), so that a checkpoint has somewhere to go."""
+        if self.adam().state:
+            return
+        missing = [t for t in self._stepped_tensors() if t.grad is None]
+        for t in missing:
+            t.grad = torch.zeros_like(t)
+        with zero_lr(self.adam()):
+            self._adam_update()
+        for t in missing:
+            t.grad = None
 
     def loss_scale_state(self) -> dict | None:
         """fp16's loss scaler as {"scale", "good_steps"} (steps since it last backed off or grew),
@@ -184,128 +233,6 @@ class Strategy(ABC):
 
     def teardown(self) -> None:
         """Free backend state; the process group belongs to the caller."""
-
-
-class TorchStrategy(Strategy):
-    """DDP and FSDP2: a torch optimizer over the wrapped module, torch's clipping and scaler."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-
-    def __init__(self, cfg: Config, env: DistEnv):
-        super().__init__(cfg, env)
-        self.scaler = self.make_grad_scaler() if self.precision is Precision.fp16 else None
-
-    def make_grad_scaler(self):
-        return torch.amp.GradScaler(self.device.type)
-
-    @abstractmethod
-    def wrap(self, model: nn.Module, weights: WeightSource) -> nn.Module:
-        """The model wrapped/sharded for this backend, with this rank's values from `weights`."""
-
-    def setup(self, model, optimizer_factory, weights):
-        if self.precision is not Precision.fp32:
-            hold_frozen_in(model, DTYPES[self.precision])
-        self.model = self.wrap(model, weights)
-        self.optimizer = optimizer_factory(self.model)
-        return self.model, self.optimizer
-
-    def backward(self, loss):
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def step(self, max_grad_norm, allowed=None):
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm or float("inf"))
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor reduced over the mesh
-            norm = norm.full_tensor()
-        if allowed is None or allowed(norm):
-            (self.scaler.step if self.scaler else lambda opt: opt.step())(self.optimizer)
-        if self.scaler:  # a skipped fp16 step lowers the loss scale, as the scaler's own skip does
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    def loss_scale_state(self):
-        if not self.scaler:
-            return None
-        state = self.scaler.state_dict()
-        return {"scale": float(state["scale"]), "good_steps": int(state["_growth_tracker"])}
-
-    def load_loss_scale_state(self, state):
-        if self.scaler:  # GradScaler and FSDP's ShardedGradScaler alike
-            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": state["scale"],
-                                         "_growth_tracker": state["good_steps"]})
-
-    @abstractmethod
-    def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int]:
-        """(start, this rank's flat range, replicas holding the same range, our replica index)."""
-
-    def param_shapes(self):
-        return {canonical_name(n): tuple(p.shape) for n, p in self.module.named_parameters()}
-
-    def _tensors(self, model_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter, and the Adam moments of the trainable ones: zeros for a parameter that
-        has had no gradient yet (Adam's own start), none for a frozen one."""
-        for name, p in self.module.named_parameters():
-            keys = state_keys(canonical_name(name))
-            yield keys["param"], p
-            if not model_only and p.requires_grad:
-                state = self.optimizer.state.get(p, {})
-                yield from ((keys[k], state[k] if k in state else torch.zeros_like(p)) for k in ADAM_KEYS)
-
-    def _adam_step(self) -> float:
-        return float(next(iter(self.optimizer.state.values()))["step"])
-
-    def state_dict(self, model_only=False):
-        pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors(model_only)}
-        if self.is_main and not model_only:
-            pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
-        return pieces
-
-    def state_layout(self):
-        self._create_optimizer_state()
-        layout = {key: (start, flat.numel()) for key, t in self._tensors()
-                  for start, flat, _, _ in [self.local_range(t)]}
-        return {**layout, STEP_KEY: (0, 1)}
-
-    @torch.no_grad()
-    def load_state_dict(self, values):
-        for key, t in self._tensors():
-            if key in values:  # not: frozen pretrained weights, which a checkpoint does not save
-                self.local_range(t)[1].copy_(values[key])
-        for state in self.optimizer.state.values():
-            state["step"].fill_(values[STEP_KEY].item())
-
-    @torch.no_grad()
-    def _create_optimizer_state(self) -> None:
-        """Adam creates its moments at the first step: take one with zero gradients and lr 0
-        (which leaves the parameters as they are), so a checkpoint has somewhere to go."""
-        if self.optimizer.state:
-            return
-        for p in self.model.parameters():
-            if p.requires_grad:  # a frozen parameter gets no state
-                p.grad = torch.zeros_like(p)
-        with zero_lr(self.optimizer):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def memory_bytes(self):
-        params = list(self.model.parameters())
-        return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
-                "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.device)}
-
-
-def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """Frozen parameters (LoRA's base), still on the meta device, in the training dtype: weights
-    that never change need no fp32 master copy (DeepSpeed keeps none of them either)."""
-    held: dict[int, nn.Parameter] = {}  # a tied parameter stays one
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and p.is_meta and not p.requires_grad and p.is_floating_point():
-                if id(p) not in held:
-                    held[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
-                module._parameters[name] = held[id(p)]
 
 
 @contextmanager

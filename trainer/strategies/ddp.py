@@ -9,7 +9,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import Precision, ReduceDtype
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, REDUCE_DTYPES, TorchStrategy
+from trainer.strategies.base import DTYPES, REDUCE_DTYPES
+from trainer.strategies.torch_native import TorchStrategy
 
 
 class DDPStrategy(TorchStrategy):
@@ -38,8 +39,8 @@ class DDPStrategy(TorchStrategy):
         # Every rank holds everything: each saves 1/N of it and loads all of it.
         return 0, tensor.detach().view(-1), self.world_size, self.rank
 
-    def no_sync(self, non_final):
-        return self.model.no_sync() if non_final and not self.reduce_every_micro_step else nullcontext()
+    def micro_step(self, final):
+        return self.model.no_sync() if not final and not self.reduce_every_micro_step else nullcontext()
 
 
 def reduce_in(dtype, bucket):  # unannotated: DDP checks annotations, which are strings here

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3: `deepspeed.initialize` with a config built from ours.
 
 The loop owns accumulation (as for DDP/FSDP): DeepSpeed sees gradient_accumulation_steps=1,
-`backward` does not divide the loss again, and `no_sync` holds all micro-steps of a step in
+`backward` does not divide the loss again, and `micro_step` holds all micro-steps of a step in
 one `coalesce_grad_reduction` block, so gradients are reduced once, after the final backward.
 """
 from __future__ import annotations
@@ -17,19 +17,12 @@ from trainer.config import ModelKind, Precision
 from trainer.log import chatter, log
 from trainer.models.weights import WeightSource, allocate, fill
 from trainer.strategies.base import (
-    ADAM_KEYS,
-    STEP_KEY,
-    Piece,
-    Strategy,
-    canonical_name,
     optimizer_state_tensors,
     peak_device_bytes,
-    replica_slice,
-    state_keys,
     tensor_bytes,
-    zero_lr,
 )
 from trainer.strategies.ds_config import build_ds_config
+from trainer.strategies.ds_state import ZeroState
 
 
 def announce_op_builds() -> None:
@@ -57,7 +50,7 @@ def announce_op_builds() -> None:
     extensions._run_ninja_build = announced
 
 
-class DeepSpeedStrategy(Strategy):
+class DeepSpeedStrategy(ZeroState):
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
         announce_op_builds()
@@ -86,7 +79,7 @@ class DeepSpeedStrategy(Strategy):
         else:  # on the host: DeepSpeed casts to bf16/fp16 there and moves only that to the device
             allocate(model, torch.device("cpu"))
             fill(model, weights)
-        optimizer = optimizer_factory(model)
+        optimizer = optimizer_factory(self.trainable(model))
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -119,13 +112,13 @@ class DeepSpeedStrategy(Strategy):
                 p._hp_mapping.get_hp_fragment().copy_(weights.read(name, fragment.start, fragment.numel))
 
     @contextmanager
-    def no_sync(self, non_final):
+    def micro_step(self, final):
         if self.reduce_every_micro_step:  # DeepSpeed's unmanaged accumulation (build_ds_config)
             yield
             return
         # One coalesce block spans every micro-step of the step: it opens on the first
         # non-final micro-step and its exit, after the final backward, reduces once.
-        enabled = non_final
+        enabled = not final
         if enabled and self._coalescing is None:
             self._coalescing = self.engine.coalesce_grad_reduction()
             self._coalescing.__enter__()
@@ -145,19 +138,19 @@ class DeepSpeedStrategy(Strategy):
     def _note_gradient_peak(self) -> None:
         self._gradient_peak = max(self._gradient_peak, self._gradient_bytes())
 
-    def step(self, max_grad_norm, allowed=None):
+    def step(self, max_grad_norm, update_if=None):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
         self._gradient_peak = 0
-        if allowed is None:
+        if update_if is None:
             self.engine.step()
             return torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float32)
-        with self._verdict_inside_step(allowed) as seen:
+        with self._verdict_inside_step(update_if) as seen:
             self.engine.step()
         return seen["norm"]  # before clipping; also on a skipped step, where DeepSpeed reports inf
 
     @contextmanager
-    def _verdict_inside_step(self, allowed: Callable[[torch.Tensor], bool]) -> Iterator[dict]:
-        """For one engine.step(): DeepSpeed's overflow check is replaced by `allowed(norm)`, asked on
+    def _verdict_inside_step(self, update_if: Callable[[torch.Tensor], bool]) -> Iterator[dict]:
+        """For one engine.step(): DeepSpeed's overflow check is replaced by `update_if(norm)`, asked on
         every rank once the gradients are reduced and before any update. A no takes DeepSpeed's own
         overflow path (no update to masters, moments or step count; gradients cleared), also where
         its own check would not say no: a non-finite loss with finite gradients, or a ds_config
@@ -169,7 +162,7 @@ class DeepSpeedStrategy(Strategy):
         def verdict() -> bool:
             norm = combine_grad_norm_groups(zero._get_norm_groups()) if self.stage == 3 else zero.scaled_global_norm()
             seen["norm"] = (torch.as_tensor(norm, dtype=torch.float32) / float(zero.loss_scale)).cpu()
-            return bool(allowed(seen["norm"]))
+            return bool(update_if(seen["norm"]))
 
         if self.stage == 3:  # stage3.step -> _overflow_check_and_loss_scale_update
             own_check = zero._overflow_check_and_loss_scale_update
@@ -223,135 +216,12 @@ class DeepSpeedStrategy(Strategy):
                 "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(self.engine.optimizer.optimizer)),
                 "peak": peak_device_bytes(self.device)}
 
-    # Portable state. DeepSpeed keeps fp32 masters and Adam moments in flat partitions; its
-    # fragment APIs tell which range of each parameter this rank owns. ZeRO-1/2: the
-    # `_hp_mapping` fragment (any range, or none); ZeRO-3: partition `rank` of the flat parameter.
-
     @property
     def module(self):
         return self.engine.module
 
-    def _params(self):
-        return [(canonical_name(n), p) for n, p in self.module.named_parameters()]
-
-    def param_shapes(self):
-        return {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._params()}
-
-    def _z3_range(self, p) -> tuple[int, int]:
-        size = p.ds_tensor.numel()  # partition size, padded on the last ranks
-        start = self.rank * size
-        return start, max(0, min(size, p.ds_numel - start))
-
-    def _z3_local(self, p) -> tuple[int, torch.Tensor]:
-        start, numel = self._z3_range(p)
-        return start, p.ds_tensor.data.view(-1)[:numel]
-
-    def _fragments(self, model_only: bool = False):
-        """(name, start, numel, {"param"|moment: this rank's fp32 range}) per owned parameter."""
-        from deepspeed.utils import (
-            lazy_init_hp_params_optimizer_state,
-            safe_get_local_fp32_param,
-            safe_get_local_optimizer_state,
-        )
-
-        zero = self.engine.optimizer
-        moments = () if model_only else ADAM_KEYS
-        if self.stage < 3 and moments:
-            # Link every parameter's moment fragments. DeepSpeed links once, after stepping the
-            # first param group only, so with two groups the second stays unlinked.
-            for group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
-                lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
-        for name, p in self._params():
-            if not p.requires_grad:  # frozen: no master, no moments; the parameter itself
-                if self.stage == 3:
-                    start, local = self._z3_local(p)
-                else:
-                    start, local = replica_slice(0, p.detach().view(-1), self.world_size, self.rank)
-                yield name, start, local.numel(), {"param": local}
-            elif self.stage == 3:
-                start, numel = self._z3_range(p)
-                local = {"param": safe_get_local_fp32_param(p)}
-                local.update({k: safe_get_local_optimizer_state(p, k) for k in moments})
-                yield name, start, numel, {k: v.view(-1)[:numel] for k, v in local.items()}
-            elif getattr(p, "_hp_mapping", None) is not None:
-                m = p._hp_mapping
-                local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in moments}}
-                yield name, m.lp_fragment_address.start, m.lp_fragment_address.numel, local
-
-    def _adam_step(self) -> float:
-        return float(next(iter(self.engine.optimizer.optimizer.state.values()))["step"])
-
-    def state_dict(self, model_only=False):
-        pieces = {state_keys(name)[what]: Piece(start, t) for name, start, numel, local in self._fragments(model_only)
-                  for what, t in local.items() if numel}
-        if self.is_main and not model_only:
-            pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
-        return pieces
-
-    def state_layout(self):
-        self._create_optimizer_state()
-        layout = {state_keys(name)[what]: (start, numel) for name, start, numel, local in self._fragments()
-                  for what in local if numel}
-        if self.stage < 3:  # the full (low-precision) parameters live on every rank: load them whole
-            layout.update({state_keys(name)["param"]: (0, p.numel()) for name, p in self._params()})
-        return {**layout, STEP_KEY: (0, 1)}
-
-    @torch.no_grad()
-    def load_state_dict(self, values):
-        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
-
-        for name, p in self._params():
-            keys = state_keys(name)
-            if keys["param"] not in values:  # frozen pretrained weights, which a checkpoint does not save
-                continue
-            if self.stage == 3 and not p.requires_grad:
-                if self._z3_range(p)[1]:
-                    self._z3_local(p)[1].copy_(values[keys["param"]])
-                continue
-            if self.stage == 3:
-                start, numel = self._z3_range(p)
-                if not numel:
-                    continue
-                padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
-                for what, key in keys.items():
-                    padded[:numel].copy_(values[key])
-                    if what == "param":
-                        safe_set_local_fp32_param(p, padded)
-                        p.ds_tensor.data.view(-1)[:numel].copy_(values[key])
-                    else:
-                        safe_set_local_optimizer_state(p, padded, what)
-                continue
-            full = values[keys["param"]]
-            p.data.view(-1).copy_(full)
-            m = getattr(p, "_hp_mapping", None)  # None: frozen, or held by another rank
-            if m is not None:
-                start, numel = m.lp_fragment_address.start, m.lp_fragment_address.numel
-                m.get_hp_fragment().copy_(full[start:start + numel])
-                for k in ADAM_KEYS:
-                    m.get_hp_fragment(k).copy_(values[keys[k]])
-        step = values[STEP_KEY].item()
-        for state in self.engine.optimizer.optimizer.state.values():
-            state["step"] = torch.tensor(step) if isinstance(state["step"], torch.Tensor) else int(step)
-
-    @torch.no_grad()
-    def _create_optimizer_state(self) -> None:
-        """Adam state appears at the first step; take one on zero gradients with lr 0, the way
-        DeepSpeed steps its partitions, so that a checkpoint has somewhere to go."""
-        zero, inner = self.engine.optimizer, self.engine.optimizer.optimizer
-        if inner.state:
-            return
-        flats = zero.fp32_partitioned_groups_flat if self.stage == 3 else zero.single_partition_of_fp32_groups
-        missing = [f for f in flats if f.grad is None]
-        for f in missing:
-            f.grad = torch.zeros_like(f)
-        with zero_lr(inner):
-            if self.stage == 3:
-                for i in range(len(flats)):
-                    zero._optimizer_step(i)
-            else:
-                inner.step()
-        for f in missing:
-            f.grad = None
+    def full_shape(self, p):
+        return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitions parameters as they are built
 
     def _dynamic_loss_scaler(self):
         """DeepSpeed's DynamicLossScaler under fp16, else None (a static scale is a setting of

@@ -10,6 +10,9 @@ from trainer.distributed import device_type
 from trainer.errors import ConfigError
 
 ZERO_STAGE = {StrategyName.zero1: 1, StrategyName.zero2: 2, StrategyName.zero3: 3}
+# ZeRO-3 keeps parameters of fewer elements than this whole on every rank (DeepSpeed's default
+# stage3_param_persistence_threshold): they are gathered once per step, not per forward/backward.
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
 # Keys the loop owns: a user's ds_config may leave them "auto" or repeat our value, nothing else.
 OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
               "gradient_clipping", "zero_optimization.stage", "bf16.enabled", "fp16.enabled",
@@ -73,7 +76,7 @@ def build_ds_config(cfg, world_size: int) -> dict:
         "fp16": {"enabled": precision is Precision.fp16},
         **reduce_dtypes(ReduceDtype(s.reduce_dtype), precision, zero["stage"]),
         # The loop owns accumulation. grad_reduce=step: DeepSpeed's managed accumulation over
-        # single micro-steps, their reductions coalesced by `no_sync`; micro_step: unmanaged,
+        # single micro-steps, their reductions coalesced by `micro_step`; micro_step: unmanaged,
         # every backward reduces (ZeRO-2/3: into partitions) and engine.step() is the boundary.
         "managed_gradient_accumulation": GradReduce(s.grad_reduce) is GradReduce.step,
         "zero_allow_untested_optimizer": True,

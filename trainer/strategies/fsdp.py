@@ -12,7 +12,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from trainer.blocks import find_blocks
 from trainer.config import Precision, Sharding
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, REDUCE_DTYPES, TorchStrategy, tensor_bytes, toggled
+from trainer.strategies.base import DTYPES, REDUCE_DTYPES, tensor_bytes, toggled
+from trainer.strategies.torch_native import TorchStrategy
 
 
 class FSDPStrategy(TorchStrategy):
@@ -75,7 +76,13 @@ class FSDPStrategy(TorchStrategy):
         held["grads"] += tensor_bytes(unsharded)
         return held
 
-    def no_sync(self, non_final):
+    def micro_step(self, final):
         # step: unsharded gradients accumulate locally, reduce-scatter on the final micro-step;
         # micro_step: FSDP2's default, reduce-scatter every backward into sharded gradients.
-        return toggled(self.model.set_requires_gradient_sync, not non_final or self.reduce_every_micro_step)
+        return toggled(self.model.set_requires_gradient_sync, final or self.reduce_every_micro_step)
+
+    def clip(self, max_grad_norm):
+        return super().clip(max_grad_norm).full_tensor()  # a DTensor: reduced over the mesh
+
+    def start_words(self):
+        return [f"sharding={Sharding(self.cfg.strategy.sharding).value}"]

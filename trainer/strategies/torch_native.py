@@ -1,0 +1,135 @@
+"""What DDP and FSDP2 share: a torch optimizer over the wrapped module, torch's clipping and
+gradient scaler, and portable state read from each parameter's local range."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from trainer.config import Config, Precision
+from trainer.distributed import DistEnv
+from trainer.models.weights import WeightSource, canonical_name
+from trainer.strategies.base import (
+    ADAM_KEYS,
+    DTYPES,
+    STEP_KEY,
+    Piece,
+    Strategy,
+    optimizer_state_tensors,
+    peak_device_bytes,
+    replica_slice,
+    state_keys,
+    tensor_bytes,
+)
+
+
+class TorchStrategy(Strategy):
+    """DDP and FSDP2: a torch optimizer over the wrapped module, torch's clipping and scaler."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, cfg: Config, env: DistEnv):
+        super().__init__(cfg, env)
+        self.scaler = self.make_grad_scaler() if self.precision is Precision.fp16 else None
+
+    def make_grad_scaler(self):
+        return torch.amp.GradScaler(self.device.type)
+
+    @abstractmethod
+    def wrap(self, model: nn.Module, weights: WeightSource) -> nn.Module:
+        """The model wrapped/sharded for this backend, with this rank's values from `weights`."""
+
+    def setup(self, model, optimizer_factory, weights):
+        if self.precision is not Precision.fp32:
+            hold_frozen_in(model, DTYPES[self.precision])
+        self.model = self.wrap(model, weights)
+        self.optimizer = optimizer_factory(self.trainable(self.model))
+        return self.model, self.optimizer
+
+    def adam(self):
+        return self.optimizer
+
+    def _stepped_tensors(self):
+        return [p for p in self.model.parameters() if p.requires_grad]  # a frozen parameter gets no state
+
+    def backward(self, loss):
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def clip(self, max_grad_norm: float) -> torch.Tensor:
+        """Clip the gradients (0: don't); their global norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm or float("inf"))
+
+    def step(self, max_grad_norm, update_if=None):
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = self.clip(max_grad_norm)
+        if update_if is None or update_if(norm):
+            (self.scaler.step if self.scaler else lambda opt: opt.step())(self.optimizer)
+        if self.scaler:  # a skipped fp16 step lowers the loss scale, as the scaler's own skip does
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def loss_scale_state(self):
+        if not self.scaler:
+            return None
+        state = self.scaler.state_dict()
+        return {"scale": float(state["scale"]), "good_steps": int(state["_growth_tracker"])}
+
+    def load_loss_scale_state(self, state):
+        if self.scaler:  # GradScaler and FSDP's ShardedGradScaler alike
+            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": state["scale"],
+                                         "_growth_tracker": state["good_steps"]})
+
+    @abstractmethod
+    def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int]:
+        """(start, this rank's flat range, replicas holding the same range, our replica index)."""
+
+    def _tensors(self, model_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, and the Adam moments of the trainable ones: zeros for a parameter that
+        has had no gradient yet (Adam's own start), none for a frozen one."""
+        for name, p in self.module.named_parameters():
+            keys = state_keys(canonical_name(name))
+            yield keys["param"], p
+            if not model_only and p.requires_grad:
+                state = self.optimizer.state.get(p, {})
+                yield from ((keys[k], state[k] if k in state else torch.zeros_like(p)) for k in ADAM_KEYS)
+
+    def state_dict(self, model_only=False):
+        pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors(model_only)}
+        if self.is_main and not model_only:
+            pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
+        return pieces
+
+    def state_layout(self):
+        self._create_optimizer_state()
+        layout = {key: (start, flat.numel()) for key, t in self._tensors()
+                  for start, flat, _, _ in [self.local_range(t)]}
+        return {**layout, STEP_KEY: (0, 1)}
+
+    @torch.no_grad()
+    def load_state_dict(self, values):
+        for key, t in self._tensors():
+            if key in values:  # not: frozen pretrained weights, which a checkpoint does not save
+                self.local_range(t)[1].copy_(values[key])
+        self._set_adam_step(values[STEP_KEY].item())
+
+    def memory_bytes(self):
+        params = list(self.model.parameters())
+        return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+                "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.device)}
+
+
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen parameters (LoRA's base), still on the meta device, in the training dtype: weights
+    that never change need no fp32 master copy (DeepSpeed keeps none of them either)."""
+    held: dict[int, nn.Parameter] = {}  # a tied parameter stays one
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta and not p.requires_grad and p.is_floating_point():
+                if id(p) not in held:
+                    held[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
+                module._parameters[name] = held[id(p)]
