@@ -3,8 +3,8 @@
 # Runs the torchrun of the active environment (source .venv/bin/activate, or your own venv/conda env).
 # Two nodes: on node i run  torchrun --nnodes 2 --node_rank i --master_addr NODE0 --master_port 29500 \
 #   --nproc_per_node 8 -m trainer strategy=fsdp
-# torchrun passes SIGTERM and SIGUSR1 on to the ranks, which save and stop (README: "When things
-# go wrong"); it waits SHUTDOWN_TIMEOUT seconds for them before SIGKILL. MAX_RESTARTS=K restarts
+# torchrun passes SIGTERM and SIGUSR1 on to the ranks, which save and stop (docs/troubleshooting.md:
+# Stop signals); it waits SHUTDOWN_TIMEOUT seconds for them before SIGKILL. MAX_RESTARTS=K restarts
 # all ranks after one dies; they resume from the newest checkpoint.
 set -euo pipefail
 NPROC=${1:?usage: launch/torchrun.sh NPROC [overrides...]}

@@ -1,5 +1,5 @@
-"""How a run ends on purpose, and the exit code that says so (README: exit codes). Imports nothing
-of the trainer, so that every module can raise these.
+"""How a run ends on purpose, and the exit code that says so (docs/troubleshooting.md: Exit
+codes). Imports nothing of the trainer, so that every module can raise these.
 
 - A `RunError`: something the user can fix, said in one line. The command prints
   `PROG: error: MESSAGE` (`trainer.log.refuse`; under several ranks rank 0 alone prints it) and

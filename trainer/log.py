@@ -93,6 +93,7 @@ class QuietRankExits(logging.Filter):
 
 
 def refuse(message: object, prog: str = "trainer") -> NoReturn:
-    """`PROG: error: MESSAGE` on one line, exit 2: the convention of every command (README: exit codes)."""
+    """`PROG: error: MESSAGE` on one line, exit 2: the convention of every command
+    (docs/troubleshooting.md: Exit codes)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(ERROR_EXIT_CODE)
