@@ -180,17 +180,21 @@ def refusal(run_dir: Path, *overrides: str) -> str:
 def assert_refused(result: subprocess.CompletedProcess, *fragments: str, prog: str = "trainer",
                    details: bool = False) -> str:
     """A command that stopped on purpose (trainer.log.refuse, and the ranks alike): exit code 2 and
-    one line `PROG: error: ...`, the last of stderr, holding every fragment; no traceback.
-    `details`: an error that lists what it found (a checkpoint of another model: the parameters that
-    differ) may follow its line with indented ones. Returns the error."""
+    one line `PROG: error: ...` holding every fragment, no traceback. `details`: an error that lists
+    what it found (a checkpoint of another model: the parameters that differ) may follow its line
+    with indented ones. Returns the error."""
     stderr = result.stderr
     assert result.returncode == ERROR_EXIT_CODE, f"exit code {result.returncode}:\n{stderr[-3000:]}"
     assert "Traceback" not in stderr, stderr[-3000:]
     lines = stderr.strip().splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(f"{prog}: error: ")]
     assert len(starts) == 1, stderr[-3000:]
-    error = lines[starts[0]:]
-    assert len(error) == 1 or (details and all(line.startswith("  ") for line in error[1:])), stderr[-3000:]
+    error = [lines[starts[0]]]
+    for line in lines[starts[0] + 1:]:
+        if not line.startswith("  "):  # a launcher's lines after the ranks left (none but the error's own are indented)
+            break
+        error.append(line)
+    assert len(error) == 1 or details, stderr[-3000:]
     error = "\n".join(error)
     for fragment in fragments:
         assert fragment in error, f"{fragment!r} not in: {error}"
