@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,7 +26,7 @@ from trainer.errors import ERROR_EXIT_CODE, CheckpointError, ConfigError, RunErr
 from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
-from trainer.models import build_model, initial_weights, param_shapes, resolve_model
+from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
 from trainer.plan import resolve_auto
 from trainer.resume import check_writable, resolve_resume
 from trainer.run import check_run_dir, worker
@@ -39,7 +38,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
     on every rank of a launcher; the run dir, rank 0's alone, is then checked by `worker`)."""
     validate(cfg)
     preflight(cfg, world_size)
-    model = build_model(cfg.model, torch.device("meta"), cfg.peft)  # LoRA's targets must exist
+    model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
     find_blocks(model, cfg.strategy.wrap)
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
     check_data(cfg, world_size)
@@ -76,7 +75,7 @@ def take_foreign_resume(cfg: Config, run_dir: Path) -> str:
                           "and resume from DIR")
     started = time.perf_counter()
     portable = read(Path(resume))
-    portable.fit(param_shapes(build_model(cfg.model, torch.device("meta"), cfg.peft)))
+    portable.fit(param_shapes(meta_model(cfg.model, cfg.peft)))
     out = write_trainer(portable, run_dir / f"converted-{kind}")
     held = sum(t.numel() * 4 for t in portable.tensors())
     log.info(f"checkpoint.resume: the {kind} checkpoint {resume} converted to {out} in "

@@ -66,11 +66,9 @@ def check_packed_model(cfg: Config) -> None:
     reference and Hugging Face models do; a custom one must say so in its forward's signature."""
     import inspect
 
-    import torch
+    from trainer.models import meta_model
 
-    from trainer.models import build_model
-
-    model = build_model(cfg.model, torch.device("meta"))
+    model = meta_model(cfg.model)
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise ConfigError(f"data.packing: packed conversations pass position_ids (restarting at each one) to the "
                           f"model, and {cfg.model.target}'s forward takes none; give it a position_ids argument "

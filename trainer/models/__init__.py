@@ -48,7 +48,8 @@ _META_MODELS: dict[str, nn.Module] = {}
 def meta_model(cfg: ModelConfig, peft: PeftConfig | None = None) -> nn.Module:
     """The model on the meta device, to count and to check (never changed): built once per
     process for the settings, however many checks and counts ask for it."""
-    key = json.dumps([model_node(cfg), dataclasses.asdict(peft) if peft else None], sort_keys=True, default=str)
+    adapters = dataclasses.asdict(peft) if lora.enabled(peft) else None
+    key = json.dumps([model_node(cfg), adapters], sort_keys=True, default=str)
     if key not in _META_MODELS:
         _META_MODELS[key] = build_model(cfg, torch.device("meta"), peft)
     return _META_MODELS[key]
