@@ -29,7 +29,7 @@ from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
 from trainer.plan import resolve_auto
 from trainer.resume import check_writable, resolve_resume
-from trainer.run import check_run_dir, worker
+from trainer.run import check_run_dir, exit_now, launched_worker, worker
 from trainer.strategies import preflight
 
 
@@ -132,9 +132,7 @@ def app(cfg: DictConfig):
         hard_exit = distributed.launched_externally() and "SUBMITIT_FOLDER" not in os.environ
         summary = worker(cfg_dict, str(run_dir))
         if hard_exit:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            exit_now(0)
     else:
         summary = launch_ranks(typed, cfg_dict, run_dir)
     return objective(summary)
@@ -153,7 +151,7 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(QuietRankExits(said_codes))
     try:
-        return distributed.launch_local(cfg.nproc, worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
+        return distributed.launch_local(cfg.nproc, launched_worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
                                         shutdown_timeout_s=cfg.shutdown_timeout_s,
                                         on_restart=lambda rank, failure, restart: say_restart(cfg, rank, failure,
                                                                                               restart))[0]
@@ -219,6 +217,9 @@ def main() -> None:
     except RunError as e:
         refuse(e)
     app()
+    # Done (an error would have left with its exit code): no interpreter teardown, half a second of
+    # torch's here after every command, and where gloo can abort (FACTS.md). Logs are written through.
+    exit_now(0)
 
 
 if __name__ == "__main__":
