@@ -266,7 +266,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     """One run on this rank: set up, resume, step to the end (or a stop signal, or an early stop)."""
     t = cfg.train
     setup_logging(run_dir, env.is_main, cfg.log_level.value)
-    with ExitStack() as cleanup:  # on every way out: the signal handlers, the backend's state, the loader's workers
+    # On every way out, released once: the loader's workers, the backend's state, the signal handlers.
+    with ExitStack() as cleanup:
         guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
         cleanup.callback(guard.close)
         seed_everything(t.seed)
@@ -304,7 +305,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                 # Recorded before saved: a rank killed during a save leaves the step's record behind
                 # (the restart resumes from the checkpoint before and records those steps again).
                 with run.meter.paused():  # ... and saves
-                    due = run.checkpoints.due(run.step, total_steps) or (stopping_early and run.checkpoints.root is not None)
+                    due = run.checkpoints.due(run.step, total_steps) or (
+                        stopping_early and run.checkpoints.root is not None)
                     saved = run.save(last=stopping_early) if due else None
                     if (run.evaluated or due) and not guard.stop_signal:  # a signal during them: honoured now
                         guard.check_stop()

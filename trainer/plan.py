@@ -147,9 +147,9 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
                 gpu["activations"] = activation_bytes(m.seq_len, facts.d_model, facts.n_layers, m.vocab_size,
                                                       t.micro_batch_size, precision, checkpointing)
                 gpu["total"] = sum(gpu.values())
-                traffic = step_traffic(stage, trainable, min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params), world_size, precision,
-                                       t.grad_accum_steps, cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype,
-                                       frozen)
+                whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole
+                traffic = step_traffic(stage, trainable, whole, world_size, precision, t.grad_accum_steps,
+                                       cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype, frozen)
                 # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
                 flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
                 option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), traffic,
