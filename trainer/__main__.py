@@ -6,7 +6,6 @@ alone with nproc=N it spawns N local ranks with torch's elastic launcher.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import sys
 import time
@@ -126,13 +125,7 @@ def app(cfg: DictConfig):
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if distributed.launched_externally() or typed.nproc == 1:
-        # A rank of an external launcher leaves without the interpreter's teardown, where gloo
-        # can abort after backward (FACTS.md); its work is done and flushed. Not under submitit,
-        # which collects the return value (hydra/launcher=slurm).
-        hard_exit = distributed.launched_externally() and "SUBMITIT_FOLDER" not in os.environ
         summary = worker(cfg_dict, str(run_dir))
-        if hard_exit:
-            exit_now(0)
     else:
         summary = launch_ranks(typed, cfg_dict, run_dir)
     return objective(summary)
@@ -218,7 +211,9 @@ def main() -> None:
         refuse(e)
     app()
     # Done (an error would have left with its exit code): no interpreter teardown, half a second of
-    # torch's here after every command, and where gloo can abort (FACTS.md). Logs are written through.
+    # torch's here after every command, and where gloo can abort after backward (FACTS.md): a rank of
+    # an external launcher too. Logs are written through. (Under submitit, hydra/launcher=slurm, the
+    # job process runs `app` alone and returns its value to submitit.)
     exit_now(0)
 
 

@@ -24,12 +24,12 @@ class StepMeter:
         self.tokens = tokens  # up to the last log line
         self.pending = torch.zeros((), dtype=torch.long, device=device)
         self.flops_per_token, self.peak = flops_per_token, peak_flops * world_size if peak_flops else None
-        self.restart()
+        self.since, self.steps = time.perf_counter(), 0
 
     def restart(self) -> float:
         """Start timing anew; the seconds since the last start."""
         now = time.perf_counter()
-        elapsed, self.since, self.steps = now - getattr(self, "since", now), now, 0
+        elapsed, self.since, self.steps = now - self.since, now, 0
         return elapsed
 
     def count(self, targets: torch.Tensor) -> None:

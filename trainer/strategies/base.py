@@ -198,7 +198,10 @@ class Strategy(ABC):
 
     def _set_adam_step(self, step: float) -> None:
         for state in self.adam().state.values():
-            state["step"] = state["step"].fill_(step) if isinstance(state["step"], torch.Tensor) else int(step)
+            if isinstance(state["step"], torch.Tensor):
+                state["step"].fill_(step)
+            else:  # DeepSpeed's CPU Adam counts in an int
+                state["step"] = int(step)
 
     @torch.no_grad()
     def _create_optimizer_state(self) -> None:
