@@ -27,6 +27,8 @@ LAUNCHERS = {"torchrun", "accelerate", "deepspeed"}  # their own options first, 
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
 HYDRA_FLAGS = {"-m", "--multirun", "--resolve"}
 PATH_PREFIXES = ("launch/", "bench/", "examples/", "conf/", "tests/", "trainer/", "docs/")
+# Companion commands with an argument parser of their own (`parser()`), which parses each documented one.
+PARSED_MODULES = ("trainer.convert", "trainer.export", "trainer.metrics")
 
 
 def rel(path: Path) -> str:
@@ -104,7 +106,7 @@ def after_module(tokens: list[str], module: str = "trainer") -> list[str] | None
 
 
 def classify(tokens: list[str]) -> tuple[str, list[str]]:
-    """What a command is: ("train", overrides), ("plan", overrides), ("module", [name]),
+    """What a command is: ("train", overrides), ("plan", overrides), ("module", [name, *args]),
     ("script", [path]), ("make", [target]), or ("other", [])."""
     prog, name = tokens[0], Path(tokens[0]).name
     if name == "trainer":
@@ -116,7 +118,7 @@ def classify(tokens: list[str]) -> tuple[str, list[str]]:
                 return "train", tokens[3:]
             if module == "trainer.plan":
                 return "plan", tokens[3:]
-            return "module", [module]
+            return "module", tokens[2:]
         return ("script", [tokens[1]]) if len(tokens) > 1 else ("other", [])
     if name in LAUNCHERS:
         args = after_module(tokens)
@@ -171,6 +173,11 @@ def check_overrides_compose(overrides: list[str], plan: bool = False) -> None:
         validate(typed)
 
 
+def parse_module_command(module: str, args: list[str]):
+    """`python -m MODULE ARGS` as the module's own parser reads it; SystemExit(2) where it refuses."""
+    return importlib.import_module(module).parser().parse_args(args)
+
+
 def check_paths(tokens: list[str]) -> None:
     for t in tokens:
         path = t.split("=", 1)[-1]
@@ -192,6 +199,8 @@ def test_the_docs_have_trainer_commands_and_each_is_understood():
     assert not unknown, "commands that run the trainer in a way this test does not know:\n" + "\n".join(unknown)
     pages_with_commands = {c.where.split(":")[0] for c, k in zip(COMMANDS, kinds) if k in ("train", "plan")}
     assert {"README.md", "docs/launching.md", "docs/checkpoints.md"} <= pages_with_commands
+    modules = {classify(c.tokens)[1][0] for c, k in zip(COMMANDS, kinds) if k == "module"}
+    assert set(PARSED_MODULES) <= modules, modules  # each parser below has documented commands to read
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
@@ -206,6 +215,11 @@ def test_command(command):
                 pytest.fail(f"{command.where}: {command.text}\n  overrides {overrides}: {type(e).__name__}: {e}")
     elif kind == "module":
         assert importlib.util.find_spec(args[0]) is not None, f"{command.where}: no module {args[0]}"
+        if args[0] in PARSED_MODULES:
+            try:
+                parse_module_command(args[0], args[1:])
+            except SystemExit as e:  # argparse's refusal (its message is on stderr)
+                pytest.fail(f"{command.where}: {command.text}\n  {args[0]} refuses its arguments (exit {e.code})")
     elif kind == "script":
         assert (REPO / args[0]).is_file(), f"{command.where}: no script {args[0]}"
     elif kind == "make":
@@ -233,6 +247,25 @@ def test_a_wrong_command_fails_the_check(line):
         for overrides in override_sets(args):
             check_overrides_compose(overrides)
     assert e.type is ConfigError or "hydra" in type(e.value).__module__, e.value
+
+
+@pytest.mark.parametrize("line", [
+    "python -m trainer.convert ckpt out --to onnx",  # no such format
+    "python -m trainer.convert ckpt out",  # --to is required
+    "python -m trainer.convert ckpt --to dcp",  # no destination
+    "python -m trainer.export ckpt",  # no OUT
+    "python -m trainer.export ckpt out --merged",  # no such flag
+    "python -m trainer.metrics",  # no run dir
+    "python -m trainer.metrics run-a run-b",  # one run dir
+])
+def test_a_wrong_companion_command_fails_to_parse(line):
+    """The module parsers above can fail: commands a doc must not show are refused."""
+    (tokens,) = split_commands(line)
+    kind, args = classify(tokens)
+    assert kind == "module" and args[0] in PARSED_MODULES
+    with pytest.raises(SystemExit) as e:
+        parse_module_command(args[0], args[1:])
+    assert e.value.code == 2
 
 
 # ---------------------------------------------------------------------------------------- links

@@ -327,15 +327,20 @@ def convert(src: Path, dst: Path, to: str) -> str:
     return f"{kind} {src} -> {to} {written}: {len(p.weights)} weights{moments}, step {p.step}{lacks}"
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs.py parses the documented commands with it)."""
+    cli = argparse.ArgumentParser(prog="python -m trainer.convert", description=__doc__.splitlines()[0])
+    cli.add_argument("src", type=Path)
+    cli.add_argument("dst", type=Path)
+    cli.add_argument("--to", choices=list(WRITERS), required=True)
+    return cli
+
+
 def main(argv: list[str] | None = None) -> None:
     from trainer.log import refuse, setup_logging
 
     setup_logging(None, is_main=True)  # [trainer] lines (a DeepSpeed op build), as the trainer's
-    parser = argparse.ArgumentParser(prog="python -m trainer.convert", description=__doc__.splitlines()[0])
-    parser.add_argument("src", type=Path)
-    parser.add_argument("dst", type=Path)
-    parser.add_argument("--to", choices=list(WRITERS), required=True)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         print(convert(args.src, args.dst, args.to))
     except CheckpointError as e:

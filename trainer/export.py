@@ -13,7 +13,7 @@ and world size; parameters are assembled one at a time from the ranks' pieces.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import torch
@@ -86,14 +86,20 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> str:
     return f"wrote {what} to {out}/ ({', '.join(files)}){note}"
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs.py parses the documented commands with it)."""
+    cli = argparse.ArgumentParser(prog="python -m trainer.export",
+                                  description="The full weights of a checkpoint (its newest step, or a step dir).")
+    cli.add_argument("checkpoint", type=Path, metavar="CKPT_DIR")
+    cli.add_argument("out", type=Path, metavar="OUT", help="OUT.safetensors: one flat file; else a folder")
+    cli.add_argument("--merge", action="store_true", help="LoRA: the adapters merged into a full model folder")
+    return cli
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    merge = "--merge" in argv
-    paths = [a for a in argv if a != "--merge"]
-    if len(paths) != 2:
-        refuse("usage: python -m trainer.export CKPT_DIR OUT.safetensors|OUT_DIR [--merge]", "trainer.export")
+    args = parser().parse_args(argv)
     try:
-        print(export(Path(paths[0]), Path(paths[1]), merge))
+        print(export(args.checkpoint, args.out, args.merge))
     except CheckpointError as e:
         refuse(e, "trainer.export")
 

@@ -9,8 +9,8 @@ Plots and tables should read the records through `read_records`, which drops the
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 RESTARTS = ("restarted", "resumed")
@@ -33,14 +33,21 @@ def read_records(path: Path, events: bool = False) -> list[dict]:
     return kept
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs.py parses the documented commands with it)."""
+    cli = argparse.ArgumentParser(prog="python -m trainer.metrics",
+                                  description="A run's step and evaluation records as they stand, one JSON object per line.")
+    cli.add_argument("run", type=Path, metavar="RUN_DIR", help="a run dir that holds metrics.jsonl, or the file")
+    return cli
+
+
 def main(argv: list[str] | None = None) -> None:
     from trainer.log import refuse
 
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or not metrics_file(Path(argv[0])).is_file():
-        refuse("usage: python -m trainer.metrics RUN_DIR|metrics.jsonl (a run dir that holds metrics.jsonl)",
-               "trainer.metrics")
-    for record in read_records(Path(argv[0])):
+    run = parser().parse_args(argv).run
+    if not metrics_file(run).is_file():
+        refuse(f"no {metrics_file(run)}: give a run dir that holds metrics.jsonl, or the file", "trainer.metrics")
+    for record in read_records(run):
         print(json.dumps(record))
 
 
