@@ -6,7 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import LOSS_RTOL, assert_close, case, on_ranks, records, train_cases, with_overrides
+from tests.harness import (
+    LOSS_RTOL,
+    assert_close,
+    assert_resumes,
+    case,
+    losses,
+    on_ranks,
+    records,
+    resuming,
+    saving,
+    train_cases,
+    with_overrides,
+)
 from trainer.config import Sharding, StrategyName
 from trainer.memory import fsdp_shard_count, per_rank_bytes
 
@@ -88,3 +100,32 @@ def test_sharding_shrinks_memory_in_the_documented_order(runs):
     assert mem["zero2"]["grads"] < 0.6 * mem["zero1"]["grads"] and mem["zero2"]["params"] == mem["ddp"]["params"]
     assert mem["zero3"]["params"] < 0.6 * mem["ddp"]["params"]
     assert mem["fsdp"]["params"] < 0.6 * mem["ddp"]["params"]
+
+
+# -- persistent buffers (issue 27) ----------------------------------------------------------------
+
+def centring_toy(strategy: str) -> dict:
+    """The toy model whose output is centred by the running mean of the batches it saw (tests/toys.py):
+    a rank that keeps statistics of its own batches computes other losses than DDP's, which takes
+    rank 0's before each forward. Evaluated at steps 3 and 6, saved at 3."""
+    cfg = with_overrides(case(strategy, steps=6), data__name="synthetic", data__num_samples=256,
+                         data__val_fraction=0.25, eval__every_steps=3, strategy__wrap=["ToyBlock"])
+    cfg["model"] = {"name": "toy", "kind": "custom", "_target_": "tests.toys.build", "vocab": 64, "dim": 16,
+                    "layers": 2, "centre": True, "vocab_size": 64, "seq_len": 32}
+    return cfg
+
+
+@pytest.mark.slow
+def test_running_statistics_are_rank_0s_on_every_backend_and_resume(tmp_path):
+    ckpt, sharded = tmp_path / "ckpt", ("fsdp", "zero3")
+    on_ranks(2, train_cases, {s: saving(centring_toy(s), ckpt / s, 3) for s in ("ddp", *sharded)}, str(tmp_path))
+    on_ranks(2, train_cases, {f"{s}:resumed": resuming(centring_toy(s), ckpt / s, 3) for s in sharded}, str(tmp_path))
+    ddp = records(tmp_path / "ddp")
+    for s in sharded:
+        straight = records(tmp_path / s)
+        for split in (False, True):  # training losses, then validation losses
+            assert_close(losses(r for r in straight if ("split" in r) is split),
+                         losses(r for r in ddp if ("split" in r) is split), f"{s} val={split}")
+        resumed = records(tmp_path / f"{s}:resumed")
+        assert_resumes(resumed, straight, at=3, what=s)  # bitwise
+        assert [r["loss"] for r in resumed if "split" in r] == [r["loss"] for r in straight if "split" in r][1:], s

@@ -1,9 +1,10 @@
 """The toy model of examples/ with what some users' models have: frozen parameters
-(`requires_grad=False`), dropout, and running statistics in persistent buffers; and a signal
+(`requires_grad=False`), dropout, and running statistics in persistent buffers (which may centre
+the output, so that the loss depends on them); and a signal
 to its own process (rank 0) during the forward of a chosen training step, or of the first
 evaluation.
 
-    model=custom model._target_=tests.toys.build +model.frozen=[embed] +model.dropout=0.1 +model.stats=true strategy.wrap=[ToyBlock]
+    model=custom model._target_=tests.toys.build +model.frozen=[embed] +model.dropout=0.1 +model.stats=true +model.centre=true strategy.wrap=[ToyBlock]
 """
 from __future__ import annotations
 
@@ -18,28 +19,31 @@ from examples.toy_model import ToyLM
 
 
 class RunningStats(nn.Module):
-    """BatchNorm's bookkeeping without its effect on the output (which would depend on the
-    micro-batch size, so on the world size): a running mean of its input and a step count."""
+    """BatchNorm's bookkeeping: a running mean of its input and a step count. `centre`: the output
+    is the input less the running mean of the batches before (as BatchNorm in eval mode uses its
+    statistics), so a rank's buffer shows in its loss; else the output is the input (BatchNorm's
+    batch statistics would depend on the micro-batch size, so on the world size)."""
 
-    def __init__(self, dim: int, momentum: float = 0.1):
+    def __init__(self, dim: int, momentum: float = 0.1, centre: bool = False):
         super().__init__()
-        self.momentum = momentum
+        self.momentum, self.centre = momentum, centre
         self.register_buffer("mean", torch.zeros(dim))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
+        out = x - self.mean if self.centre else x
         if self.training:
             self.mean.lerp_(x.detach().float().mean(dim=(0, 1)), self.momentum)
             self.count += 1
-        return x
+        return out
 
 
 class Toy(ToyLM):
-    def __init__(self, vocab: int, dim: int, layers: int, dropout: float, stats: bool, signal: str,
+    def __init__(self, vocab: int, dim: int, layers: int, dropout: float, stats: bool, centre: bool, signal: str,
                  signal_at_step: int, signal_in_eval: bool):
         super().__init__(vocab, dim, layers)
         self.dropout = nn.Dropout(dropout)
-        self.stats = RunningStats(dim) if stats else nn.Identity()
+        self.stats = RunningStats(dim, centre=centre) if stats or centre else nn.Identity()
         self.signal, self.signal_at_step, self.signal_in_eval, self.steps = signal, signal_at_step, signal_in_eval, 0
 
     def forward(self, ids):
@@ -55,8 +59,9 @@ class Toy(ToyLM):
 
 
 def build(vocab: int = 64, dim: int = 16, layers: int = 2, frozen: list[str] = (), dropout: float = 0.0,
-          stats: bool = False, signal: str = "SIGTERM", signal_at_step: int = 0, signal_in_eval: bool = False) -> ToyLM:
-    model = Toy(vocab, dim, layers, dropout, stats, signal, signal_at_step, signal_in_eval)
+          stats: bool = False, centre: bool = False, signal: str = "SIGTERM", signal_at_step: int = 0,
+          signal_in_eval: bool = False) -> ToyLM:
+    model = Toy(vocab, dim, layers, dropout, stats, centre, signal, signal_at_step, signal_in_eval)
     for name, p in model.named_parameters():
         if any(name == f or name.startswith(f"{f}.") for f in frozen):
             p.requires_grad_(False)

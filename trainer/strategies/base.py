@@ -156,8 +156,38 @@ class Strategy(ABC):
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The persistent buffers (canonical name -> tensor), whole on every rank: a checkpoint
-        keeps rank 0's (DDP broadcasts its own at every forward; the others keep each rank's)."""
+        keeps rank 0's, which every rank takes before its forwards (DDP's own broadcast,
+        `follow_rank0_buffers` for the others)."""
         return persistent_buffers(self.module)
+
+    def follow_rank0_buffers(self, model: nn.Module) -> None:
+        """DDP's `broadcast_buffers` for a backend without it: every rank takes rank 0's persistent
+        buffers (running statistics) before a forward that follows a training forward. Else each
+        rank keeps statistics of its own batches, its losses differ from DDP's, and a checkpoint
+        (rank 0's) resumes into another run. Within an accumulated step DDP takes them before the
+        first micro-batch only; for statistics that a training forward does not read (BatchNorm's)
+        that is the same. Only for a model with persistent buffers."""
+        if self.world_size == 1 or not persistent_buffers(model):
+            return
+        stale = True  # DDP's first forward takes rank 0's too
+
+        @torch.no_grad()
+        def before_forward(module, args):
+            if stale:
+                buffers = list(persistent_buffers(module).values())
+                for dtype in dict.fromkeys(b.dtype for b in buffers):  # one broadcast per dtype, in one order
+                    same = [b for b in buffers if b.dtype == dtype]
+                    flat = torch.cat([b.reshape(-1) for b in same])
+                    dist.broadcast(flat, src=0)
+                    for b, value in zip(same, flat.split([b.numel() for b in same])):
+                        b.copy_(value.view_as(b))
+
+        def after_forward(module, args, output):
+            nonlocal stale
+            stale = torch.is_grad_enabled()  # a training forward may have updated them
+
+        model.register_forward_pre_hook(before_forward)
+        model.register_forward_hook(after_forward)
 
     # Portable state (DESIGN §5): keys from `state_keys` and STEP_KEY, values as flat ranges,
     # so a checkpoint is independent of how a backend splits tensors.

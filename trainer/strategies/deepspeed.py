@@ -90,6 +90,7 @@ class DeepSpeedStrategy(ZeroState):
                                                                config=self.ds_config)
         if self.precision is not Precision.fp32:
             self._set_masters(weights)
+        self.follow_rank0_buffers(self.engine.module)
         return self.engine, ds_optimizer
 
     @torch.no_grad()

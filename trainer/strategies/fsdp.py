@@ -48,6 +48,7 @@ class FSDPStrategy(TorchStrategy):
         # Built on the meta device: each rank allocates and fills only its own shards.
         allocate(model, torch.device("cpu") if s.offload_params or s.offload_optimizer else self.device)
         fill(model, weights, lambda p: self.local_range(p)[:2])
+        self.follow_rank0_buffers(model)
         return model
 
     @property
