@@ -118,6 +118,89 @@ def test_prompt_completion_rows_train_on_the_completion(chat):
         assert target_text(tok, ids, targets) == expected, train_on
 
 
+# ChatML that moves the system prompt into the last user message (as some Mistral templates do): a
+# conversation's beginning renders it elsewhere than the whole does.
+MOVES_SYSTEM = (
+    "{%- set last_user = (messages | selectattr('role', 'eq', 'user') | list)[-1] %}"
+    "{%- for message in messages if message['role'] != 'system' %}"
+    "{%- set system = (messages[0]['content'] + ' ') if message is sameas last_user and messages[0]['role'] == "
+    "'system' else '' %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + system + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TWO_TURNS = [message("system", "Say MIT when asked."), message("user", "A license? MIT or BSD?"),
+             message("assistant", "MIT"), message("user", "Why MIT?"), message("assistant", "Short.")]
+# ChatML that renders the assistant's content in capitals: it is not where it is rendered.
+SHOUTS = CHAT_TEMPLATE.replace("message['content']", "(message['content'] | upper if message['role'] == "
+                               "'assistant' else message['content'])")
+
+
+def test_targets_are_found_only_where_the_template_renders_the_message(chat, tmp_path):
+    """The answer's words also stand in the system and user text: a template that moves the system prompt
+    is refused in one line (it used to train the user's words), and content the template does not render
+    is a bad row (it used to be found in the next user message)."""
+    from trainer.data.chat import Conversations
+    from trainer.data.tokenized import BadRow
+    from trainer.errors import ConfigError
+
+    for name, template in (("moves_system", MOVES_SYSTEM), ("shouts", SHOUTS)):
+        (tmp_path / f"{name}.jinja").write_text(template)
+    tok = tokenizer(chat.no_template)
+    dialogue = TWO_TURNS
+    ids, targets = encode(tok, {"messages": dialogue}, template=str(chat.template))
+    assert target_text(tok, ids, targets) == ["MIT<|im_end|>", "Short.<|im_end|>"]
+    with pytest.raises(ConfigError) as refused:
+        encode(tok, {"messages": dialogue}, template=str(tmp_path / "moves_system.jinja"))
+    error = str(refused.value)
+    assert error.startswith("data.chat_template: the chat template renders the conversation of row 0 up to message "
+                            "2 as text that does not begin its whole rendering") and "\n" not in error, error
+    assert "'Say MIT when asked. A license?" in error and "the whole has 'A license?" in error  # where they differ
+    # Without a system prompt that template keeps the prefix: its targets are found.
+    ids, targets = encode(tok, {"messages": dialogue[1:]}, template=str(tmp_path / "moves_system.jinja"))
+    assert target_text(tok, ids, targets) == ["MIT<|im_end|>", "Short.<|im_end|>"]
+    shouting = Conversations(TrainOn.assistant, str(tmp_path / "shouts.jinja"))
+    (bad,) = shouting.encode(tok, {"messages": [[message("user", "Hi"), message("assistant", "ok"),
+                                                 message("user", "ok?")]]}, 7)
+    assert isinstance(bad, BadRow) and str(bad).startswith("row 7: the content of message 1 ('ok') is not in"), bad
+
+
+def skipping_case(chat, tmp_path, rows: list[dict], **data) -> dict:
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    return {"data": {"name": "chat", "path": str(path), "tokenizer": str(chat.tokenizer),
+                     "cache_dir": str(tmp_path / "cache"), "num_workers": 0, **data},
+            "model": {"vocab_size": VOCAB, "seq_len": 256}}
+
+
+def test_a_bad_row_past_the_checked_ones_stops_the_run_or_is_skipped_and_counted(chat, tmp_path, caplog):
+    import logging
+
+    from trainer.data import _tokenized, check_data, load_data
+    from trainer.data.tokenized import CHECKED_ROWS
+    from trainer.errors import ConfigError
+
+    rows = list(chat.rows[:30])
+    rows[CHECKED_ROWS + 4] = {"messages": [message("user", "Hi"), {"role": "assistant", "content": None}]}
+    rows[CHECKED_ROWS + 9] = {"messages": [{"content": "no role"}, message("assistant", "Hi")]}
+    stops = to_config(skipping_case(chat, tmp_path, rows))
+    check_data(stops, world_size=1)  # the first rows read
+    with pytest.raises(ConfigError, match=f"row {CHECKED_ROWS + 4}: message 1 is not .*data.bad_rows=skip leaves"):
+        _tokenized(stops, stops.data.path, "data.path").prepare()
+    skips = to_config(skipping_case(chat, tmp_path, rows, bad_rows="skip"))
+    check_data(skips, world_size=1)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        train, _ = load_data(skips, local_rank=0)
+    tokens = _tokenized(skips, skips.data.path, "data.path").tokens()[0]
+    assert tokens.bad_rows == 2 and len(tokens.doc_starts) == len(rows) - 2
+    assert "2 bad rows skipped (data.bad_rows=skip)" in caplog.text  # the start line
+    assert f"row {CHECKED_ROWS + 9}: message 0 is not" in caplog.text  # each named as it is skipped
+    assert len(train.spans) == len(rows) - 2
+    # Every one of the first rows bad: no data of this kind, refused before work either way.
+    with pytest.raises(ConfigError, match="none of the first 16 rows can be read; row 0: message 0 is not"):
+        check_data(to_config(skipping_case(chat, tmp_path, [{"messages": [{"content": "no role"}]}] * 20,
+                                           bad_rows="skip")), world_size=1)
+
+
 def test_the_cache_keeps_a_target_mask_and_is_keyed_by_template_and_train_on(chat, tmp_path):
     from trainer.data import _tokenized
 
@@ -243,6 +326,10 @@ BAD_CHAT = {
                              "+model.vocab=512", "strategy.wrap=[ToyBlock]"],
                             ["data.packing", "takes none", "position_ids", "data.packing=false"]),
     "train_on elsewhere": (["data=hf", "data.train_on=all"], ["data.train_on", "only read by data=chat"]),
+    "bad_rows elsewhere": (["data=hf", "data.bad_rows=skip"], ["data.bad_rows", "only read by data=chat"]),
+    "template moves the system prompt": (["data.chat_template={root}/moves_system.jinja", "data.path={root}/two.jsonl"],
+                                         ["data.chat_template: the chat template renders the conversation of row 0",
+                                          "does not begin its whole rendering"]),
     "drop_long when packed": (["data=hf", "data.drop_long=true"], ["data.drop_long", "data.packing=false"]),
 }
 
@@ -254,6 +341,8 @@ def test_bad_chat_settings_are_refused_before_any_rank_starts(chat, tmp_path, na
     write_rows(tmp_path / "rows.jsonl", [{"messages": [message("user", "HI"), message("assistant", "OK")]},
                                          {"messages": [message("user", "Hi"), message("assistant", "Ok")]}])
     write_rows(tmp_path / "text.jsonl", [{"text": "no conversation here"}])
+    (tmp_path / "moves_system.jinja").write_text(MOVES_SYSTEM)
+    write_rows(tmp_path / "two.jsonl", [{"messages": TWO_TURNS}])
     overrides, fragments = BAD_CHAT[name]
     args = [o.format(root=tmp_path, tok=chat.tokenizer) for o in overrides]
     args += ["data=chat"] if not any(a.startswith("data=") for a in args) else []

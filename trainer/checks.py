@@ -11,6 +11,7 @@ from importlib import resources
 from typing import Any
 
 from trainer.config import (
+    BadRows,
     Config,
     DataName,
     ModelKind,
@@ -97,7 +98,8 @@ def validate(cfg: Config) -> None:
              "data.drop_long", "only rows of whole documents drop long ones: data=chat, or data=hf with "
              "data.packing=false")
     for key, is_set in (("chat_template", d.chat_template is not None),
-                        ("train_on", TrainOn(d.train_on) is not TrainOn.assistant)):
+                        ("train_on", TrainOn(d.train_on) is not TrainOn.assistant),
+                        ("bad_rows", BadRows(d.bad_rows) is not BadRows.error)):
         _require(not is_set or data_name is DataName.chat, f"data.{key}",
                  f"only read by data=chat, not data={data_name.value}")
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")

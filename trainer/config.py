@@ -57,6 +57,12 @@ class TrainOn(str, Enum):
     completion = "completion"  # prompt/completion rows: the completion's messages (or text + EOS)
 
 
+class BadRows(str, Enum):
+    """data=chat: a row that cannot be read (found while tokenising, past the rows checked before work)."""
+    error = "error"  # stop, naming the file and the row
+    skip = "skip"  # leave it out; the start line counts them
+
+
 class TokenDtype(str, Enum):
     uint16 = "uint16"
     uint32 = "uint32"
@@ -165,6 +171,7 @@ class DataConfig:
     chat_template: Optional[str] = None  # chat: a Jinja file; None: the tokenizer's own template
     train_on: TrainOn = TrainOn.assistant  # chat: the tokens that are targets
     drop_long: bool = False  # chat, or hf unpacked: drop documents longer than seq_len + 1 tokens (else truncated)
+    bad_rows: BadRows = BadRows.error  # chat: a row that cannot be read stops the run, or is skipped and counted
     val_path: Optional[str] = None  # held-out data of the same kind as `path`
     val_fraction: float = 0.0  # or: hold out this fraction of `path`
     num_workers: int = 1  # background loader processes per rank (0: load in the training process)

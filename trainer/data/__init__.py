@@ -36,7 +36,7 @@ def _tokenized(cfg: Config, path: str | None, key: str) -> TokenizedText:
     encoding = Conversations(d.train_on, d.chat_template) if DataName(d.name) is DataName.chat \
         else TextDocuments(d.text_field)
     return TokenizedText(path, key, encoding, Path(tokenizer) if tokenizer else None,
-                         Path(d.cache_dir) if d.cache_dir else default_cache_dir())
+                         Path(d.cache_dir) if d.cache_dir else default_cache_dir(), d.bad_rows)
 
 
 def _paths(cfg: Config) -> list[tuple[str, str | None]]:
@@ -107,19 +107,20 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
 
     def rows(tokens: Tokens, split: str) -> Dataset:
         if chat and d.packing:
-            return report(PackedDocuments(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split)
+            return report(PackedDocuments(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split, tokens.bad_rows)
         if d.packing:
             return TokenWindows(tokens, m.seq_len, m.vocab_size)
-        return report(Documents(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split)
+        return report(Documents(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split, tokens.bad_rows)
 
-    def report(rows: DocumentRows, split: str) -> Dataset:
+    def report(rows: DocumentRows, split: str, bad_rows: int) -> Dataset:
         """One line (rank 0's) on what became of the documents: rows, those too long, those
-        left without a target."""
+        left without a target, rows of the source that could not be read."""
         what, longest = "conversations" if chat else "documents", m.seq_len + 1
         notes = [f"{rows.long:,} longer than model.seq_len + 1 = {longest} tokens "
                  + ("dropped (data.drop_long)" if d.drop_long else "truncated (data.drop_long=true drops them)")
                  ] if rows.long else []
         notes += [f"{rows.untargeted:,} left out: no target in their first {longest} tokens"] if rows.untargeted else []
+        notes += [f"{bad_rows:,} bad rows skipped (data.bad_rows=skip)"] if bad_rows else []
         log.info(f"{split}: {len(rows.spans):,} {what} in {len(rows):,} {'packed' if d.packing else 'padded'} rows "
                  f"of {m.seq_len} tokens" + "".join(f"; {note}" for note in notes))
         return rows

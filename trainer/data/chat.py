@@ -9,10 +9,13 @@ Rows are `messages` ([{"role", "content"}, ...], the HF/OpenAI convention) or `p
 
 Most templates have no `{% generation %}` markers, so the targets are found in the rendering
 itself: the template renders the conversation up to an assistant message with
-`add_generation_prompt=True`; where the whole rendering starts with that, the message's content
-follows it (else it is searched for after the previous one). The tokens that overlap the
-content's characters are targets, and so is the first token after it that is not whitespace
-(the end of the turn), with any whitespace before it.
+`add_generation_prompt=True` (up to another target message without it), and the message's content
+is searched for after that and before the same rendering up to the next target: where the message
+is rendered, never in the text around it. That needs a template whose rendering of a
+conversation's beginning begins the rendering of the whole; one that does not (that moves the
+system prompt, or renders something that changes) is refused, as nothing says where its targets
+are. The tokens that overlap the content's characters are targets, and so is the first token after
+it that is not whitespace (the end of the turn), with any whitespace before it.
 Plain-string prompt/completion rows use no template: prompt + completion + EOS, whose targets
 are the completion and EOS.
 """
@@ -37,11 +40,10 @@ def row_format(columns: list[str], path: Path) -> str:
                       f"columns: {', '.join(columns)}")
 
 
-def locate(text: str, content: str, start: int) -> tuple[int, int] | None:
-    """The characters of `content` in `text` at or after `start`: as given, or stripped (templates
-    that trim it)."""
+def locate(text: str, content: str, start: int, end: int) -> tuple[int, int] | None:
+    """The characters of `content` in `text[start:end]`: as given, or stripped (templates that trim it)."""
     for needle in (content, content.strip()):
-        at = text.find(needle, start)
+        at = text.find(needle, start, end)
         if at >= 0:
             return at, at + len(needle)
     return None
@@ -87,10 +89,15 @@ class Conversations:
             raise ConfigError(f"data.chat_template: the tokenizer {tokenizer.name_or_path} has no chat template to "
                               f"render the conversations of {path}; give one: data.chat_template=FILE.jinja")
 
-    def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document]:
+    def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document | BadRow]:
         columns = list(rows)
-        return [self.document(tokenizer, {c: rows[c][j] for c in columns}, first + j)
-                for j in range(len(rows[columns[0]]))]
+        return [self.row(tokenizer, {c: rows[c][j] for c in columns}, first + j) for j in range(len(rows[columns[0]]))]
+
+    def row(self, tokenizer, row: dict, index: int) -> Document | BadRow:
+        try:
+            return self.document(tokenizer, row, index)
+        except BadRow as bad:
+            return bad
 
     def document(self, tokenizer, row: dict, index: int) -> Document:
         if "messages" in row:
@@ -105,7 +112,7 @@ class Conversations:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise BadRow(index, f"message {i} is not {{role, content}} with text content: {str(m)[:80]}")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template)
+        text = self.render(tokenizer, messages, index)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # the template has its BOS
         if self.train_on is TrainOn.all:
             return encoded["input_ids"], [1] * len(encoded["input_ids"])
@@ -116,22 +123,46 @@ class Conversations:
 
     def content_spans(self, tokenizer, messages: list[dict], targets: list[int], text: str,
                       index: int) -> list[tuple[int, int]]:
-        """Where in the rendering `text` the content of each target message is."""
-        spans, cursor = [], 0
-        for i in targets:
-            try:
-                before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True,
-                                                       chat_template=self.template)
-            except Exception:  # a template may refuse a conversation cut there (one that ends with a user)
-                before = None
-            start = len(before) if before and text.startswith(before) else cursor
-            span = locate(text, messages[i]["content"], start)
+        """Where in the rendering `text` the content of each target message is: after the rendering
+        of the conversation before it, and before that of the conversation before the next target (the
+        last: before the messages after it, where the template renders them as the whole does)."""
+        if not targets:
+            return []
+        starts = [len(self.beginning(tokenizer, messages, i, text, index)) for i in targets]
+        through_last = self.render(tokenizer, messages[:targets[-1] + 1], index)
+        spans = []
+        for i, start, end in zip(targets, starts, starts[1:] + [len(through_last) if text.startswith(through_last)
+                                                                else len(text)]):
+            span = locate(text, messages[i]["content"], start, end)
             if span is None:
                 raise BadRow(index, f"the content of message {i} ({messages[i]['content'][:60]!r}) is not in the "
-                                    "chat template's rendering, so its tokens cannot be found")
+                                    "chat template's rendering of it, so its tokens cannot be found")
             spans.append(span)
-            cursor = span[1]
         return spans
+
+    def beginning(self, tokenizer, messages: list[dict], i: int, text: str, index: int) -> str:
+        """The rendering of the messages before message i (with the generation prompt, if i is the
+        assistant's), which must begin the whole rendering `text`: else the template is refused."""
+        before = self.render(tokenizer, messages[:i], index, add_generation_prompt=messages[i]["role"] == "assistant")
+        if not text.startswith(before):
+            at = next(k for k, (a, b) in enumerate(zip(before, text + "\0")) if a != b)
+            key, whose = ("data.chat_template", "the") if self.template else \
+                ("data.tokenizer", f"{tokenizer.name_or_path}'s")
+            raise ConfigError(f"{key}: {whose} chat template renders the conversation of row {index} up to message "
+                              f"{i} as text that does not begin its whole rendering (at character {at}: "
+                              f"{before[at:at + 30]!r}, the whole has {text[at:at + 30]!r}): it moves or changes "
+                              "earlier text (a system prompt, a date), so where it renders the targets is unknown; "
+                              "give a template that renders a conversation's beginning the same in the whole: "
+                              "data.chat_template=FILE.jinja")
+        return before
+
+    def render(self, tokenizer, messages: list[dict], index: int, add_generation_prompt: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=self.template)
+        except Exception as e:  # the template's own refusal (raise_exception), or a field it lacks
+            raise BadRow(index, f"the chat template cannot render it ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
     def plain(self, tokenizer, prompt: str, completion: str) -> Document:
         """prompt + completion + EOS, with the tokenizer's own special tokens (as data=hf)."""

@@ -25,16 +25,18 @@ class Tokens:
     ids: np.ndarray  # 1-D unsigned ints; a memory map for files
     doc_starts: np.ndarray | None = None  # where each document begins; None: one running text
     targets: np.ndarray | None = None  # uint8 per token: 1 where it is a target (data=chat); None: all are
+    bad_rows: int = 0  # rows of the source left out, unreadable (data.bad_rows=skip)
 
     def split(self, fraction: float) -> tuple[Tokens, Tokens]:
-        """(kept, held out): the last `fraction` of the tokens, cut at a document start."""
+        """(kept, held out): the last `fraction` of the tokens, cut at a document start; the source's
+        bad rows are counted with the kept part."""
         cut = int(len(self.ids) * (1 - fraction))
         if self.doc_starts is None:
             return Tokens(self.ids[:cut]), Tokens(self.ids[cut:])
         first_held = int(np.searchsorted(self.doc_starts, cut))
         cut = int(self.doc_starts[first_held]) if first_held < len(self.doc_starts) else len(self.ids)
         targets = (None, None) if self.targets is None else (self.targets[:cut], self.targets[cut:])
-        return (Tokens(self.ids[:cut], self.doc_starts[:first_held], targets[0]),
+        return (Tokens(self.ids[:cut], self.doc_starts[:first_held], targets[0], self.bad_rows),
                 Tokens(self.ids[cut:], self.doc_starts[first_held:] - cut, targets[1]))
 
 

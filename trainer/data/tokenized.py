@@ -16,6 +16,9 @@ ranks wait for the entry to appear. All of this is outside any collective, so a 
 longer than `collective_timeout_s`. The entry is written under a temporary name, in batches
 whose progress is recorded, so a writer that dies leaves a partial entry the next writer
 continues; it is renamed when complete.
+
+A row the encoding cannot read stops the run, naming it (`data.bad_rows=error`), or is left out and
+counted in the entry (`skip`); the first rows are read before any rank starts, either way.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import IO, Protocol
 import numpy as np
 
 from trainer.checks import require_hf
+from trainer.config import BadRows
 from trainer.data.sources import Tokens
 from trainer.errors import ConfigError
 from trainer.log import log
@@ -43,6 +47,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 CHECKED_ROWS = 16  # encoded before any rank starts: a row the encoding cannot read is refused early
+SAID_BAD_ROWS = 5  # skipped rows named in the log, each; the others are counted
 
 # A document: its token ids, and which of them are targets (1) or context only (0); None: all are.
 Document = tuple[list[int], "list[int] | None"]
@@ -66,8 +71,9 @@ class Encoding(Protocol):
     def check(self, dataset, tokenizer, path: Path) -> None:
         """Before any rank starts: the columns and the tokenizer fit the encoding."""
 
-    def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document]:
-        """The documents of a batch of rows (a dict of columns), the first being row `first`."""
+    def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document | BadRow]:
+        """The documents of a batch of rows (a dict of columns), the first being row `first`; a row
+        it cannot read is a BadRow in its place."""
 
 
 class TextDocuments:
@@ -175,15 +181,19 @@ def cache_key(path: Path, tokenizer_dir: Path, settings: dict) -> str:
 class TokenizedText:
     """One source (data.path or data.val_path) with its encoding, tokenizer and cache entry."""
 
-    def __init__(self, path: str | None, key: str, encoding: Encoding, tokenizer_dir: Path | None, cache_root: Path):
+    def __init__(self, path: str | None, key: str, encoding: Encoding, tokenizer_dir: Path | None, cache_root: Path,
+                 bad_rows: BadRows = BadRows.error):
         data = f"data={encoding.name}"
         require_hf(data, "datasets")
         require_hf(data, "transformers")
         if path is None:
             raise ConfigError(f"{key}: {data} needs a file or folder, e.g. {key}=train.jsonl")
         self.path, self.key, self.encoding, self.cache_root = Path(path), key, encoding, cache_root
+        self.bad_rows = BadRows(bad_rows)
         self.tokenizer_dir = tokenizer_folder(tokenizer_dir, "data.tokenizer", encoding.name)
-        self.dir = cache_root / "tokenized" / cache_key(self.path, self.tokenizer_dir, encoding.key())
+        # An entry that skipped rows is not one that may have none.
+        self.dir = cache_root / "tokenized" / cache_key(self.path, self.tokenizer_dir,
+                                                        {**encoding.key(), "bad_rows": self.bad_rows.value})
 
     @property
     def ready(self) -> bool:
@@ -199,13 +209,18 @@ class TokenizedText:
         if not self.ready:
             dataset = open_dataset(self.path, self.key, self.cache_root)
             self.encoding.check(dataset, tokenizer, self.path)
-            self._encode(tokenizer, dataset[:CHECKED_ROWS], 0)
+            documents, bad = self._encode(tokenizer, dataset[:CHECKED_ROWS], 0)
+            if bad and not documents:
+                raise ConfigError(f"{self.key}: {self.path}, none of the first {len(bad)} rows can be read; {bad[0]}")
 
-    def _encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document]:
-        try:
-            return self.encoding.encode(tokenizer, rows, first)
-        except BadRow as e:
-            raise ConfigError(f"{self.key}: {self.path}, {e}") from None
+    def _encode(self, tokenizer, rows: dict[str, list], first: int) -> tuple[list[Document], list[BadRow]]:
+        """The documents of the rows, and the rows skipped (data.bad_rows=skip; else the first stops the run)."""
+        documents, bad = [], []
+        for document in self.encoding.encode(tokenizer, rows, first):
+            if isinstance(document, BadRow) and self.bad_rows is BadRows.error:
+                raise ConfigError(f"{self.key}: {self.path}, {document} (data.bad_rows=skip leaves such rows out)")
+            (bad if isinstance(document, BadRow) else documents).append(document)
+        return documents, bad
 
     def wait(self) -> None:
         """Until the entry is published (by this node's first process; if that one fails, the
@@ -250,7 +265,7 @@ class TokenizedText:
         try:
             return json.loads((self._tmp / "progress.json").read_text())
         except (OSError, ValueError):
-            return {"documents": 0, "ids_bytes": 0}
+            return {"documents": 0, "ids_bytes": 0, "bad_rows": 0}
 
     def _tokenise(self) -> None:
         started = time.perf_counter()
@@ -261,7 +276,7 @@ class TokenizedText:
         done = self._progress()
         written = done["ids_bytes"] // np.dtype(dtype).itemsize  # tokens in the recorded batches
         # What a writer that died wrote past its last recorded batch is cut off, then continued.
-        sizes = {"ids": done["ids_bytes"], "doc_starts": done["documents"] * 8}
+        sizes = {"ids": done["ids_bytes"], "doc_starts": (done["documents"] - done["bad_rows"]) * 8}
         if self.encoding.has_targets:
             sizes["targets"] = written  # one byte per token
         for name, size in sizes.items():
@@ -269,11 +284,14 @@ class TokenizedText:
                 f.truncate(size)
         log.info(f"tokenising {len(dataset):,} documents of {self.path} with {self.tokenizer_dir} (once; cached in "
                  f"{self.dir})" + (f", continuing after {done['documents']:,}" if done["documents"] else ""))
-        total, said = written, time.monotonic()
+        total, bad_rows, said = written, done["bad_rows"], time.monotonic()
         with ExitStack() as stack:
             files = {name: stack.enter_context(open(self._tmp / f"{name}.bin", "ab")) for name in sizes}
             for first in range(done["documents"], len(dataset), BATCH_DOCUMENTS):
-                docs = self._encode(tokenizer, dataset[first:first + BATCH_DOCUMENTS], first)
+                docs, bad = self._encode(tokenizer, dataset[first:first + BATCH_DOCUMENTS], first)
+                for row in bad[:max(0, SAID_BAD_ROWS - bad_rows)]:
+                    log.warning(f"{self.key}: {self.path}, {row}: skipped (data.bad_rows=skip)")
+                bad_rows += len(bad)
                 lengths = np.asarray([len(ids) for ids, _ in docs], dtype=np.int64)
                 starts = total + np.concatenate([[0], np.cumsum(lengths)[:-1]])
                 files["doc_starts"].write(starts.astype(np.int64).tobytes())
@@ -284,8 +302,8 @@ class TokenizedText:
                 for f in files.values():
                     f.flush()
                     os.fsync(f.fileno())
-                documents = first + len(docs)
-                (self._tmp / "progress.json").write_text(json.dumps({"documents": documents,
+                documents = min(first + BATCH_DOCUMENTS, len(dataset))  # rows read, those skipped too
+                (self._tmp / "progress.json").write_text(json.dumps({"documents": documents, "bad_rows": bad_rows,
                                                                      "ids_bytes": files["ids"].tell()}))
                 if time.monotonic() - said >= PROGRESS_EVERY_S:
                     log.info(f"tokenised {documents:,} of {len(dataset):,} documents")
@@ -298,13 +316,13 @@ class TokenizedText:
         (self._tmp / "progress.json").unlink()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         meta = {"format": FORMAT, "dtype": np.dtype(dtype).name, "documents": len(doc_starts), "tokens": total,
-                "pad_id": pad_id, "targets": self.encoding.has_targets,
+                "pad_id": pad_id, "targets": self.encoding.has_targets, "bad_rows": bad_rows,
                 "source": str(self.path.resolve()), "tokenizer": str(self.tokenizer_dir.resolve()),
                 **self.encoding.key()}
         (self._tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         self._tmp.rename(self.dir)  # published whole: readers look for dir/meta.json
         log.info(f"tokenised: {len(doc_starts):,} documents, {total:,} tokens in "
-                 f"{time.perf_counter() - started:.1f} s")
+                 f"{time.perf_counter() - started:.1f} s" + (f"; {bad_rows:,} bad rows skipped" if bad_rows else ""))
 
     def tokens(self) -> tuple[Tokens, int]:
         """The cached tokens (with their target mask, where the encoding has one) and the id that
@@ -312,4 +330,4 @@ class TokenizedText:
         meta = json.loads((self.dir / "meta.json").read_text())
         ids = np.memmap(self.dir / "ids.bin", dtype=meta["dtype"], mode="r")
         targets = np.memmap(self.dir / "targets.bin", dtype=np.uint8, mode="r") if meta.get("targets") else None
-        return Tokens(ids, np.load(self.dir / "doc_starts.npy"), targets), meta["pad_id"]
+        return Tokens(ids, np.load(self.dir / "doc_starts.npy"), targets, meta["bad_rows"]), meta["pad_id"]
