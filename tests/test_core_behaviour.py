@@ -268,3 +268,74 @@ def test_a_users_deepspeed_config_reaches_the_engine_with_auto_values_filled(set
     assert setups["zero2_bf16"]["deepspeed"]["reduce_bucket_size"] != 100000
     # what it leaves out: ours (gradients reduced in fp32 under bf16)
     assert ds["communication_data_type"] == torch.float32
+
+
+# -- strategy.reduce_dtype=bf16 against fp32 reduce, in bf16 training: the option acts (the losses
+# move a little), and every rank still holds the same weights (each applies the same reduced gradients) --
+
+REDUCE_STEPS = 4
+# Measured (4 steps, lr 3e-3): bf16 reduce moves the losses by 7e-7 to 8e-6 relative; equal ones
+# would mean the option is ignored, far ones that it does more than round the gradients.
+REDUCE_RTOL = 1e-4
+# One launch per group; the DeepSpeed engines take longer to build (marked slow below).
+REDUCE_GROUPS = (("ddp", "fsdp"), ("zero1", "zero2", "zero3"))
+
+
+def trained_per_reduce_dtype(env, strategies: list[str]) -> dict:
+    """Per (strategy, reduce dtype): the loss of each of REDUCE_STEPS bf16 steps (the mean over
+    ranks, each on batches of its own), then this rank's logits on one fixed batch, which its
+    weights alone decide."""
+    from trainer.models import logits_of
+
+    probe = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1000))
+    out = {}
+    for name in strategies:
+        for dtype in ("fp32", "bf16"):
+            strategy, model, _ = build(env, case(name, train__precision="bf16", strategy__reduce_dtype=dtype))
+            losses = []
+            for step in range(REDUCE_STEPS):
+                seed = step * env.world_size + env.rank
+                x = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(seed))
+                with strategy.micro_step(final=True):
+                    with strategy.autocast():
+                        loss = loss_of(model, x)
+                    strategy.backward(loss)
+                strategy.step(1.0)
+                losses.append(strategy.all_reduce(loss.detach().float()).item() / env.world_size)
+            with torch.no_grad(), strategy.autocast():
+                logits = logits_of(model(probe)).float()
+            strategy.teardown()
+            out[(name, dtype)] = {"losses": losses, "logits": logits}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reduce_dtype_runs():
+    """strategy -> {rank: trained_per_reduce_dtype's result}: its group launched on first use."""
+    done = {}
+
+    def runs(strategy: str) -> dict:
+        group = next(g for g in REDUCE_GROUPS if strategy in g)
+        if group not in done:
+            done[group] = on_ranks(2, trained_per_reduce_dtype, list(group))
+        return done[group]
+
+    return runs
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", *(pytest.param(s, marks=pytest.mark.slow)
+                                                       for s in REDUCE_GROUPS[1])])
+def test_bf16_reduce_moves_the_losses_a_little_and_keeps_every_rank_in_step(reduce_dtype_runs, strategy):
+    per_rank = reduce_dtype_runs(strategy)
+    fp32, bf16 = (per_rank[0][(strategy, dtype)]["losses"] for dtype in ("fp32", "bf16"))
+    assert bf16[0] == fp32[0], (bf16, fp32)  # the same start: nothing reduced yet
+    if strategy == "zero1":
+        # ZeRO-1 keeps its gradients in bf16 before and after the reduction (docs/strategies.md): at 2
+        # ranks a two-term sum is rounded to bf16 once either way, so fp32 traffic changes no number.
+        assert bf16 == fp32, (bf16, fp32)
+    else:
+        assert bf16[1:] != fp32[1:], f"{strategy}: reduce_dtype=bf16 gives the fp32-reduce losses exactly: ignored?"
+        assert bf16 == pytest.approx(fp32, rel=REDUCE_RTOL), (bf16, fp32)
+    for dtype in ("fp32", "bf16"):
+        logits = [per_rank[rank][(strategy, dtype)]["logits"] for rank in (0, 1)]
+        assert torch.equal(*logits), f"{strategy} reduce_dtype={dtype}: the ranks' weights differ"
