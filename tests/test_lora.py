@@ -252,3 +252,28 @@ def test_bad_lora_settings_are_refused_before_any_rank_starts(phi3, core, tmp_pa
                       "data=synthetic", f"model.seq_len={SEQ}", f"checkpoint.dir={ckpt}")
     assert "which it does not save" in message and str(phi3.resolve()) in message, message
     assert json.loads((ckpt / "step_00000008" / "manifest.json").read_text())["step"] == 8  # untouched
+
+
+@pytest.mark.parametrize("kind", ["reference", "custom", "hf"])
+def test_all_linear_leaves_the_output_layer_out_on_every_model_kind(phi3, kind):
+    """Issue 27: peft's rule (a Hugging Face model's get_output_embeddings) found no output layer on the
+    reference and custom models, whose logits were adapted. The tiny model's MLP is as wide as its
+    vocabulary (256): that layer is adapted, the head after it is not."""
+    from torch import nn
+
+    from trainer.config import to_config
+    from trainer.models import meta_model
+
+    node = {"reference": {"name": "tiny"},
+            "custom": {"name": "custom", "kind": "custom", "_target_": "examples.toy_model.build", "vocab": 128,
+                       "vocab_size": 128},
+            "hf": {"name": "hf", "kind": "hf", "path": str(phi3), "seq_len": SEQ, "vocab_size": VOCAB}}[kind]
+    cfg = to_config({"model": node, "peft": {"name": "lora"}})
+    model = meta_model(cfg.model, cfg.peft)
+    adapted = {name for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    linear = {name.removesuffix(".base_layer") for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and ".lora_" not in name}
+    output = {"reference": "lm_head", "custom": "head", "hf": "lm_head"}[kind]
+    assert adapted == linear - {output} and output in linear, sorted(linear - adapted)
+    if kind == "reference":
+        assert model.blocks[0].mlp.up.out_features == cfg.model.vocab_size and "blocks.0.mlp.up" in adapted

@@ -39,7 +39,7 @@ def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftCon
     make = builder(cfg)
     with context:
         model = make()
-        return lora.add_adapters(model, peft) if lora.enabled(peft) else model
+        return lora.add_adapters(model, peft, cfg.vocab_size) if lora.enabled(peft) else model
 
 
 _META_MODELS: dict[str, nn.Module] = {}

@@ -32,14 +32,23 @@ def enabled(cfg: PeftConfig | None) -> bool:
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Every layer LoRA can adapt (torch's Linear; transformers' Conv1D, GPT-2's), by name, but the
-    output layer (adapting the vocabulary projection is not what all-linear means, in peft either)."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    vocab = getattr(output, "out_features", None)
+    """Every layer LoRA can adapt (torch's Linear; transformers' Conv1D, GPT-2's), by name; the output
+    layer too, which a list of names may pick (as in peft) and `all-linear` leaves out."""
     return {name: m for name, m in model.named_modules()
-            if type(m).__name__ in ("Linear", "Conv1D") or isinstance(m, nn.Linear)
-            if m is not output and not (output is None and getattr(m, "out_features", None) == vocab)
-            and name}
+            if (type(m).__name__ in ("Linear", "Conv1D") or isinstance(m, nn.Linear)) and name}
+
+
+def output_layer(model: nn.Module, vocab_size: int) -> nn.Module | None:
+    """The layer that makes the logits. peft's `all-linear` leaves out a Hugging Face model's
+    `get_output_embeddings()` and nothing on other models; here it is left out on every kind: the
+    reference and custom models have no such method, so theirs is the last linear layer whose
+    outputs are the vocabulary (the logits come last; a layer before it may be as wide)."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if output is not None:
+        return output
+    widths = {name: getattr(m, "out_features", getattr(m, "nf", None)) for name, m in linear_layers(model).items()}
+    heads = [name for name, width in widths.items() if width == vocab_size]
+    return model.get_submodule(heads[-1]) if heads else None
 
 
 def matches(name: str, target: str) -> bool:
@@ -47,12 +56,14 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-def target_modules(model: nn.Module, cfg: PeftConfig) -> list[str]:
+def target_modules(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> list[str]:
     """The names to give peft: the leaf names (q_proj, ...) where they pick exactly the layers meant,
-    else full names. A given name that matches no linear layer is refused, naming those there are."""
+    else full names. `all-linear`: every linear layer but the output layer (`output_layer`). A given
+    name that matches no linear layer is refused, naming those there are."""
     layers = linear_layers(model)
     if cfg.target_modules == "all-linear":
-        chosen = sorted(layers)
+        output = output_layer(model, vocab_size)
+        chosen = sorted(name for name, m in layers.items() if m is not output)
     else:
         unknown = [t for t in cfg.target_modules if not any(matches(n, t) for n in layers)]
         if unknown:
@@ -75,18 +86,20 @@ def lora_config(settings: dict):
                       target_modules=list(settings["target_modules"]), bias="none")
 
 
-def add_adapters(model: nn.Module, cfg: PeftConfig) -> nn.Module:
-    """The model with LoRA adapters on its target layers, the rest frozen; in place."""
+def add_adapters(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> nn.Module:
+    """The model (whose logits are `vocab_size` wide) with LoRA adapters on its target layers, the
+    rest frozen; in place."""
     from peft import inject_adapter_in_model
 
-    settings = read_adapter_folder(Path(cfg.init)) if cfg.init else adapter_settings(model, cfg)
+    settings = read_adapter_folder(Path(cfg.init)) if cfg.init else adapter_settings(model, cfg, vocab_size)
     inject_adapter_in_model(lora_config(settings), model)
     model.lora_settings = settings  # read by the checkpoint's manifest (export needs them)
     return model
 
 
-def adapter_settings(model: nn.Module, cfg: PeftConfig) -> dict:
-    return {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout, "target_modules": target_modules(model, cfg)}
+def adapter_settings(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> dict:
+    return {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout,
+            "target_modules": target_modules(model, cfg, vocab_size)}
 
 
 def is_adapter(name: str) -> bool:
