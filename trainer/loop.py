@@ -67,6 +67,13 @@ def target_count(targets: torch.Tensor) -> torch.Tensor:
     return (targets != IGNORE_INDEX).sum()
 
 
+def input_count(targets: torch.Tensor) -> torch.Tensor:
+    """The positions the model processed that are not padding: each row up to its last target (a
+    row's padding is its tail, which holds no target)."""
+    positions = torch.arange(1, targets.shape[-1] + 1, device=targets.device)
+    return torch.where(targets != IGNORE_INDEX, positions, 0).amax(dim=-1).sum()
+
+
 def forward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The logits of a micro-batch (inputs, targets[, position_ids]). Rows of packed conversations
     carry position ids, restarting at each one: the model keeps attention within each."""
@@ -103,12 +110,14 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
 
 
 def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
-                track_memory: bool) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+                track_memory: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict | None]:
     """Forward and backward of one optimizer step's micro-batches: (the summed token loss, the
-    target tokens of all ranks, the bytes held at the gradients' peak if `track_memory`)."""
+    target tokens and the input tokens of all ranks, the bytes held at the gradients' peak if
+    `track_memory`)."""
     # The loss is the sum of token losses over the target tokens of the whole step, all
     # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
-    targets = strategy.all_reduce(sum(target_count(batch[1]) for batch in micro_batches))
+    targets, inputs = strategy.all_reduce(torch.stack([
+        sum(target_count(batch[1]) for batch in micro_batches), sum(input_count(batch[1]) for batch in micro_batches)]))
     scale = world_size / targets
     loss_sum, mem = torch.zeros((), device=targets.device), None
     for i, batch in enumerate(micro_batches):
@@ -120,7 +129,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
         if track_memory:  # the bytes held after each backward: gradients peak before they are reduced
             held = strategy.memory_bytes()
             mem = held if mem is None or held["grads"] > mem["grads"] else mem
-    return loss_sum, targets, mem
+    return loss_sum, targets, inputs, mem
 
 
 class Run:
@@ -148,9 +157,10 @@ class Run:
             stream.load_state_dict(state["data"])
             if state.get("early_stop"):
                 self.early_stop.load_state_dict(state["early_stop"])
-        self.meter = StepMeter(env.device, model_facts(cfg.model, cfg.strategy.wrap).flops_per_token,
+        self.meter = StepMeter(env.device, model_facts(cfg.model, cfg.strategy.wrap, cfg.peft).flops_per_token,
                                t.peak_flops or peak_flops(env.device, t.precision), env.world_size,
-                               tokens=state.get("tokens", 0))
+                               # a checkpoint from before input_tokens: its target tokens (the same without padding)
+                               tokens=state.get("tokens", 0), input_tokens=state.get("input_tokens", state.get("tokens", 0)))
         self.announce(resume_from, state, weights)
 
     def announce(self, resume_from: Path | None, state: dict, weights: WeightSource) -> None:
@@ -175,14 +185,15 @@ class Run:
             group["lr"] = self.lr
         self.strategy.track_memory = log_now
         micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
-        loss_sum, targets, mem = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size, log_now)
+        loss_sum, targets, inputs, mem = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size,
+                                                     log_now)
         # Every rank learns here whether the step is finite everywhere (else no update is made)
         # and whether a stop signal reached any rank.
         grad_norm = self.strategy.step(self.cfg.train.grad_clip, update_if=lambda norm: self.guard.check(
             torch.isfinite(loss_sum) & torch.isfinite(norm)))
         self.step += 1
         self.guard.count(self.step)
-        self.meter.count(targets)
+        self.meter.count(targets, inputs)
         return self.strategy.all_reduce(loss_sum) / targets if log_now else None, grad_norm, mem
 
     def compiled(self) -> None:
@@ -223,7 +234,7 @@ class Run:
         o = self.cfg.optim
         return self.checkpoints.save(self.step, {
             "step": self.step, "epoch": self.stream.epoch, "skipped": self.guard.skipped,
-            "loss_scale": self.strategy.loss_scale_state(), "tokens": self.meter.total_tokens(),
+            "loss_scale": self.strategy.loss_scale_state(), **self.meter.totals(),
             "data": self.stream.state_dict(),
             # what a resume compares against (resume_notes)
             "global_batch": self.global_batch, "schedule_steps": o.schedule_steps or self.total_steps,

@@ -15,25 +15,31 @@ from trainer.log import log
 
 
 class StepMeter:
-    """Tokens, time and mfu of the steps since the last log line; evaluations, saves and the first,
-    compiling step are left out of the time. Tokens are summed on the device and read at log lines
-    only (a read waits for the device)."""
+    """Tokens, time and mfu of the steps since the last log line. Two counts: target tokens (the
+    loss's denominator) and input tokens (what the model processed: each row up to its last target,
+    its padding left out), which the rate and mfu are of. Evaluations and saves are left out of
+    the time, and so is the first, compiling step, with its tokens (`restart`). Counts are summed
+    on the device and read at log lines only (a read waits for the device)."""
 
     def __init__(self, device: torch.device, flops_per_token: int, peak_flops: float | None, world_size: int,
-                 tokens: int = 0):
-        self.tokens = tokens  # up to the last log line
-        self.pending = torch.zeros((), dtype=torch.long, device=device)
+                 tokens: int = 0, input_tokens: int = 0):
+        self.tokens, self.input_tokens = tokens, input_tokens  # up to the last log line
+        self.pending = torch.zeros(2, dtype=torch.long, device=device)  # targets, inputs since then
+        self.untimed = torch.zeros_like(self.pending)  # of those, counted before the last restart
         self.flops_per_token, self.peak = flops_per_token, peak_flops * world_size if peak_flops else None
         self.since, self.steps = time.perf_counter(), 0
 
     def restart(self) -> float:
-        """Start timing anew; the seconds since the last start."""
+        """Start timing anew: the steps counted so far are left out of the next rate; the seconds
+        since the last start."""
         now = time.perf_counter()
         elapsed, self.since, self.steps = now - self.since, now, 0
+        self.untimed.copy_(self.pending)
         return elapsed
 
-    def count(self, targets: torch.Tensor) -> None:
-        self.pending += targets
+    def count(self, targets: torch.Tensor, inputs: torch.Tensor) -> None:
+        self.pending[0] += targets
+        self.pending[1] += inputs
         self.steps += 1
 
     @contextmanager
@@ -44,17 +50,23 @@ class StepMeter:
         finally:
             self.since += time.perf_counter() - start
 
-    def total_tokens(self) -> int:
-        return self.tokens + int(self.pending.item())
+    def totals(self) -> dict:
+        """The cumulative counts, for a checkpoint: {"tokens", "input_tokens"}."""
+        targets, inputs = self.pending.tolist()
+        return {"tokens": self.tokens + targets, "input_tokens": self.input_tokens + inputs}
 
     def read(self) -> dict:
-        """The numbers of a log line ({"tokens", "tokens_per_s", "step_time_s", "mfu"}); timing starts anew."""
+        """The numbers of a log line ({"tokens", "input_tokens", "tokens_per_s", "step_time_s",
+        "mfu"}); timing starts anew."""
+        (targets, inputs), (_, timed_inputs) = torch.stack([self.pending, self.pending - self.untimed]).tolist()
         steps, elapsed = self.steps, self.restart()
-        new = int(self.pending.item())
-        self.tokens += new
+        self.tokens += targets
+        self.input_tokens += inputs
         self.pending.zero_()
-        per_s = new / elapsed if steps else None
-        return {"tokens": self.tokens, "tokens_per_s": per_s, "step_time_s": elapsed / steps if steps else None,
+        self.untimed.zero_()
+        per_s = timed_inputs / elapsed if steps else None
+        return {"tokens": self.tokens, "input_tokens": self.input_tokens, "tokens_per_s": per_s,
+                "step_time_s": elapsed / steps if steps else None,
                 "mfu": per_s * self.flops_per_token / self.peak if self.peak and per_s else None}
 
 

@@ -110,18 +110,21 @@ class ModelFacts:
 
 
 def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | None = None) -> ModelFacts:
-    """Counts from the model built on the meta device. Training FLOPs per token, as PaLM: 6 x the
-    parameters that multiply (embedding lookups do not; a tied output matrix does) + 12 x layers x
-    width x context for attention."""
+    """Counts from the model built on the meta device (with `peft`'s adapters). Training FLOPs per
+    token, as PaLM: per parameter that multiplies (embedding lookups do not; a tied output matrix
+    does) 2 forward, 2 backward for its input's gradient and 2 for its own gradient, which a frozen
+    one (LoRA's base) does not have: 6 x trainable + 4 x frozen; + 12 x layers x width x context
+    for attention."""
     from trainer.blocks import find_blocks
 
     model = meta_model(cfg, peft)
     params = sum(p.numel() for p in model.parameters())
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    lookups = sum(e.weight.numel() for e in embeddings if id(e.weight) not in matmul_weights)
+    lookups = {id(e.weight) for e in embeddings if id(e.weight) not in matmul_weights}
+    multiplying = [p for p in model.parameters() if id(p) not in lookups]
     n_layers = len(find_blocks(model, wrap))
     d_model = embeddings[0].embedding_dim if embeddings else 0
-    return ModelFacts(params, n_layers, d_model, 6 * (params - lookups) + 12 * n_layers * d_model * cfg.seq_len,
-                      sum(p.numel() for p in model.parameters() if p.requires_grad),
+    flops = sum((6 if p.requires_grad else 4) * p.numel() for p in multiplying) + 12 * n_layers * d_model * cfg.seq_len
+    return ModelFacts(params, n_layers, d_model, flops, sum(p.numel() for p in model.parameters() if p.requires_grad),
                       tuple(p.numel() for p in model.parameters()))
