@@ -78,39 +78,6 @@ def test_the_log_is_the_programs_and_the_start_line_says_what_runs(tmp_path):
     assert all(line.startswith("[trainer]") for line in result.stdout.splitlines() if line.strip())
 
 
-def test_a_deepspeed_op_build_is_announced_when_ninja_has_work_to_do(tmp_path):
-    """DeepSpeed JIT-builds its CPU ops through torch's ninja runner: a build with work to do is
-    said (once per build), one with nothing to do is silent. A stand-in build of one file."""
-    import logging
-
-    import torch.utils.cpp_extension as extensions
-
-    from trainer.strategies.deepspeed import announce_op_builds
-
-    if not shutil.which("ninja"):
-        pytest.skip("no ninja here")
-    build = tmp_path / "stand_in_op"
-    build.mkdir()
-    (build / "build.ninja").write_text("rule touch\n  command = touch $out\nbuild stand_in_op.so: touch\n")
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("trainer").addHandler(handler)
-    own = extensions._run_ninja_build
-    try:
-        announce_op_builds()
-        announce_op_builds()  # once installed, not twice
-        extensions._run_ninja_build(str(build), False, "stand-in")
-        assert (build / "stand_in_op.so").exists()
-        assert said == [f"building DeepSpeed's op stand_in_op for this environment (once: about a minute; cached in "
-                        f"{build})"]
-        extensions._run_ninja_build(str(build), False, "stand-in")  # built: nothing to say
-        assert len(said) == 1
-    finally:
-        extensions._run_ninja_build = own
-        logging.getLogger("trainer").removeHandler(handler)
-
-
 def test_a_context_longer_than_learned_positions_is_refused_and_warned_for_computed_ones(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -8,10 +8,9 @@ import socket
 import sys
 import tempfile
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -212,6 +211,8 @@ def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_
     "Worker group FAILED")."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from trainer.patches import reported_restarts
+
     rendezvous = ({"rdzv_backend": "c10d", "rdzv_configs": {"timeout": 120}} if max_restarts else
                   {"rdzv_backend": "static", "rdzv_configs": {"rank": 0, "timeout": 120}})
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -220,29 +221,6 @@ def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_
                           shutdown_timeout=shutdown_timeout_s)
     with reported_restarts(on_restart):
         return elastic_launch(config, fn)(*args)
-
-
-@contextmanager
-def reported_restarts(report: Callable | None) -> Iterator[None]:
-    """Around a launch: `report(global rank, ProcessFailure, restart number)` for each failed rank
-    the agent is about to restart the group for, read from the result of its monitoring."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    monitor = LocalElasticAgent._monitor_workers
-
-    def monitored(agent, group):
-        result = monitor(agent, group)
-        if report is not None and result.is_failed() and agent._remaining_restarts > 0:
-            restart = group.spec.max_restarts - agent._remaining_restarts + 1
-            for rank, failure in sorted(result.failures.items()):
-                report(rank, failure, restart)
-        return result
-
-    LocalElasticAgent._monitor_workers = monitored
-    try:
-        yield
-    finally:
-        LocalElasticAgent._monitor_workers = monitor
 
 
 def shutdown(peers_alive: bool = True) -> None:

@@ -94,14 +94,10 @@ def without_initialisation() -> Iterator[None]:
     """Models built without transformers' `initialize_weights` (ties are still made): the values come
     from the files or InitWeights afterwards, and under ZeRO-3's zero.Init that init would index into
     empty partitions (an embedding's `padding_idx` row: Phi-3, Gemma)."""
-    from transformers import PreTrainedModel
+    from trainer.patches import INITIALIZE_WEIGHTS, replaced
 
-    own = PreTrainedModel.initialize_weights
-    PreTrainedModel.initialize_weights = lambda self: None
-    try:
+    with replaced(INITIALIZE_WEIGHTS, lambda own: lambda self: None):
         yield
-    finally:
-        PreTrainedModel.initialize_weights = own
 
 
 def pretrained_weights(cfg: ModelConfig, model: nn.Module,

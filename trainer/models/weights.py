@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from trainer.errors import ConfigError
 
@@ -68,19 +69,17 @@ def params_on_meta() -> Iterator[None]:
     """Build a module with its parameters on the meta device and its buffers real: buffers that
     __init__ computes (a rotary `inv_freq`) keep their values, which `to_empty` would turn into
     garbage. A parameter registered again (tied embeddings) stays the same parameter, a tie that
-    accelerate's `init_empty_weights` breaks."""
-    register = nn.Module.register_parameter
+    accelerate's `init_empty_weights` breaks. Through torch's public parameter registration hook."""
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        if param.device.type != "meta":
+            return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        return None
 
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
+    hook = register_module_parameter_registration_hook(on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        hook.remove()
 
 
 def whole(p: torch.Tensor) -> tuple[int, torch.Tensor]:

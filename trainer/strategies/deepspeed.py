@@ -7,15 +7,15 @@ one `coalesce_grad_reduction` block, so gradients are reduced once, after the fi
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
 
 import deepspeed
 import torch
 
 from trainer.config import ModelKind, Precision
-from trainer.log import chatter, log
+from trainer.log import chatter
 from trainer.models.weights import WeightSource, allocate, fill
+from trainer.patches import watch_op_builds
 from trainer.strategies.base import (
     optimizer_state_tensors,
     peak_device_bytes,
@@ -25,35 +25,10 @@ from trainer.strategies.ds_config import build_ds_config
 from trainer.strategies.ds_state import ZeroState
 
 
-def announce_op_builds() -> None:
-    """DeepSpeed JIT-compiles its CPU ops (shared-memory collectives at the first zero run, CPU Adam
-    at the first optimizer offload) wherever ~/.cache/torch_extensions lacks a build for this
-    environment: a minute or more of silence otherwise. Said when ninja finds work to do."""
-    import shutil
-    import subprocess
-
-    import torch.utils.cpp_extension as extensions
-
-    run = extensions._run_ninja_build
-    if getattr(run, "announces", False):
-        return
-
-    def announced(build_directory: str, verbose: bool, error_prefix: str) -> None:
-        ninja = shutil.which("ninja")
-        dry = subprocess.run([ninja, "-n", "-C", build_directory], capture_output=True, text=True) if ninja else None
-        if dry is None or "no work to do" not in dry.stdout:  # said by the rank that builds, whichever it is
-            log.warning(f"building DeepSpeed's op {Path(build_directory).name} for this environment (once: about a "
-                     f"minute; cached in {build_directory})")
-        run(build_directory, verbose, error_prefix)
-
-    announced.announces = True
-    extensions._run_ninja_build = announced
-
-
 class DeepSpeedStrategy(ZeroState):
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
-        announce_op_builds()
+        watch_op_builds()
         with chatter():
             deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
         self.ds_config = build_ds_config(cfg, env.world_size)

@@ -1,0 +1,205 @@
+"""Every replacement of a third-party internal, in one place (DESIGN §1).
+
+Each `Internal` names a function the trainer puts its own in place of, the signature the
+replacement relies on, and the versions it was checked against; tests/test_patches.py fails when
+an installed library's signature is no longer the recorded one. To add one: an `Internal` in
+REPLACED, then `replaced(...)` around the work that needs it (or `install(...)` for the process).
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import importlib
+import inspect
+import os
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from trainer.log import log
+
+
+@dataclass(frozen=True)
+class Internal:
+    """Attribute `name` of `owner` (a module, or `module:Class`), relied on as `signature`."""
+    owner: str
+    name: str
+    signature: str  # str(inspect.signature(...)) of the library's own function
+    checked: str  # the versions it was checked against
+
+    def home(self) -> object:
+        module, _, cls = self.owner.partition(":")
+        home = importlib.import_module(module)
+        return getattr(home, cls) if cls else home
+
+    def library_function(self) -> Callable:
+        """The library's own function, under any replacement of ours and under a decorator that
+        keeps it in its closure without functools.wraps (DeepSpeed's instrument_w_nvtx)."""
+        function = inspect.unwrap(getattr(self.home(), self.name))
+        own = [cell.cell_contents for cell in function.__closure__ or ()
+               if getattr(cell.cell_contents, "__name__", None) == self.name]
+        return own[0] if own else function
+
+
+RUN_NINJA_BUILD = Internal("torch.utils.cpp_extension", "_run_ninja_build",
+                           "(build_directory: str, verbose: bool, error_prefix: str) -> None", "torch 2.13.0")
+JIT_COMPILE = Internal("torch.utils.cpp_extension", "_jit_compile",
+                       "(name, sources, extra_cflags, extra_cuda_cflags, extra_sycl_cflags, extra_ldflags, "
+                       "extra_include_paths, build_directory: str, verbose: bool, with_cuda: bool | None, "
+                       "with_sycl: bool | None, is_python_module, is_standalone, keep_intermediates=True) "
+                       "-> module | str", "torch 2.13.0")
+# also relies on agent._remaining_restarts, group.spec.max_restarts and RunResult.failures
+MONITOR_WORKERS = Internal("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent",
+                           "_monitor_workers", "(self, worker_group: 'WorkerGroup') -> 'RunResult'", "torch 2.13.0")
+# made a no-op while a model is built whose values come afterwards (models/hf.py without_initialisation)
+INITIALIZE_WEIGHTS = Internal("transformers:PreTrainedModel", "initialize_weights", "(self)", "transformers 5.24")
+REPLACED = [RUN_NINJA_BUILD, JIT_COMPILE, MONITOR_WORKERS, INITIALIZE_WEIGHTS]
+
+
+def install(internal: Internal, make: Callable[[Callable], Callable], on: object = None) -> Callable:
+    """Put make(original) in the internal's place (on the instance `on`, where given), once;
+    returns the original."""
+    home = internal.home() if on is None else on
+    current = getattr(home, internal.name)
+    if getattr(current, "replaces", None) == internal:
+        return current.__wrapped__
+    replacement = functools.wraps(current)(make(current))
+    replacement.replaces = internal
+    setattr(home, internal.name, replacement)
+    return current
+
+
+@contextmanager
+def replaced(internal: Internal, make: Callable[[Callable], Callable], on: object = None) -> Iterator[None]:
+    """`install` for the duration of the block; the original is back afterwards."""
+    original = install(internal, make, on)
+    try:
+        yield
+    finally:
+        if on is None:
+            setattr(internal.home(), internal.name, original)
+        else:  # the class's own shows through again
+            delattr(on, internal.name)
+
+
+# DeepSpeed JIT-builds its CPU ops (shared-memory collectives at the first zero run, CPU Adam at the
+# first optimizer offload) through torch's loader, into TORCH_EXTENSIONS_DIR/<op>/.
+def watch_op_builds() -> None:
+    """For this process: a build with work to do is said (a minute or more of silence otherwise),
+    and a load never waits on a build lock whose holder is dead (`op_build_lock`)."""
+    install(RUN_NINJA_BUILD, _announced)
+    install(JIT_COMPILE, _locked)
+
+
+def _announced(run_ninja_build: Callable) -> Callable:
+    def announced(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        ninja = shutil.which("ninja")
+        dry = subprocess.run([ninja, "-n", "-C", build_directory], capture_output=True, text=True) if ninja else None
+        if dry is None or "no work to do" not in dry.stdout:  # said by the rank that builds, whichever it is
+            log.warning(f"building DeepSpeed's op {Path(build_directory).name} for this environment (once: about a "
+                        f"minute; cached in {build_directory})")
+        run_ninja_build(build_directory, verbose, error_prefix)
+    return announced
+
+
+def _locked(jit_compile: Callable) -> Callable:
+    parameters = inspect.signature(jit_compile)
+
+    def locked(*args, **kwargs):
+        with op_build_lock(parameters.bind(*args, **kwargs).arguments["build_directory"]):
+            return jit_compile(*args, **kwargs)
+    return locked
+
+
+OWN_LOCK = "trainer.lock"  # beside torch's `lock` in an op's build directory
+SAY_WAIT_AFTER_S = 2.0  # an op that is built already loads well within this: no line for it
+
+
+@contextmanager
+def op_build_lock(build_directory: str) -> Iterator[None]:
+    """The op's build directory for this process alone. torch's own lock (`lock`, a FileBaton) is a
+    bare file that a killed build leaves behind, and torch waits for it to go with no timeout. Ours
+    is an flock on `trainer.lock`, which the kernel drops when its holder dies however it dies, and
+    which records the holder's pid for the line a waiting process says. Holding it, a `lock` that no
+    live process has open was left by a killed build: it is removed, with a line, and the build
+    runs again (ninja redoes what the kill cut short)."""
+    os.makedirs(build_directory, exist_ok=True)
+    baton = os.path.join(build_directory, "lock")
+    own = os.open(os.path.join(build_directory, OWN_LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        _take(own, baton)
+        os.ftruncate(own, 0)
+        os.pwrite(own, str(os.getpid()).encode(), 0)
+        _clear_stale(baton)
+        yield
+    finally:
+        os.close(own)  # releases the flock
+
+
+def _take(own: int, baton: str) -> None:
+    said_at = time.monotonic() + SAY_WAIT_AFTER_S
+    while True:
+        try:
+            fcntl.flock(own, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if said_at is not None and time.monotonic() > said_at:
+                holder = os.pread(own, 32, 0).decode() or "unknown"
+                log.warning(f"waiting for {baton}: pid {holder} is building or loading this op")
+                said_at = None
+            time.sleep(0.1)
+
+
+def _clear_stale(baton: str) -> None:
+    """Wait while a live process outside the trainer holds torch's lock; remove it when none does.
+    A process releasing it closes the file before removing it: no holder is believed on one look."""
+    said, holderless = False, 0
+    while os.path.exists(baton):
+        holder = _opened_by(baton)
+        holderless = holderless + 1 if holder is None else 0
+        if holderless == 2:
+            with suppress(FileNotFoundError):
+                os.remove(baton)
+            log.warning(f"removed {baton}, left by a killed build: no live process holds it")
+            return
+        if holder is not None and not said:
+            log.warning(f"waiting for {baton}: pid {holder} holds it")
+            said = True
+        time.sleep(0.2)
+
+
+def _opened_by(path: str) -> int | None:
+    """A live process that has `path` open (read from /proc), or None. torch's FileBaton keeps its
+    lock file open until it removes it. Without /proc (not Linux) none is seen."""
+    target = os.path.realpath(path)
+    with suppress(FileNotFoundError):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with suppress(OSError):
+                        if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                            return int(pid)
+    return None
+
+
+@contextmanager
+def reported_restarts(report: Callable | None) -> Iterator[None]:
+    """Around a launch: `report(global rank, ProcessFailure, restart number)` for each failed rank
+    the agent is about to restart the group for, read from the result of its monitoring (torch's
+    agent only logs "Worker group FAILED")."""
+    def reporting(monitor: Callable) -> Callable:
+        def monitored(agent, group):
+            result = monitor(agent, group)
+            if report is not None and result.is_failed() and agent._remaining_restarts > 0:
+                restart = group.spec.max_restarts - agent._remaining_restarts + 1
+                for rank, failure in sorted(result.failures.items()):
+                    report(rank, failure, restart)
+            return result
+        return monitored
+
+    with replaced(MONITOR_WORKERS, reporting):
+        yield
