@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import stat
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, assert_refused, records, run_cli
+from tests.harness import REPO, assert_refused, records, refusal, run_cli
 
 SHORT = ["train.max_steps=4", "train.log_every=2"]
 
@@ -186,18 +187,81 @@ def test_a_resume_says_what_it_changes(checkpointed, tmp_path):
     assert said[3] == "no checkpoint.dir: nothing of this run is saved (checkpoint.resume only reads)"
 
 
-def test_early_stopping_ends_the_run_and_keep_best_keeps_the_best_checkpoint(tmp_path):
-    """At lr 0 the val loss never falls: evaluations at steps 2 (the best), 4 and 6 (two without a
-    lower loss) stop the run at step 6 of 20, saved; keep_last=1 and keep_best=1 keep steps 6 and 2."""
+def test_early_stopping_saves_the_step_it_stops_at_and_names_the_best(tmp_path):
+    """At lr 0 the val loss never falls: evaluations at steps 3 (the best), 6 and 9 (two without a
+    lower loss) stop the run at step 9 of 20, which is no checkpoint.every_steps step but is saved."""
     ckpt = tmp_path / "ckpt"
-    result = run_cli("optim.lr=0", "train.max_steps=20", "train.log_every=2", "data.val_fraction=0.1",
-                     "eval.every_steps=2", "eval.early_stop_patience=2", f"checkpoint.dir={ckpt}",
-                     "checkpoint.every_steps=2", "checkpoint.keep_last=1", "checkpoint.keep_best=1",
-                     f"hydra.run.dir={tmp_path / 'run'}")
+    result = run_cli("optim.lr=0", "train.max_steps=20", "train.log_every=3", "data.val_fraction=0.1",
+                     "eval.every_steps=3", "eval.early_stop_patience=2", f"checkpoint.dir={ckpt}",
+                     "checkpoint.every_steps=4", "checkpoint.keep_last=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "early stop after step 6: no lower val loss in 2 evaluations (eval.early_stop_patience=2); the best" \
+    assert "early stop after step 9: no lower val loss in 2 evaluations (eval.early_stop_patience=2); the best" \
         in result.stdout
-    events = [r for r in lines(tmp_path / "run") if "event" in r]
-    assert events[-2] == {"event": "early_stop", "step": 6, "best_step": 2, "best_val_loss": events[-2]["best_val_loss"]}
-    assert events[-1]["event"] == "end" and events[-1]["step"] == 6
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000006"]
+    rows = lines(tmp_path / "run")
+    vals = {r["step"]: r["loss"] for r in rows if r.get("split") == "val"}
+    assert sorted(vals) == [3, 6, 9]
+    events = [r for r in rows if "event" in r]
+    assert events[-2] == {"event": "early_stop", "step": 9, "best_step": 3, "best_val_loss": vals[3]}
+    assert events[-1]["event"] == "end" and events[-1]["step"] == 9
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000008", "step_00000009"]
+
+
+def test_early_stopping_counts_on_across_a_resume(tmp_path):
+    """Evaluations at 2 (the best) and 4 before the save at step 4; after the resume 6 and 8 make
+    three without a lower loss: the run stops at 8 (counting afresh, it would stop at 12)."""
+    common = ["optim.lr=0", "data.val_fraction=0.1", "eval.every_steps=2", "eval.early_stop_patience=3",
+              f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=4"]
+    first = run_cli(*common, "train.max_steps=4", f"hydra.run.dir={tmp_path / 'first'}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(*common, "train.max_steps=20", f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = [r for r in lines(tmp_path / "resumed") if "event" in r]
+    assert events[-2]["event"] == "early_stop" and (events[-2]["step"], events[-2]["best_step"]) == (8, 2), events
+
+
+def test_keep_best_keeps_the_lowest_val_losses_besides_the_newest(tmp_path):
+    """Step dirs 1-5 saved with val losses NaN, 3.0, 1.0, 2.0 and none (no evaluation at step 5)."""
+    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint_format import FORMAT_VERSION
+    from trainer.config import CheckpointConfig
+
+    def kept(keep_best: int) -> list[int]:
+        root = tmp_path / str(keep_best)
+        for step, val_loss in enumerate([float("nan"), 3.0, 1.0, 2.0, None], start=1):
+            (root / f"step_{step:08d}").mkdir(parents=True)
+            (root / f"step_{step:08d}" / "manifest.json").write_text(
+                json.dumps({"format": FORMAT_VERSION, "step": step, "trainer": {"val_loss": val_loss}, "tensors": {}}))
+        manager = CheckpointManager(CheckpointConfig(dir=str(root), keep_last=1, keep_best=keep_best), None, "ddp")
+        manager._prune(keep=root / "step_00000005")
+        return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*"))
+
+    assert kept(0) == [5]
+    assert kept(1) == [3, 5]
+    assert kept(2) == [3, 4, 5]
+    assert kept(3) == [2, 3, 4, 5]  # a NaN val loss is never among the best
+
+
+def test_a_nan_val_loss_counts_neither_as_better_nor_as_worse():
+    from trainer.steps import EarlyStop
+
+    stop = EarlyStop(patience=2)
+    assert [stop.update(step, loss) for step, loss in [(1, 2.0), (2, math.nan), (3, 3.0), (4, math.nan)]] == [False] * 4
+    assert (stop.best, stop.best_step, stop.worse) == (2.0, 1, 1)
+    assert stop.update(5, 2.5)
+
+
+@pytest.mark.parametrize("setting", ["eval.early_stop_patience=2", "checkpoint.keep_best=1"])
+def test_what_compares_val_losses_is_refused_without_validation_data(tmp_path, setting):
+    key = setting.split("=")[0]
+    assert refusal(tmp_path, setting) == (f"{key}: compares validation losses, and there is no validation data: set "
+                                          "data.val_fraction or data.val_path")
+    refusal_free = [setting, "data.val_fraction=0.1"]
+    with pytest.raises(AssertionError, match="not refused"):
+        refusal(tmp_path, *refusal_free)
+
+
+def test_an_empty_validation_split_is_refused_before_training(tmp_path):
+    result = run_cli("data.val_fraction=0.0001", "train.max_steps=2", f"hydra.run.dir={tmp_path}")
+    assert_refused(result, "data.val_fraction: the validation split holds no row of model.seq_len=64 tokens with a "
+                           "target; give more validation data, or none")
+    assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()

@@ -5,6 +5,7 @@ resumes from: trainer/resume.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import zlib
@@ -216,11 +217,13 @@ class CheckpointManager:
                                 f"(checkpoint.keep_last={self.cfg.keep_last}): {e}")
 
     def best(self, done: list[Path]) -> list[Path]:
-        """Of the step dirs `done`, the `keep_best` saved at an evaluation with the lowest val loss."""
+        """Of the step dirs `done`, the `keep_best` saved at an evaluation with the lowest val loss
+        (of equal ones, the older; a NaN is none)."""
         if not self.cfg.keep_best:
             return []
         scored = [(read_manifest(p)["trainer"].get("val_loss"), p) for p in done]
-        return [p for val_loss, p in sorted(s for s in scored if s[0] is not None)[:self.cfg.keep_best]]
+        return [p for val_loss, p in sorted(s for s in scored if s[0] is not None and not math.isnan(s[0]))
+                [:self.cfg.keep_best]]
 
     def load(self, path: Path) -> dict:
         """Load model and optimizer state into the strategy; return the trainer's state."""

@@ -108,6 +108,9 @@ def validate(cfg: Config) -> None:
     _require(cfg.eval.early_stop_patience >= 0, "eval.early_stop_patience",
              f"must be >= 0 (0: never stop early), got {cfg.eval.early_stop_patience}")
     _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
+    for key, is_set in (("eval.early_stop_patience", cfg.eval.early_stop_patience), ("checkpoint.keep_best", c.keep_best)):
+        _require(not is_set or bool(d.val_path or d.val_fraction), key,
+                 "compares validation losses, and there is no validation data: set data.val_fraction or data.val_path")
     _require(not (s.offload_params and name not in (StrategyName.fsdp, StrategyName.zero3)),
              "strategy.offload_params", f"only fsdp and zero3 shard parameters; strategy={name.value} "
              "cannot offload them (use strategy=zero3 or strategy=fsdp)")
@@ -117,6 +120,16 @@ def validate(cfg: Config) -> None:
              f"only read by zero1/zero2/zero3, not strategy={name.value}")
     _require(Sharding(s.sharding) is Sharding.FULL_SHARD or name is StrategyName.fsdp,
              "strategy.sharding", f"only read by strategy=fsdp, not strategy={name.value}")
+
+
+def check_validation_rows(cfg: Config, rows: int) -> None:
+    """An empty validation split (a small data.val_fraction, or every document dropped) would give
+    a val loss of 0/0: refused once the data is read, before training."""
+    d = cfg.data
+    _require(rows > 0, "data.val_path" if d.val_path else "data.val_fraction",
+             f"the validation split holds no row of model.seq_len={cfg.model.seq_len} tokens with a target"
+             + (" (data.drop_long=true drops documents longer than model.seq_len + 1)" if d.drop_long else "")
+             + "; give more validation data, or none")
 
 
 def check_lora(p: PeftConfig) -> None:

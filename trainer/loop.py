@@ -15,6 +15,7 @@ from tqdm import tqdm
 from trainer.blocks import apply_checkpointing, find_blocks
 from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint_format import read_manifest
+from trainer.checks import check_validation_rows
 from trainer.config import Config, OptimConfig
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
@@ -139,6 +140,8 @@ class Run:
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, strategy: Strategy, guard: StepGuard,
                  stream: BatchStream, val_set, total_steps: int, resume_from: Path | None):
         t = cfg.train
+        if val_set is not None:
+            check_validation_rows(cfg, len(val_set))
         self.cfg, self.env, self.run_dir, self.strategy, self.guard = cfg, env, run_dir, strategy, guard
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size

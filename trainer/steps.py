@@ -104,13 +104,16 @@ class StepProfiler:
 
 class EarlyStop:
     """eval.early_stop_patience=K: the run ends after K evaluations in a row without a lower
-    validation loss (0: never). Its state goes into checkpoints, so a resume counts on."""
+    validation loss (0: never). A NaN val loss counts neither way. Its state goes into checkpoints,
+    so a resume counts on."""
 
     def __init__(self, patience: int):
         self.patience, self.best, self.best_step, self.worse = patience, math.inf, 0, 0
 
     def update(self, step: int, val_loss: float) -> bool:
         """Whether to stop after this evaluation (the same on every rank: the loss is all-reduced)."""
+        if math.isnan(val_loss):
+            return False
         if val_loss < self.best:
             self.best, self.best_step, self.worse = val_loss, step, 0
         else:
