@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from examples.tiny_hf import (
     CHAT_TEMPLATE,
@@ -261,6 +262,42 @@ def test_the_reference_model_keeps_packed_documents_apart():
     assert torch.allclose(one_document, model(a), atol=1e-6)
 
 
+class PositionsOnly(torch.nn.Module):
+    """A custom model that takes position_ids for its position embedding: with `apart`, its attention
+    keeps each packed sequence to itself (the reference model's mask); without, it is causal over the
+    whole row, across them, though its forward's signature is the same."""
+
+    def __init__(self, vocab: int, dim: int, apart: bool):
+        super().__init__()
+        self.apart = apart
+        self.embed, self.positions = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(256, dim)
+        self.qkv, self.head = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids, position_ids=None):
+        from trainer.models.reference import document_mask
+
+        position_ids = torch.arange(ids.shape[1])[None] if position_ids is None else position_ids
+        x = self.embed(ids) + self.positions(position_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        mask = document_mask(position_ids) if self.apart else None
+        return self.head(x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)[:, 0])
+
+
+def positions_only(vocab: int = VOCAB, dim: int = 32, apart: bool = False) -> PositionsOnly:
+    return PositionsOnly(vocab, dim, apart)
+
+
+def test_the_packing_check_passes_models_that_keep_conversations_apart(chat):
+    """The refusals of models that attend across packed conversations are among the bad settings below."""
+    from trainer.models import resolve_model
+    from trainer.models.packing import check_packing
+
+    apart = {"name": "custom", "kind": "custom", "_target_": "tests.test_chat.positions_only", "apart": True}
+    for node in (apart, {"name": "hf", "kind": "hf", "path": str(chat.qwen2)},
+                 {"name": "hf", "kind": "hf", "path": str(chat.qwen2), "attn_implementation": "eager"}):
+        check_packing(resolve_model(to_config({"model": node}).model))
+
+
 def chat_case(chat, path, **overrides) -> dict:
     """One epoch of every conversation at lr 0, a micro-batch of one row per step."""
     return with_overrides(case("ddp", steps=0), **{
@@ -325,6 +362,15 @@ BAD_CHAT = {
     "custom model packed": (["data.tokenizer={tok}", "model=custom", "model._target_=examples.toy_model.build",
                              "+model.vocab=512", "strategy.wrap=[ToyBlock]"],
                             ["data.packing", "takes none", "position_ids", "data.packing=false"]),
+    "custom model attends across": (["data.tokenizer={tok}", "model=custom",
+                                     "model._target_=tests.test_chat.positions_only", "strategy.wrap=[Linear]"],
+                                    ["data.packing: packed conversations need a model whose attention stays within "
+                                     "each", "tests.test_chat.positions_only gives two sequences packed in one row "
+                                     "other logits than each alone", "data.packing=false"]),
+    "hf model attends across": (["data.tokenizer={tok}", "model=hf", "model.path={root}/opt"],
+                                ["data.packing: packed conversations need a model whose attention stays within each",
+                                 "the sdpa attention of", "opt gives two sequences packed in one row other logits",
+                                 "data.packing=false"]),
     "train_on elsewhere": (["data=hf", "data.train_on=all"], ["data.train_on", "only read by data=chat"]),
     "bad_rows elsewhere": (["data=hf", "data.bad_rows=skip"], ["data.bad_rows", "only read by data=chat"]),
     "template moves the system prompt": (["data.chat_template={root}/moves_system.jinja", "data.path={root}/two.jsonl"],
@@ -342,6 +388,10 @@ def test_bad_chat_settings_are_refused_before_any_rank_starts(chat, tmp_path, na
                                          {"messages": [message("user", "Hi"), message("assistant", "Ok")]}])
     write_rows(tmp_path / "text.jsonl", [{"text": "no conversation here"}])
     (tmp_path / "moves_system.jinja").write_text(MOVES_SYSTEM)
+    from transformers import OPTConfig  # learned positions from the row, not from position_ids
+
+    OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+              word_embed_proj_dim=32, max_position_embeddings=128).save_pretrained(str(tmp_path / "opt"))
     write_rows(tmp_path / "two.jsonl", [{"messages": TWO_TURNS}])
     overrides, fragments = BAD_CHAT[name]
     args = [o.format(root=tmp_path, tok=chat.tokenizer) for o in overrides]

@@ -24,6 +24,7 @@ from trainer.data.stream import BatchStream, eval_batches
 from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir
 from trainer.errors import ConfigError
 from trainer.log import log
+from trainer.models.packing import check_packing
 
 __all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "load_data"]
 
@@ -61,26 +62,12 @@ def _tokens(cfg: Config, path: str | None, key: str) -> tuple[Tokens, int]:
     return text_tokens(path, key), 0
 
 
-def check_packed_model(cfg: Config) -> None:
-    """Packed conversations need a model that keeps attention within each (position_ids): the
-    reference and Hugging Face models do; a custom one must say so in its forward's signature."""
-    import inspect
-
-    from trainer.models import meta_model
-
-    model = meta_model(cfg.model)
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        raise ConfigError(f"data.packing: packed conversations pass position_ids (restarting at each one) to the "
-                          f"model, and {cfg.model.target}'s forward takes none; give it a position_ids argument "
-                          "that keeps attention within each conversation, or set data.packing=false")
-
-
 def check_data(cfg: Config, world_size: int) -> None:
     """What can be wrong with the data settings, found before any rank starts: files, and one
     step's worth of samples (text to tokenise: once it is, at the start of the run)."""
     name = DataName(cfg.data.name)
-    if name is DataName.chat and cfg.data.packing and ModelKind(cfg.model.kind) is ModelKind.custom:
-        check_packed_model(cfg)
+    if name is DataName.chat and cfg.data.packing and ModelKind(cfg.model.kind) is not ModelKind.reference:
+        check_packing(cfg.model)  # the reference model keeps packed documents apart (tests/test_chat.py)
     if name in TOKENIZED:
         for key, path in _paths(cfg):
             _tokenized(cfg, path, key).check(cfg.model.vocab_size)

@@ -89,6 +89,30 @@ def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
     return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters
 
 
+PROBE_VOCAB, PROBE_WIDTH = 128, 64
+
+
+def small_builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
+    """The model cut to one layer, a vocabulary of PROBE_VOCAB and MLPs (experts too) PROBE_WIDTH
+    wide: the same attention (its kind, heads, positions and implementation) in a fraction of the
+    memory, for a check that runs it (a 7B Llama: 69 M parameters)."""
+    config = read_config(cfg)
+    text = config.get_text_config()
+    layers = getattr(text, "num_hidden_layers", None)
+    for key, value in text.to_dict().items():
+        if isinstance(value, list) and layers and len(value) == layers:  # one entry per layer (layer_types)
+            setattr(text, key, value[:1])
+        elif key.endswith("intermediate_size") and isinstance(value, int):
+            setattr(text, key, min(value, PROBE_WIDTH))
+        elif key.endswith("token_id") and isinstance(value, int) and value >= PROBE_VOCAB:
+            setattr(text, key, None)  # no such token in the smaller vocabulary
+    if layers:
+        text.num_hidden_layers = 1
+    text.vocab_size = min(text.vocab_size, PROBE_VOCAB)
+    cls = model_class(config)
+    return lambda: cls(config)
+
+
 @contextmanager
 def without_initialisation() -> Iterator[None]:
     """Models built without transformers' `initialize_weights` (ties are still made): the values come
