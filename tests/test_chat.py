@@ -344,6 +344,32 @@ def test_packed_and_padded_rows_give_the_same_loss_on_the_same_targets(epochs, m
         assert math.isclose(val_loss(epochs / "packed"), val_loss(epochs / "padded"), rel_tol=PACKED_RTOL)
 
 
+def test_a_packed_hf_model_given_no_position_ids_misses_the_padded_loss_by_more_than_the_tolerance(chat):
+    """The negative control of the hf_ case above: the same conversations and targets, packed and padded,
+    through the same Qwen2 model. With position_ids the summed losses agree within PACKED_RTOL; withheld,
+    attention crosses conversations and they differ by more, so that test would see it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.data import load_data
+
+    config = AutoConfig.from_pretrained(str(chat.qwen2))
+    config.use_cache = False  # as the trainer builds it: no cache, so transformers reads packing from position_ids
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    qwen2 = {"name": "hf", "kind": "hf", "path": str(chat.qwen2), "seq_len": 256, "vocab_size": VOCAB}
+
+    def summed_loss(packing: bool, positions: bool = True) -> float:
+        rows, _ = load_data(to_config({**chat_case(chat, chat.data, data__packing=packing), "model": qwen2}), 0)
+        x, y, *position_ids = (torch.stack(column) for column in zip(*rows))  # every row in one batch
+        with torch.no_grad():
+            logits = model(x, **({"position_ids": position_ids[0]} if position_ids and positions else {})).logits
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum").item()
+
+    padded, packed, crossing = summed_loss(False), summed_loss(True), summed_loss(True, positions=False)
+    assert math.isclose(packed, padded, rel_tol=PACKED_RTOL), (packed, padded)
+    assert abs(crossing - padded) > 10 * PACKED_RTOL * padded, (crossing, padded)
+
+
 def test_only_the_assistants_tokens_count_as_targets(epochs):
     tokens = {name: summed_loss(epochs / name)[1] for name in ("packed", "longer_context", "longer_answers")}
     assert tokens["longer_context"] == tokens["packed"], "user and system text must not be targets"
