@@ -316,6 +316,16 @@ def test_hybrid_shard_needs_a_world_size_that_is_a_multiple_of_the_node_size(tmp
         tmp_path / "run", "strategy=fsdp", "strategy.sharding=HYBRID_SHARD", "nproc=3")
 
 
+def start_restartable(run_dir: Path, launcher: str, *overrides: str) -> subprocess.Popen:
+    """2 ranks that are restarted twice at most, by the trainer's own launcher (nproc) or torchrun."""
+    if launcher == "nproc":
+        return start(run_dir, "nproc=2", "max_restarts=2", "shutdown_timeout_s=10", *overrides)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    return subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node", "2", "--max-restarts", "2",
+                             "-m", "trainer", *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **CPU_ONLY})
+
+
 def kill_a_rank_after_step(run_dir: Path, launcher: subprocess.Popen, step: int) -> None:
     wait_for_step(run_dir, step, launcher)
     ranks = rank_processes(launcher)
@@ -328,15 +338,7 @@ def kill_a_rank_after_step(run_dir: Path, launcher: subprocess.Popen, step: int)
 def test_a_rank_killed_mid_run_is_restarted_and_the_group_resumes_with_the_losses_of_a_run_never_killed(
         tmp_path, reference, launcher):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    args = (*ARGS, "checkpoint.every_steps=3", f"checkpoint.dir={ckpt}")
-    if launcher == "nproc":
-        process = start(run_dir, "nproc=2", "max_restarts=2", "shutdown_timeout_s=10", *args)
-    else:
-        torchrun = Path(sys.executable).parent / "torchrun"
-        process = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node", "2", "--max-restarts", "2",
-                                    "-m", "trainer", *args, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env={**os.environ, **CPU_ONLY})
+    process = start_restartable(run_dir, launcher, *ARGS, "checkpoint.every_steps=3", f"checkpoint.dir={ckpt}")
     kill_a_rank_after_step(run_dir, process, 7)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
@@ -431,3 +433,57 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def manifest_only(root: Path, step: int) -> Path:
+    """A step dir as resume's choice reads it: its manifest alone."""
+    from trainer.checkpoint_format import FORMAT_VERSION, MANIFEST, step_dir_name
+
+    path = root / step_dir_name(step)
+    path.mkdir(parents=True)
+    (path / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "tensors": {}}))
+    return path
+
+
+@pytest.mark.parametrize("restart_variable", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_a_restart_resumes_from_the_newest_checkpoint_whatever_checkpoint_resume_named(
+        tmp_path, monkeypatch, restart_variable):
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    named = manifest_only(ckpt, 3)
+    newest = manifest_only(ckpt, 6)
+    first = CheckpointConfig(dir=str(ckpt), resume=str(named))
+    assert resolve_resume(first) == named  # the first start begins where it is told
+    monkeypatch.setenv(restart_variable, "1")
+    assert resolve_resume(first) == newest
+    named.rename(tmp_path / "pruned")  # keep_last removed it
+    assert resolve_resume(first) == newest
+    assert resolve_resume(CheckpointConfig(dir=str(ckpt), resume="none")) == newest  # this run's own saves
+    ahead = manifest_only(elsewhere, 9)  # newer than anything this run saved yet: still the start
+    assert resolve_resume(CheckpointConfig(dir=str(ckpt), resume=str(ahead))) == ahead
+    assert resolve_resume(CheckpointConfig(dir=str(tmp_path / "empty"), resume=str(ahead))) == ahead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["nproc", "torchrun"])
+def test_a_rank_killed_after_keep_last_pruned_the_named_checkpoint_restarts_from_the_newest(
+        tmp_path, reference, launcher):
+    ckpt = tmp_path / "ckpt"
+    first = run_cli("nproc=2", "strategy=fsdp", "train.max_steps=3", f"optim.schedule_steps={STEPS}",
+                    "train.log_every=1", "data.num_workers=0", f"checkpoint.dir={ckpt}",
+                    f"hydra.run.dir={tmp_path / 'first'}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    named = ckpt / "step_00000003"
+    run_dir = tmp_path / "run"
+    process = start_restartable(run_dir, launcher, *ARGS, f"checkpoint.dir={ckpt}", "checkpoint.every_steps=3",
+                                "checkpoint.keep_last=1", f"checkpoint.resume={named}")
+    kill_a_rank_after_step(run_dir, process, 7)  # step 6 saved, step 3 pruned
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    resumed = [e for e in events(run_dir) if e["event"] == "resumed"]
+    assert resumed[0] == {"event": "resumed", "step": 3, "from": str(named)}  # the first start
+    resumed_at = resumed[-1]["step"]  # the restart: the newest checkpoint when the rank died
+    assert resumed_at % 3 == 0 and 6 <= resumed_at < STEPS
+    assert resumed[-1]["from"] == str(ckpt / f"step_{resumed_at:08d}")
+    assert not named.exists() and not list(ckpt.glob("superseded-*"))  # no newer work set aside
+    assert_resumes(records(run_dir)[-(STEPS - resumed_at):], reference, at=resumed_at)  # bitwise
+    assert events(run_dir)[-1]["event"] == "end"

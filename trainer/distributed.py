@@ -71,8 +71,9 @@ def launched_externally() -> bool:
 
 
 def restart_count() -> int:
-    """How often torch's elastic agent restarted this group (torchrun --max-restarts, max_restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """How often this group was started again: by torch's elastic agent (torchrun --max-restarts,
+    max_restarts), plus SLURM's requeues of the job (launch/slurm.sbatch)."""
+    return sum(int(os.environ.get(name) or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
 def launcher_rank() -> int:

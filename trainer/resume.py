@@ -11,6 +11,7 @@ from pathlib import Path
 
 from trainer.checkpoint_format import LATEST, MANIFEST, STEP_PREFIX, TMP_PREFIX, read_manifest, readable_manifest
 from trainer.config import CheckpointConfig, Config, OptimConfig
+from trainer.distributed import restart_count
 from trainer.errors import CheckpointError
 from trainer.schedule import lr_at
 
@@ -48,19 +49,32 @@ def check_writable(root: Path) -> None:
 
 
 def resolve_resume(cfg: CheckpointConfig) -> Path | None:
-    """The step dir to resume from, or None to start fresh. Raises before any work starts."""
-    if cfg.resume not in ("auto", "none"):
-        path = Path(cfg.resume)
-        if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).exists():
-            path = latest_checkpoint(path)  # a checkpoint root: its newest
-        read_manifest(path)
-        return path
+    """The step dir to resume from, or None to start fresh. Raises before any work starts.
+
+    checkpoint.resume says where the first start begins. A restart (torchrun --max-restarts,
+    max_restarts, a requeued SLURM job: the same settings again) continues from the newest
+    checkpoint in checkpoint.dir when that is newer than what the setting names (DESIGN §7): the
+    named one is older work by then, or pruned by keep_last."""
     root = Path(cfg.dir) if cfg.dir else None
     found = latest_checkpoint(root) if root and root.is_dir() else None
-    if cfg.resume == "none" and found:
-        raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {found.name}); "
-                              "checkpoint.resume=auto continues from it, another checkpoint.dir starts over")
-    return found if cfg.resume == "auto" else None
+    if cfg.resume == "auto":
+        return found
+    if cfg.resume == "none":
+        if found and not restart_count():
+            raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {found.name}); "
+                                  "checkpoint.resume=auto continues from it, another checkpoint.dir starts over")
+        return found  # a restart: this run's own saves
+    path = Path(cfg.resume)
+    if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).exists():
+        path = latest_checkpoint(path)  # a checkpoint root: its newest
+    if found and restart_count() and (not readable_manifest(path) or step_of(found) > step_of(path)):
+        return found
+    read_manifest(path)
+    return path
+
+
+def step_of(path: Path) -> int:
+    return read_manifest(path)["step"]
 
 
 def resume_notes(state: dict, cfg: Config, global_batch: int, total_steps: int, run_dir: Path) -> list[str]:
