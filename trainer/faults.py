@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,13 @@ class Stopped(Exception):
         return signal_exit_code(self.signum)
 
 
+class Verdict(Enum):
+    """What a step does, agreed by every rank."""
+    update = "update"
+    overflow = "overflow"  # an fp16 loss scaler's own skip: counted apart (scale_skips)
+    bad = "bad"  # a non-finite loss or gradient norm: skipped, counted toward train.max_bad_steps
+
+
 class TooManyBadSteps(RunError):
     """train.max_bad_steps non-finite steps in a row: the same on every rank (they agree on each step)."""
 
@@ -41,9 +49,9 @@ class StepGuard:
     and gradient norm were finite everywhere."""
 
     def __init__(self, max_bad_steps: int):
-        self.max_bad_steps, self.bad_in_a_row, self.skipped = max_bad_steps, 0, 0
+        self.max_bad_steps, self.bad_in_a_row, self.skipped, self.scale_skips = max_bad_steps, 0, 0, 0
         self.signum = 0  # received here
-        self.good, self.stop_signal = True, 0  # agreed by all ranks at the last check
+        self.verdict, self.stop_signal = Verdict.update, 0  # agreed by all ranks at the last check
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
@@ -54,37 +62,48 @@ class StepGuard:
     def _note(self, signum, frame) -> None:
         self.signum = self.signum or signum
 
-    def check(self, finite: torch.Tensor) -> bool:
-        """Whether this step is finite on every rank (then the optimizer steps), and the stop signal
-        any rank received (`stop_signal`, 0: none). `finite` is read here: the one host sync of a
-        step, needed to decide before the update."""
-        self.good = not self._agree(bad=not bool(finite))
-        return self.good
+    def decide(self, loss: torch.Tensor, grad_norm: torch.Tensor, loss_scaled: bool) -> Verdict:
+        """Whether this step updates, from its loss on every rank and its global gradient norm, and
+        the stop signal any rank received (`stop_signal`, 0: none). The one host sync of a step,
+        needed to decide before the update. Under an fp16 loss scaler (`loss_scaled`), finite losses
+        with non-finite gradients are the scaler's overflow: a skip that is not a fault."""
+        bad_loss, bad_norm = self._agree(~torch.isfinite(loss).cpu(), ~torch.isfinite(grad_norm).cpu())
+        if not bad_loss and not bad_norm:
+            self.verdict = Verdict.update
+        elif loss_scaled and not bad_loss:
+            self.verdict = Verdict.overflow
+        else:
+            self.verdict = Verdict.bad
+        return self.verdict
 
     def check_stop(self) -> int:
         """The stop signal any rank received since the last check (0: none), agreed by every rank:
         asked after a save or an evaluation, long enough for a signal to arrive during them."""
-        self._agree(bad=False)
+        self._agree(torch.tensor(False), torch.tensor(False))
         return self.stop_signal
 
-    def _agree(self, bad: bool) -> bool:
-        """One all-reduce: whether any rank is `bad`, and the stop signal any rank received."""
-        flags = torch.tensor([int(bad), self.signum], dtype=torch.int64)
+    def _agree(self, bad_loss: torch.Tensor, bad_norm: torch.Tensor) -> tuple[bool, bool]:
+        """One all-reduce: whether any rank had a non-finite loss, or gradient norm, and the stop
+        signal any rank received."""
+        flags = torch.tensor([int(bad_loss), int(bad_norm), self.signum], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.stop_signal = int(flags[1].item())
-        return bool(flags[0].item())
+        self.stop_signal = int(flags[2].item())
+        return bool(flags[0].item()), bool(flags[1].item())
 
     def count(self, step: int) -> None:
-        """Count a skipped step; too many in a row end the run."""
-        if self.good:
+        """Count this step's verdict: too many bad steps in a row end the run; a loss scaler's
+        overflow is counted apart and neither breaks nor extends a run of bad steps."""
+        if self.verdict is Verdict.update:
             self.bad_in_a_row = 0
-            return
-        self.bad_in_a_row += 1
-        self.skipped += 1
-        if self.bad_in_a_row >= self.max_bad_steps:
-            raise TooManyBadSteps(f"step {step}: {self.bad_in_a_row} steps in a row with a non-finite loss or "
-                                  f"gradient norm (train.max_bad_steps={self.max_bad_steps}); no update was made "
-                                  "from any of them. Lower optim.lr, check the data, or resume from a checkpoint")
+        elif self.verdict is Verdict.overflow:
+            self.scale_skips += 1
+        else:
+            self.bad_in_a_row += 1
+            self.skipped += 1
+            if self.bad_in_a_row >= self.max_bad_steps:
+                raise TooManyBadSteps(f"step {step}: {self.bad_in_a_row} steps in a row with a non-finite loss or "
+                                      f"gradient norm (train.max_bad_steps={self.max_bad_steps}); no update was made "
+                                      "from any of them. Lower optim.lr, check the data, or resume from a checkpoint")
 
     def close(self) -> None:
         for sig, handler in self.previous.items():

@@ -19,7 +19,7 @@ from trainer.checks import check_validation_rows
 from trainer.config import Config, OptimConfig
 from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
-from trainer.faults import StepGuard, Stopped
+from trainer.faults import StepGuard, Stopped, Verdict
 from trainer.log import log, setup_logging
 from trainer.loggers import RunLog
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
@@ -155,6 +155,7 @@ class Run:
         state = self.checkpoints.load(resume_from) if resume_from else {}
         if state:
             self.step, guard.skipped = state["step"], state.get("skipped", 0)
+            guard.scale_skips = state.get("scale_skips", 0)
             if state.get("loss_scale"):
                 strategy.load_loss_scale_state(state["loss_scale"])
             stream.load_state_dict(state["data"])
@@ -190,10 +191,14 @@ class Run:
         micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
         loss_sum, targets, inputs, mem = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size,
                                                      log_now)
-        # Every rank learns here whether the step is finite everywhere (else no update is made)
-        # and whether a stop signal reached any rank.
-        grad_norm = self.strategy.step(self.cfg.train.grad_clip, update_if=lambda norm: self.guard.check(
-            torch.isfinite(loss_sum) & torch.isfinite(norm)))
+        # The norm, then every rank's verdict (a non-finite loss or norm anywhere: no update; and
+        # whether a stop signal reached any rank), then the update or the skip.
+        grad_norm = self.strategy.grad_norm()
+        verdict = self.guard.decide(loss_sum, grad_norm, loss_scaled=self.strategy.loss_scale_state() is not None)
+        if verdict is Verdict.update:
+            self.strategy.apply(self.cfg.train.grad_clip)
+        else:
+            self.strategy.skip(finite_gradients=bool(torch.isfinite(grad_norm)))
         self.step += 1
         self.guard.count(self.step)
         self.meter.count(targets, inputs)
@@ -223,6 +228,8 @@ class Run:
         """Record the step's numbers; what the progress bar shows of them."""
         self.last = {"step": self.step, "epoch": self.stream.epoch, "loss": mean_loss.item(), "lr": self.lr,
                      "grad_norm": float(grad_norm), "skipped": self.guard.skipped, **self.meter.read(), "mem": mem}
+        if (scaler := self.strategy.loss_scale_state()) is not None:  # fp16: the scaler's own skips, apart
+            self.last.update(scale_skips=self.guard.scale_skips, loss_scale=scaler["scale"])
         self.records.log(self.last)
         shown = {"loss": f"{self.last['loss']:.4f}", "lr": f"{self.lr:.2e}"}
         if self.last["tokens_per_s"]:
@@ -237,6 +244,7 @@ class Run:
         o = self.cfg.optim
         return self.checkpoints.save(self.step, {
             "step": self.step, "epoch": self.stream.epoch, "skipped": self.guard.skipped,
+            "scale_skips": self.guard.scale_skips,
             "loss_scale": self.strategy.loss_scale_state(), **self.meter.totals(),
             "data": self.stream.state_dict(),
             # what a resume compares against (resume_notes)

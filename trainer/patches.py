@@ -55,9 +55,18 @@ JIT_COMPILE = Internal("torch.utils.cpp_extension", "_jit_compile",
 # also relies on agent._remaining_restarts, group.spec.max_restarts and RunResult.failures
 MONITOR_WORKERS = Internal("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent",
                            "_monitor_workers", "(self, worker_group: 'WorkerGroup') -> 'RunResult'", "torch 2.13.0")
+# DeepSpeed's ZeRO optimizers decide an overflow inside step() (0.19.8: stage_1_and_2.step asks
+# check_overflow() where check_grad_overflow is set; stage3.step asks
+# _overflow_check_and_loss_scale_update(update_scale=False), then cleans up). 0.19.5's stage 3 has
+# another signature: hence MIN_DEEPSPEED 0.19.8.
+ZERO12_CHECK_OVERFLOW = Internal("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "check_overflow",
+                                 "(self, partition_gradients=True)", "DeepSpeed 0.19.8")
+ZERO3_CHECK_OVERFLOW = Internal("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3",
+                                "_overflow_check_and_loss_scale_update", "(self, update_scale=True)", "DeepSpeed 0.19.8")
 # made a no-op while a model is built whose values come afterwards (models/hf.py without_initialisation)
 INITIALIZE_WEIGHTS = Internal("transformers:PreTrainedModel", "initialize_weights", "(self)", "transformers 5.24")
-REPLACED = [RUN_NINJA_BUILD, JIT_COMPILE, MONITOR_WORKERS, INITIALIZE_WEIGHTS]
+REPLACED = [RUN_NINJA_BUILD, JIT_COMPILE, MONITOR_WORKERS, ZERO12_CHECK_OVERFLOW, ZERO3_CHECK_OVERFLOW,
+            INITIALIZE_WEIGHTS]
 
 
 def install(internal: Internal, make: Callable[[Callable], Callable], on: object = None) -> Callable:
@@ -203,3 +212,32 @@ def reported_restarts(report: Callable | None) -> Iterator[None]:
 
     with replaced(MONITOR_WORKERS, reporting):
         yield
+
+
+@contextmanager
+def deepspeed_overflow(zero) -> Iterator[None]:
+    """Around one engine.step(): the ZeRO optimizer `zero` finds an overflow, whatever its gradients,
+    and takes its own overflow path (no update to masters, moments or step count; gradients
+    cleared; an fp16 scale backed off). No public API skips a step on demand."""
+    if hasattr(zero, ZERO3_CHECK_OVERFLOW.name):
+        def found_in_stage3(own: Callable) -> Callable:
+            def found(update_scale=True):
+                zero.overflow = True
+                return zero._loss_scale_update_and_overflow_cleanup() if update_scale else True
+            return found
+
+        with replaced(ZERO3_CHECK_OVERFLOW, found_in_stage3, on=zero):
+            yield
+        return
+
+    def found_in_stage1_2(own: Callable) -> Callable:
+        def found(partition_gradients=True):
+            zero.overflow = True
+        return found
+
+    own_setting, zero.check_grad_overflow = zero.check_grad_overflow, True  # asked only where it is set
+    try:
+        with replaced(ZERO12_CHECK_OVERFLOW, found_in_stage1_2, on=zero):
+            yield
+    finally:
+        zero.check_grad_overflow = own_setting

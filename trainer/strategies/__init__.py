@@ -20,7 +20,9 @@ def build_strategy(cfg: Config, env: DistEnv) -> Strategy:
     return cls(cfg, env)
 
 
-MIN_DEEPSPEED = "0.19.5"  # engine.coalesce_grad_reduction (0.19.2); unmanaged accumulation, ZeRO-3 and offload (0.19.5)
+# coalesce_grad_reduction (0.19.2); unmanaged accumulation (0.19.5); ZeRO-3's overflow check as
+# trainer.patches replaces it, and combine_grad_norm_groups (0.19.8)
+MIN_DEEPSPEED = "0.19.8"
 
 
 def check_deepspeed_version(installed: str) -> None:

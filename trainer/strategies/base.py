@@ -60,6 +60,19 @@ def zero_lr(optimizer) -> Iterator[None]:
             g["lr"] = lr
 
 
+def hold_in(model: nn.Module, dtype: torch.dtype, frozen_only: bool) -> None:
+    """Floating-point parameters still on the meta device, in `dtype` before they get storage: the
+    frozen ones (LoRA's base; weights that never change need no fp32 copy, and DeepSpeed keeps none
+    of them either), or all of them (ZeRO-1/2, whose fp32 masters are DeepSpeed's own partitions)."""
+    held: dict[int, nn.Parameter] = {}  # a tied parameter stays one
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta and p.is_floating_point() and not (frozen_only and p.requires_grad):
+                if id(p) not in held:
+                    held[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = held[id(p)]
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storages behind `tensors`, each storage counted once (views share one)."""
     seen, total = set(), 0
@@ -137,13 +150,39 @@ class Strategy(ABC):
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss` is already divided by the accumulation steps; backends must not divide again."""
+        """`loss` is already normalised by the loop: this micro-batch's token-loss sum x world size /
+        the target tokens of the whole step (all micro-batches, all ranks), so that the backends'
+        average over ranks gives DESIGN §6's loss. Backends must not divide again."""
+
+    # The optimizer step, in explicit parts: the loop takes the norm, decides with every rank
+    # whether to update (faults.StepGuard), then applies or skips.
 
     @abstractmethod
-    def step(self, max_grad_norm: float,
-             update_if: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor | float:
-        """Clip (0: don't), update unless `update_if(global gradient norm)` says no (the same answer
-        on every rank: no for a non-finite step), zero grads; return the norm before clipping."""
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm of this step's gradients before clipping (fp16: unscaled), the same on
+        every rank; non-finite where any gradient is. Called once per step, after the last backward."""
+
+    @abstractmethod
+    def apply(self, max_grad_norm: float) -> None:
+        """Clip to `max_grad_norm` (0: don't), update, zero the gradients."""
+
+    @abstractmethod
+    def _discard(self) -> None:
+        """Zero the gradients without an update; an fp16 loss scaler backs off on what it saw."""
+
+    def skip(self, finite_gradients: bool) -> None:
+        """No update from this step. An fp16 loss scaler reacts to non-finite gradients only, on
+        every backend: a skip with finite gradients (a non-finite loss) leaves it as it was."""
+        kept = self.loss_scale_state() if finite_gradients else None
+        self._discard()
+        if kept is not None:
+            self.load_loss_scale_state(kept)
+
+    def step(self, max_grad_norm: float) -> torch.Tensor:
+        """A step that skips nothing (tests, benchmarks): the norm, then the update."""
+        norm = self.grad_norm()
+        self.apply(max_grad_norm)
+        return norm
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
@@ -236,7 +275,8 @@ class Strategy(ABC):
     @torch.no_grad()
     def _create_optimizer_state(self) -> None:
         """Adam creates its moments at its first step: take one on zero gradients with lr 0 (which
-        leaves the parameters as they are), so that a checkpoint has somewhere to go."""
+        leaves the parameters as they are), so that a checkpoint has somewhere to go. Its step
+        count stays 0: no update was made."""
         if self.adam().state:
             return
         missing = [t for t in self._stepped_tensors() if t.grad is None]
@@ -246,6 +286,7 @@ class Strategy(ABC):
             self._adam_update()
         for t in missing:
             t.grad = None
+        self._set_adam_step(0)
 
     def loss_scale_state(self) -> dict | None:
         """fp16's loss scaler as {"scale", "good_steps"} (steps since it last backed off or grew),

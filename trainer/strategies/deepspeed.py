@@ -7,7 +7,6 @@ one `coalesce_grad_reduction` block, so gradients are reduced once, after the fi
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator
 
 import deepspeed
 import torch
@@ -114,58 +113,31 @@ class DeepSpeedStrategy(ZeroState):
     def _note_gradient_peak(self) -> None:
         self._gradient_peak = max(self._gradient_peak, self._gradient_bytes())
 
-    def step(self, max_grad_norm, update_if=None):
+    def grad_norm(self):
+        # DeepSpeed's own norm of the reduced gradient partitions, which its step takes again.
+        zero = self.engine.optimizer
+        if self.stage == 3:
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            scaled = combine_grad_norm_groups(zero._get_norm_groups())
+        else:
+            zero._wait_for_offload_copies()  # as its step() does first: offloaded gradients copied
+            scaled = zero.scaled_global_norm()
+        return (torch.as_tensor(scaled, dtype=torch.float32) / float(zero.loss_scale)).cpu()
+
+    def apply(self, max_grad_norm):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
         self._gradient_peak = 0
-        if update_if is None:
+        self.engine.step()
+
+    def _discard(self):
+        # DeepSpeed's own overflow path: no update to masters, moments or step count, gradients
+        # cleared, the fp16 scale backed off. Nothing public takes it on demand (patches.py).
+        from trainer.patches import deepspeed_overflow
+
+        self._gradient_peak = 0
+        with deepspeed_overflow(self.engine.optimizer):
             self.engine.step()
-            return torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float32)
-        with self._verdict_inside_step(update_if) as seen:
-            self.engine.step()
-        return seen["norm"]  # before clipping; also on a skipped step, where DeepSpeed reports inf
-
-    @contextmanager
-    def _verdict_inside_step(self, update_if: Callable[[torch.Tensor], bool]) -> Iterator[dict]:
-        """For one engine.step(): DeepSpeed's overflow check is replaced by `update_if(norm)`, asked on
-        every rank once the gradients are reduced and before any update. A no takes DeepSpeed's own
-        overflow path (no update to masters, moments or step count; gradients cleared), also where
-        its own check would not say no: a non-finite loss with finite gradients, or a ds_config
-        with "bf16": {"check_grad_overflow": false}. The norm costs one more all-reduce per step."""
-        from deepspeed.runtime.utils import combine_grad_norm_groups
-
-        zero, seen = self.engine.optimizer, {}
-
-        def verdict() -> bool:
-            norm = combine_grad_norm_groups(zero._get_norm_groups()) if self.stage == 3 else zero.scaled_global_norm()
-            seen["norm"] = (torch.as_tensor(norm, dtype=torch.float32) / float(zero.loss_scale)).cpu()
-            return bool(update_if(seen["norm"]))
-
-        if self.stage == 3:  # stage3.step -> _overflow_check_and_loss_scale_update
-            own_check = zero._overflow_check_and_loss_scale_update
-
-            def check(update_scale=True):
-                own_check(update_scale=False)  # fp16: DeepSpeed's own scan for inf/nan
-                if not zero.overflow:
-                    zero.overflow = not verdict()
-                return zero._loss_scale_update_and_overflow_cleanup() if update_scale else zero.overflow
-
-            zero._overflow_check_and_loss_scale_update = check
-            try:
-                yield seen
-            finally:
-                del zero._overflow_check_and_loss_scale_update
-        else:  # stage_1_and_2.step -> check_overflow(), asked only where check_grad_overflow is set
-            own_setting = zero.check_grad_overflow
-
-            def check(partition_gradients=True):
-                zero.overflow = not verdict()
-
-            zero.check_grad_overflow, zero.check_overflow = True, check
-            try:
-                yield seen
-            finally:
-                zero.check_grad_overflow = own_setting
-                del zero.check_overflow
 
     def _masters(self) -> list[torch.Tensor]:
         """The fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently."""

@@ -57,6 +57,8 @@ class ZeroState(Strategy):
                 yield name, m.lp_fragment_address.start, m.lp_fragment_address.numel, local
 
     def state_dict(self, model_only=False):
+        if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
+            self._create_optimizer_state()
         pieces = {state_keys(name)[what]: Piece(start, t) for name, start, numel, local in self._fragments(model_only)
                   for what, t in local.items() if numel}
         if self.is_main and not model_only:

@@ -82,8 +82,8 @@ class FSDPStrategy(TorchStrategy):
         # micro_step: FSDP2's default, reduce-scatter every backward into sharded gradients.
         return toggled(self.model.set_requires_gradient_sync, final or self.reduce_every_micro_step)
 
-    def clip(self, max_grad_norm):
-        return super().clip(max_grad_norm).full_tensor()  # a DTensor: reduced over the mesh
+    def grad_norm(self):
+        return super().grad_norm().full_tensor()
 
     def start_words(self):
         return [f"sharding={Sharding(self.cfg.strategy.sharding).value}"]

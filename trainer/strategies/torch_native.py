@@ -17,6 +17,7 @@ from trainer.strategies.base import (
     STEP_KEY,
     Piece,
     Strategy,
+    hold_in,
     optimizer_state_tensors,
     peak_device_bytes,
     replica_slice,
@@ -44,7 +45,7 @@ class TorchStrategy(Strategy):
 
     def setup(self, model, optimizer_factory, weights):
         if self.precision is not Precision.fp32:
-            hold_frozen_in(model, DTYPES[self.precision])
+            hold_in(model, DTYPES[self.precision], frozen_only=True)
         self.model = self.wrap(model, weights)
         self.optimizer = optimizer_factory(self.trainable(self.model))
         return self.model, self.optimizer
@@ -58,20 +59,27 @@ class TorchStrategy(Strategy):
     def backward(self, loss):
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def clip(self, max_grad_norm: float) -> torch.Tensor:
-        """Clip the gradients (0: don't); their global norm before clipping."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm or float("inf"))
-
-    def step(self, max_grad_norm, update_if=None):
+    def grad_norm(self):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = self.clip(max_grad_norm)
-        if update_if is None or update_if(norm):
-            (self.scaler.step if self.scaler else lambda opt: opt.step())(self.optimizer)
-        if self.scaler:  # a skipped fp16 step lowers the loss scale, as the scaler's own skip does
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self._norm = torch.nn.utils.get_total_norm(grads)  # FSDP2: a DTensor, reduced over the mesh
+        return self._norm
+
+    def apply(self, max_grad_norm):
+        if max_grad_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_grad_norm, self._norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # found no inf: grad_norm was finite
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _discard(self):
+        if self.scaler:  # what it found in unscale_: an overflow backs off, as the scaler's own skip does
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def loss_scale_state(self):
         if not self.scaler:
@@ -99,6 +107,8 @@ class TorchStrategy(Strategy):
                 yield from ((keys[k], state[k] if k in state else torch.zeros_like(p)) for k in ADAM_KEYS)
 
     def state_dict(self, model_only=False):
+        if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
+            self._create_optimizer_state()
         pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors(model_only)}
         if self.is_main and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
@@ -121,15 +131,3 @@ class TorchStrategy(Strategy):
         params = list(self.model.parameters())
         return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
                 "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.device)}
-
-
-def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """Frozen parameters (LoRA's base), still on the meta device, in the training dtype: weights
-    that never change need no fp32 master copy (DeepSpeed keeps none of them either)."""
-    held: dict[int, nn.Parameter] = {}  # a tied parameter stays one
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and p.is_meta and not p.requires_grad and p.is_floating_point():
-                if id(p) not in held:
-                    held[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
-                module._parameters[name] = held[id(p)]
