@@ -16,6 +16,8 @@ from trainer.log import chatter
 from trainer.models.weights import WeightSource, allocate, fill
 from trainer.patches import watch_op_builds
 from trainer.strategies.base import (
+    DTYPES,
+    hold_in,
     optimizer_state_tensors,
     peak_device_bytes,
     tensor_bytes,
@@ -50,8 +52,11 @@ class DeepSpeedStrategy(ZeroState):
     def setup(self, model, optimizer_factory, weights):
         if self.stage == 3:  # each rank fills its own partition of every parameter
             fill(model, weights, self._z3_local)
-        else:  # on the host: DeepSpeed casts to bf16/fp16 there and moves only that to the device
-            allocate(model, torch.device("cpu"))
+        else:  # every rank holds the whole model, in the training dtype (the fp32 masters are DeepSpeed's
+            # partitions, set below): allocated so where it trains and filled a tensor at a time, so that
+            # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
+            hold_in(model, DTYPES[self.precision], frozen_only=False)
+            allocate(model, self.device)
             fill(model, weights)
         optimizer = optimizer_factory(self.trainable(model))
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
