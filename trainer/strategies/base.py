@@ -216,7 +216,8 @@ class Strategy(ABC):
                 buffers = list(persistent_buffers(module).values())
                 for dtype in dict.fromkeys(b.dtype for b in buffers):  # one broadcast per dtype, in one order
                     same = [b for b in buffers if b.dtype == dtype]
-                    flat = torch.cat([b.reshape(-1) for b in same])
+                    # on the rank's device: NCCL sends no CPU tensor (buffers offloaded with the parameters)
+                    flat = torch.cat([b.reshape(-1) for b in same]).to(self.device)
                     dist.broadcast(flat, src=0)
                     for b, value in zip(same, flat.split([b.numel() for b in same])):
                         b.copy_(value.view_as(b))
