@@ -32,6 +32,14 @@ def records(run_dir: Path) -> list[dict]:
             if "event" not in r]
 
 
+def mlflow_runs(run_dir: Path) -> tuple:
+    """MLflow's client of a run dir's default local store (logger=mlflow: a SQLite file), and its runs."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}")
+    return client, client.search_runs([client.get_experiment_by_name("trainer").experiment_id])
+
+
 # The parity tolerance of fp32 losses. Measured here (tiny model, 8 steps): the largest relative loss
 # difference between backends, world sizes and accumulation splits was 3e-7 (ZeRO-3: another
 # reduction order); DDP/FSDP/ZeRO-1/2 gave equal losses.

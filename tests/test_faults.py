@@ -22,6 +22,7 @@ from tests.harness import (
     assert_refused,
     assert_resumes,
     case,
+    mlflow_runs,
     on_ranks,
     records,
     refusal,
@@ -124,16 +125,18 @@ def test_sigterm_to_the_launcher_of_zero3_ranks_saves_and_exits_without_a_traceb
 
 
 @pytest.mark.slow
-def test_sigusr1_to_a_single_process_run_saves_and_exits_with_138(tmp_path):
+def test_sigusr1_to_a_single_process_run_saves_exits_with_138_and_closes_its_mlflow_run_as_killed(tmp_path):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     process = start(run_dir, f"train.max_steps={STEPS}", "train.log_every=1", "data.num_workers=0",
-                    f"checkpoint.dir={ckpt}")
+                    f"checkpoint.dir={ckpt}", "logger=[jsonl,mlflow]")
     wait_for_step(run_dir, 2, process)
     process.send_signal(signal.SIGUSR1)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
     preempted = events(run_dir)[-1]
     assert preempted["signal"] == "SIGUSR1" and (Path(preempted["checkpoint"]) / "manifest.json").is_file()
+    _, [stopped] = mlflow_runs(run_dir)
+    assert stopped.info.status == "KILLED"
 
 
 def faulty_case(strategy: str, nan_steps: list[int], **overrides) -> dict:

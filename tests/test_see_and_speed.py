@@ -20,6 +20,7 @@ from tests.harness import (
     assert_refused,
     case,
     full_state,
+    mlflow_runs,
     on_ranks,
     records,
     run_cli,
@@ -85,12 +86,8 @@ def test_tensorboard_has_the_records_the_config_and_the_summary(logged):
 
 
 def test_mlflow_has_the_records_the_params_and_the_summary(logged):
-    from mlflow.tracking import MlflowClient
-
     run, steps, vals, end = logged
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient((run / "mlruns").resolve().as_uri())
-    [found] = client.search_runs([client.get_experiment_by_name("trainer").experiment_id])
+    client, [found] = mlflow_runs(run)
     assert found.data.params["strategy.name"] == "fsdp" and found.data.params["train.max_steps"] == "6"
     history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, "train/loss")}
     assert history == pytest.approx({s: r["loss"] for s, r in steps.items()})
@@ -119,6 +116,33 @@ def test_wandb_offline_files_have_the_records_the_config_and_the_summary(logged)
     summaries = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update}
                  for r in records_ if r.WhichOneof("record_type") == "summary"]
     assert any(s.get("final/val_loss") == pytest.approx(end["val_loss"]) for s in summaries)
+    assert wandb_exit_code(run_file) == 0
+
+
+def wandb_exit_code(run_file: Path) -> int:
+    """The exit code a W&B offline run file ends with (`run.finish(exit_code=...)`)."""
+    [exit_record] = [r.exit for r in wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    return exit_record.exit_code
+
+
+def test_a_run_stopped_by_too_many_bad_steps_closes_every_logger_as_failed(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run_cli("model=custom", "model._target_=tests.faulty.build", "+model.nan_steps=[4,5]", "+model.rank=0",
+                     "strategy.wrap=[ToyBlock]", "train.max_bad_steps=2", "train.max_steps=8", "train.log_every=1",
+                     "data.num_workers=0", "logger=[jsonl,tensorboard,wandb,mlflow]", f"hydra.run.dir={tmp_path}",
+                     env={"WANDB_API_KEY": "", "HOME": str(tmp_path)})  # no key, no ~/.netrc: offline
+    assert_refused(result, "step 5: 2 steps in a row with a non-finite loss")
+    logged = [r["step"] for r in records(tmp_path)]
+    assert logged == [1, 2, 3, 4]  # step 5 stopped the run before its record
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for tag in ("train/loss", "train/grad_norm", "mem/params"):  # every event, none left in a buffer
+        assert [e.step for e in events.Scalars(tag)] == logged, tag
+    _, [found] = mlflow_runs(tmp_path)
+    assert found.info.status == "FAILED" and found.info.end_time
+    [run_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    assert wandb_exit_code(run_file) == 2  # the run's own exit code
 
 
 def test_jsonl_ends_with_the_summary(logged):

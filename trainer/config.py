@@ -246,7 +246,7 @@ class WandbConfig:
 
 @dataclass
 class MLflowConfig:
-    tracking_uri: Optional[str] = None  # None: a file store in <run dir>/mlruns
+    tracking_uri: Optional[str] = None  # None: a SQLite store, <run dir>/mlflow.db
     experiment: str = "trainer"
     run_name: Optional[str] = None  # None: the run dir's name
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
 from trainer.config import Config, LoggerConfig
-from trainer.errors import ConfigError
+from trainer.errors import ERROR_EXIT_CODE, ConfigError, RunError
+from trainer.faults import Stopped
 from trainer.log import log
 
 
@@ -52,6 +54,16 @@ def final_numbers(summary: dict) -> dict[str, float]:
     return {f"final/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and k != "step"}
 
 
+def exit_code_of(error: BaseException | None) -> int:
+    """The exit code a run leaves with after `error` (trainer/errors.py): 0 done, 128+N stopped by
+    signal N, 2 a RunError said in one line, 1 anything else."""
+    if error is None:
+        return 0
+    if isinstance(error, Stopped):
+        return error.exit_code
+    return ERROR_EXIT_CODE if isinstance(error, RunError) else 1
+
+
 class JsonlLogger:
     def __init__(self, cfg, run_dir: Path, hparams: dict):
         self.file = (run_dir / cfg.file).open("a")
@@ -64,7 +76,7 @@ class JsonlLogger:
         self.log({"event": "end", **summary})
         self.file.close()
 
-    def stop(self) -> None:
+    def close(self, exit_code: int) -> None:
         self.file.close()
 
 
@@ -85,8 +97,8 @@ class TensorBoardLogger:
                                 final_numbers(summary), run_name=".")
         self.writer.close()
 
-    def stop(self) -> None:
-        self.writer.close()
+    def close(self, exit_code: int) -> None:
+        self.writer.close()  # writes out the events still buffered
 
 
 class WandbLogger:
@@ -114,23 +126,27 @@ class WandbLogger:
         self.run.finish()
         self.say_where()
 
-    def stop(self) -> None:
-        self.run.finish(exit_code=1)  # W&B's mark for a run that did not finish
+    def close(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)  # not 0: W&B marks the run failed
         self.say_where()
 
 
 class MLflowLogger:
-    """A local file store in the run dir unless a tracking URI is given."""
+    """Unless a tracking URI is given, a local store in the run dir: the SQLite file mlflow.db (MLflow
+    3 keeps its file store, "in maintenance mode", behind an opt-in) and artifacts in mlartifacts/."""
 
     def __init__(self, cfg, run_dir: Path, hparams: dict):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        if not cfg.tracking_uri:  # MLflow 3 keeps the file store, "in maintenance mode", behind this opt-in
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri())
+        # MLflow sets its logger to INFO when imported: its store's "Creating initial MLflow database
+        # tables" lines would be the only third-party chatter on the console.
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        local = not cfg.tracking_uri
+        self.client = MlflowClient(cfg.tracking_uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
         experiment = self.client.get_experiment_by_name(cfg.experiment)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+            cfg.experiment, artifact_location=(run_dir / "mlartifacts").resolve().as_uri() if local else None)
         self.run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or run_dir.name).info.run_id
         params = [Param(k, str(v)[:6000]) for k, v in hparams.items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
@@ -150,8 +166,9 @@ class MLflowLogger:
         self._metrics(final_numbers(summary), summary["step"])
         self.client.set_terminated(self.run_id)
 
-    def stop(self) -> None:
-        self.client.set_terminated(self.run_id, status="KILLED")
+    def close(self, exit_code: int) -> None:
+        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code > 128 else "FAILED"  # 128+N: signal N
+        self.client.set_terminated(self.run_id, status=status)
 
 
 LOGGERS = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
@@ -159,7 +176,9 @@ LOGGERS = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": Wand
 
 class RunLog:
     """The run's loggers (none on ranks other than 0): one `log` and one `finish` for the loop.
-    Called on every rank: a logger that cannot start on rank 0 stops every rank, with its error."""
+    Called on every rank: a logger that cannot start on rank 0 stops every rank, with its error.
+    A context manager: a run that leaves unfinished (a stop signal, an error) closes each logger
+    with its status on the way out, before the rank's hard exit (trainer/run.py) would lose it."""
 
     def __init__(self, cfg: Config, run_dir: Path, is_main: bool):
         from trainer.distributed import broadcast_object
@@ -182,8 +201,18 @@ class RunLog:
     def finish(self, summary: dict) -> None:
         for logger in self.loggers:
             logger.finish(summary)
+        self.loggers = []
 
-    def stop(self) -> None:
-        """The run stops unfinished (a stop signal; the last record says why)."""
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Each logger not finished is closed with the run's exit code; one that fails to close is
+        a warning, so that the others close too and the run's own error is the one raised."""
+        exit_code = exit_code_of(error)
         for logger in self.loggers:
-            logger.stop()
+            try:
+                logger.close(exit_code)
+            except Exception as e:
+                log.warning(f"logger: closing {type(logger).__name__} failed: {type(e).__name__}: {e}")
+        self.loggers = []

@@ -138,7 +138,7 @@ class Run:
     step count) and what it does besides stepping: evaluate, log, save, stop. `train` drives it."""
 
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, strategy: Strategy, guard: StepGuard,
-                 stream: BatchStream, val_set, total_steps: int, resume_from: Path | None):
+                 stream: BatchStream, val_set, total_steps: int, resume_from: Path | None, records: RunLog):
         t = cfg.train
         if val_set is not None:
             check_validation_rows(cfg, len(val_set))
@@ -146,7 +146,7 @@ class Run:
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
-        self.records = RunLog(cfg, run_dir, env.is_main)
+        self.records = records
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                              description(cfg.model, cfg.data.tokenizer, strategy.module),
                                              self.records, base_fingerprint=weights.fingerprint)
@@ -264,7 +264,6 @@ class Run:
         log.info(f"{name}: all ranks stopped after step {self.step}; " + (
             f"saved {checkpoint}: the same command resumes from it" if checkpoint else
             "nothing saved (" + ("the save failed" if self.checkpoints.root else "no checkpoint.dir") + ")"))
-        self.records.stop()
         raise Stopped(self.guard.stop_signal, self.step)
 
     def stop_early(self) -> None:
@@ -288,7 +287,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     """One run on this rank: set up, resume, step to the end (or a stop signal, or an early stop)."""
     t = cfg.train
     setup_logging(run_dir, env.is_main, cfg.log_level.value)
-    # On every way out, released once: the loader's workers, the backend's state, the signal handlers.
+    # On every way out, released once: the loggers, the loader's workers, the backend's state, the signal handlers.
     with ExitStack() as cleanup:
         guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
         cleanup.callback(guard.close)
@@ -305,7 +304,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             log.info(f"nothing to do: {resume_from} is at step {at}, and this run ends at step {total_steps}; "
                      "to train longer, raise train.max_steps (or train.epochs)")
             return {}
-        run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from)
+        records = cleanup.enter_context(RunLog(cfg, run_dir, env.is_main))  # closed with the run's status
+        run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records)
         profiler, first_step = StepProfiler(t.profile, run_dir, env.rank, env.device), run.step + 1
         # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named
         # semaphore of a rank that leaves with os._exit is reported leaked by the resource tracker.
