@@ -38,7 +38,7 @@ def check_packing(cfg: ModelConfig) -> None:
         raise ConfigError(f"data.packing: packed conversations pass position_ids (restarting at each one) to the "
                           f"model, and {cfg.target}'s forward takes none; give it a position_ids argument "
                           "that keeps attention within each conversation, or set data.packing=false")
-    vocab = model.config.vocab_size if kind is ModelKind.hf else cfg.vocab_size
+    vocab = model.config.get_text_config().vocab_size if kind is ModelKind.hf else cfg.vocab_size
     sequences = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     try:
