@@ -15,14 +15,18 @@ from tests.harness import (
     CPU_ONLY,
     REPO,
     assert_refused,
+    assert_resumes,
     case,
     full_state,
     on_ranks,
     records,
+    resuming,
     run_cli,
+    saving,
     train_cases,
     with_overrides,
 )
+from trainer.checkpoint_format import read_manifest
 from trainer.convert import detect, read
 
 SEQ = 32
@@ -186,3 +190,122 @@ def test_ours_to_dcp_and_back_is_exact_and_keeps_the_trainer_state(tmp_path):
     assert all(torch.equal(back.moments[n][k], m[k]) for n, m in first.moments.items() for k in m)
     assert back.train["data"] == first.train["data"]  # the data position rode along in DCP's "train"
     assert "lacks the RNG state" in result["said"] and "data position" not in result["said"]
+
+
+# -- issue 27, item 10: convert writes what the checkpoints and export write -----------------------
+
+def test_a_converted_step_dir_appears_only_complete_and_flushed(tmp_path, monkeypatch):
+    """--to trainer publishes its step dir as a save does: files flushed under a temporary name,
+    renamed last; a conversion that dies (here: writing the manifest) leaves no step dir, no `latest`."""
+    import json
+    import os
+
+    from trainer.convert import WRITERS, Portable
+
+    portable = Portable({"w": torch.arange(6.0).view(2, 3)}, {}, 5)
+    flushed, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    root = tmp_path / "ok"
+    final = WRITERS["trainer"](portable, root)
+    tmp = root / ".tmp-step_00000005"
+    assert final == root / "step_00000005" and (root / "latest").read_text().strip() == final.name
+    assert {str(tmp / "rank_00000.safetensors"), str(tmp / "manifest.json"), str(tmp), str(root)} <= set(flushed)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000005"]
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(json, "dumps", disk_full)
+    with pytest.raises(OSError):
+        WRITERS["trainer"](portable, tmp_path / "died")
+    assert not list((tmp_path / "died").glob("step_*")) and not (tmp_path / "died" / "latest").exists()
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA run on Phi-3 at 1 rank, 4 steps, saving at 2 and 4."""
+    from tests.test_lora import lora_case, make_phi3
+
+    root = tmp_path_factory.mktemp("lora_convert")
+    cfg = lora_case(make_phi3(root / "phi3"), "ddp", 1, steps=4)
+    on_ranks(1, train_cases, {"straight": saving(cfg, root / "ckpt", 2)}, str(root))
+    return root, cfg
+
+
+@pytest.mark.slow
+def test_a_lora_step_dir_converted_to_trainer_resumes(lora_run):
+    from trainer.convert import convert as convert_in_process
+
+    root, cfg = lora_run
+    said = convert_in_process(root / "ckpt" / "step_00000002", root / "converted", "trainer")
+    assert "lacks the frozen base weights" in said, said
+    assert read_manifest(root / "converted" / "step_00000002")["base"] == read_manifest(
+        root / "ckpt" / "step_00000002")["base"]
+    on_ranks(1, train_cases, {"resumed": resuming(cfg, root / "converted", 2)}, str(root))
+    assert_resumes(records(root / "resumed"), records(root / "straight"), at=2, what="converted LoRA")
+
+
+def safetensors_equal(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    first, second = load_file(str(a)), load_file(str(b))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), (a, b)
+
+
+def test_a_lora_step_dir_converted_to_hf_is_what_export_writes(lora_run, tmp_path):
+    """--to hf: the PEFT adapter folder export writes; --to hf --merge: export --merge's model folder."""
+    from trainer.convert import convert as convert_in_process
+    from trainer.export import export
+
+    root, _ = lora_run
+    step = root / "ckpt" / "step_00000004"
+    for merge, weights in ((False, "adapter_model.safetensors"), (True, "model.safetensors")):
+        exported, converted = tmp_path / f"export_{merge}", tmp_path / f"convert_{merge}"
+        export(step, exported, merge)
+        convert_in_process(step, converted, "hf", merge)
+        assert sorted(p.name for p in converted.iterdir()) == sorted(p.name for p in exported.iterdir())
+        safetensors_equal(converted / weights, exported / weights)
+        config = "config.json" if merge else "adapter_config.json"
+        assert (converted / config).read_text() == (exported / config).read_text()
+
+
+@pytest.mark.slow
+def test_buffers_come_through_conversion_to_trainer(tmp_path):
+    """The toy model's running statistics (a float mean, an int64 count) are in the converted step
+    dir with their values and dtypes."""
+    from tests.test_every_weight import buffers_at, toy_case
+    from trainer.convert import convert as convert_in_process
+
+    on_ranks(1, train_cases, {"toy": saving(toy_case("ddp", 1), tmp_path / "ckpt", 6)}, str(tmp_path))
+    convert_in_process(tmp_path / "ckpt", tmp_path / "converted", "trainer")
+    saved, converted = buffers_at(tmp_path / "ckpt" / "step_00000006"), buffers_at(
+        tmp_path / "converted" / "step_00000006")
+    assert set(saved) == {"stats.mean", "stats.count"} and saved["stats.count"].item() == 6
+    assert converted.keys() == saved.keys() and all(torch.equal(converted[n], saved[n]) for n in saved)
+    assert read_manifest(tmp_path / "converted" / "step_00000006")["buffers"]["stats.count"]["dtype"] == "int64"
+
+
+@pytest.mark.slow
+def test_buffers_come_through_conversion_to_hf(tmp_path):
+    """Gemma4's `layer_scalar` (persistent buffers, here not at their start value) in the folder
+    `from_pretrained` loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.convert import convert as convert_in_process
+
+    config = AutoConfig.for_model("gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  max_position_embeddings=128, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 / (i + 1))
+    model.save_pretrained(str(tmp_path / "gemma4"), safe_serialization=True)
+    cfg = with_overrides(case("ddp", steps=1), data__name="synthetic", checkpoint__dir=str(tmp_path / "ckpt"),
+                         strategy__wrap=["Gemma4TextDecoderLayer"])  # its _no_split_modules name vision/audio blocks
+    cfg["model"] = {"name": "hf", "kind": "hf", "path": str(tmp_path / "gemma4"), "seq_len": 16, "vocab_size": 128}
+    on_ranks(1, train_cases, {"gemma4": cfg}, str(tmp_path))
+    convert_in_process(tmp_path / "ckpt", tmp_path / "hf", "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert [layer.layer_scalar.item() for layer in loaded.model.layers] == [0.5, 0.25]

@@ -254,6 +254,69 @@ def test_bad_lora_settings_are_refused_before_any_rank_starts(phi3, core, tmp_pa
     assert json.loads((ckpt / "step_00000008" / "manifest.json").read_text())["step"] == 8  # untouched
 
 
+# -- issue 27, item 4: the frozen base is recognised by its values --------------------------------
+
+def base_fingerprint(path: Path) -> str:
+    """What a LoRA run on the weights in `path` records of its frozen base."""
+    from trainer.config import to_config
+    from trainer.models import initial_weights, meta_model
+
+    cfg = to_config(lora_case(path, "ddp", 1))
+    return initial_weights(cfg.model, meta_model(cfg.model, cfg.peft), 0, cfg.peft).fingerprint
+
+
+def layout_fingerprint(path: Path) -> str:
+    """A base's fingerprint as checkpoints recorded it before values were sampled: its tensors'
+    names and shapes and its files' sizes."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            shapes.update({key: list(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    return hashlib.sha256(json.dumps({f.name: f.stat().st_size for f in files} | shapes,
+                                     sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_a_lora_checkpoint_on_a_base_with_other_values_is_refused_at_resume_and_merge(core, phi3, tmp_path):
+    """A fine-tuned variant of the base: the same names, shapes, dtypes and file sizes, other values."""
+    from tests.harness import assert_refused
+
+    variant = make_phi3(tmp_path / "variant", seed=2)
+    assert layout_fingerprint(variant) == layout_fingerprint(phi3)
+    message = refusal(tmp_path / "run", "model=hf", f"model.path={variant}", "peft=lora", "peft.r=4", "peft.alpha=8",
+                      "data=synthetic", f"model.seq_len={SEQ}", f"checkpoint.dir={core / 'ckpt_zero3'}")
+    assert "which it does not save" in message and "values differ" in message, message
+    step = tmp_path / "step"  # a checkpoint whose recorded base folder now holds the variant
+    shutil.copytree(core / "ckpt_zero3" / "step_00000008", step)
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["source"]["path"] = manifest["base"]["path"] = str(variant)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    done = subprocess.run([sys.executable, "-m", "trainer.export", str(step), str(tmp_path / "merged"), "--merge"],
+                          capture_output=True, text=True)
+    assert_refused(done, "holds adapters trained on the frozen weights of", "values differ", prog="trainer.export")
+    assert not (tmp_path / "merged").exists()
+
+
+def test_a_base_fingerprint_recorded_before_values_passes_on_the_same_layout_with_a_warning(phi3, tmp_path,
+                                                                                             monkeypatch):
+    from trainer import checkpoint_format
+    from trainer.errors import CheckpointError
+
+    said = []
+    monkeypatch.setattr(checkpoint_format.log, "warning", said.append)
+    old = {"path": str(phi3), "fingerprint": layout_fingerprint(phi3)}
+    checkpoint_format.check_base(old, base_fingerprint(phi3), tmp_path)
+    assert len(said) == 1 and "cannot be checked" in said[0], said
+    other = make_phi3(tmp_path / "phi3_bf16", dtype=torch.bfloat16)  # other file sizes
+    shutil.copy(phi3 / "config.json", other / "config.json")
+    with pytest.raises(CheckpointError, match="which it does not save"):
+        checkpoint_format.check_base(old, base_fingerprint(other), tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["reference", "custom", "hf"])
 def test_all_linear_leaves_the_output_layer_out_on_every_model_kind(phi3, kind):
     """Issue 27: peft's rule (a Hugging Face model's get_output_embeddings) found no output layer on the

@@ -47,7 +47,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
     if resume_from:
         manifest = read_manifest(resume_from)
         check_fingerprint(manifest, param_shapes(model), resume_from)
-        check_base(manifest, weights.fingerprint, resume_from)
+        check_base(manifest.get("base"), weights.fingerprint, resume_from)
         BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
     if run_dir is not None:
         check_run_dir(run_dir, resume_from)
@@ -57,7 +57,8 @@ def take_foreign_resume(cfg: Config, run_dir: Path) -> str:
     """checkpoint.resume=DIR of another format (torch DCP, DeepSpeed, DeepSpeed universal, a Hugging
     Face folder): converted once, before any rank starts, into a step dir of ours in the run dir,
     which the ranks then resume from like any other; the resume setting that does that."""
-    from trainer.convert import detect, read, write_trainer
+    from trainer.checkpoint_format import write_step_dir
+    from trainer.convert import detect, read
 
     resume = cfg.checkpoint.resume
     if resume in ("auto", "none") or not Path(resume).is_dir():
@@ -75,7 +76,7 @@ def take_foreign_resume(cfg: Config, run_dir: Path) -> str:
     started = time.perf_counter()
     portable = read(Path(resume))
     portable.fit(param_shapes(meta_model(cfg.model, cfg.peft)))
-    out = write_trainer(portable, run_dir / f"converted-{kind}")
+    out = write_step_dir(portable, run_dir / f"converted-{kind}")
     held = sum(t.numel() * 4 for t in portable.tensors())
     log.info(f"checkpoint.resume: the {kind} checkpoint {resume} converted to {out} in "
              f"{time.perf_counter() - started:.1f} s, read whole in this process ({held / 1e9:.2f} GB of fp32 weights "

@@ -4,9 +4,7 @@ resumes from: trainer/resume.py.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
 import zlib
 from pathlib import Path
@@ -17,7 +15,6 @@ from safetensors import safe_open
 
 from trainer.checkpoint_format import (
     LATEST,
-    MANIFEST,
     REPLACED_PREFIX,
     STEP_PREFIX,
     SUPERSEDED_PREFIX,
@@ -27,9 +24,11 @@ from trainer.checkpoint_format import (
     check_fingerprint,
     fsync,
     manifest_of,
+    publish,
     rank_file,
     read_manifest,
     step_dir_name,
+    write_manifest,
 )
 from trainer.config import CheckpointConfig
 from trainer.distributed import broadcast_object
@@ -163,25 +162,10 @@ class CheckpointManager:
             spec["shape"] = list(key_shapes[key])
         base = {"path": self.source.get("path"), "fingerprint": self.base_fingerprint,
                 "params": len(self.unsaved)} if self.unsaved else None
-        manifest = manifest_of(step, trainer_state, self.strategy_name, self.strategy.world_size, shapes,
-                               buffers, self.source, base, tensors)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        fsync(tmp / MANIFEST)
-        fsync(tmp)
+        write_manifest(tmp, manifest_of(step, trainer_state, self.strategy_name, self.strategy.world_size, shapes,
+                                        buffers, self.source, base, tensors))
         self._set_aside_newer(step)
-        replaced = None
-        if final.exists():  # the same step saved again (a resume from an older one): keep it until replaced
-            replaced = final.with_name(f"{REPLACED_PREFIX}{final.name}")
-            final.rename(replaced)
-        tmp.rename(final)
-        fsync(self.root)
-        latest_tmp = self.root / f"{TMP_PREFIX}{LATEST}"
-        latest_tmp.write_text(final.name + "\n")
-        fsync(latest_tmp)
-        os.replace(latest_tmp, self.root / LATEST)
-        fsync(self.root)
-        if replaced:
-            shutil.rmtree(replaced, ignore_errors=True)
+        publish(tmp, final)
 
     def _set_aside_newer(self, step: int) -> None:
         """A run resumed from an older step: step dirs newer than the one it saves belong to the
@@ -230,7 +214,7 @@ class CheckpointManager:
         s = self.strategy
         manifest = read_manifest(path)
         check_fingerprint(manifest, s.param_shapes(), path)
-        check_base(manifest, self.base_fingerprint, path)
+        check_base(manifest.get("base"), self.base_fingerprint, path)
         if self.root and path.parent.resolve() == self.root.resolve() and any(
                 newer.name > path.name for newer in self.root.glob(f"{STEP_PREFIX}*")):
             self.resumed_older = path  # not the newest: see _set_aside_newer

@@ -12,14 +12,18 @@ needs, so any strategy at any world size resumes any checkpoint. (torch.distribu
 would need DTensor's even chunks; DeepSpeed's flat partitions cut parameters anywhere.)
 
 Here: the names in a checkpoint dir, the manifest written and read, the checks that it fits the
-model, and `PieceReader`. Saving and loading with a strategy: trainer/checkpoint.py; which
-checkpoint a run resumes from: trainer/resume.py.
+model, `PieceReader`, a step dir published whole (`publish`), and a step dir read whole into a
+`Portable` or written from one: what export and convert read and write, so neither drops what a
+checkpoint holds. Saving and loading with a strategy: trainer/checkpoint.py; which checkpoint a
+run resumes from: trainer/resume.py.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +31,8 @@ from safetensors import safe_open
 
 from trainer.errors import CheckpointError
 from trainer.log import log
+from trainer.models.weights import save_safetensors
+from trainer.strategies.base import ADAM_KEYS, STEP_KEY, buffer_key, state_keys
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -96,6 +102,33 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
+def write_manifest(tmp: Path, manifest: dict) -> None:
+    """The last file of a step dir written under a temporary name, flushed with the dir's entries."""
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    fsync(tmp / MANIFEST)
+    fsync(tmp)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make a step dir written whole under a temporary name (`write_manifest` last) a checkpoint:
+    renamed to `final` (a step dir of that name already there is kept until then), then `latest`
+    replaced atomically. A crash at any point leaves the previous checkpoint and `latest` as they were."""
+    root = final.parent
+    replaced = None
+    if final.exists():  # the same step saved again (a resume from an older one): kept until replaced
+        replaced = final.with_name(f"{REPLACED_PREFIX}{final.name}")
+        final.rename(replaced)
+    tmp.rename(final)
+    fsync(root)
+    latest_tmp = root / f"{TMP_PREFIX}{LATEST}"
+    latest_tmp.write_text(final.name + "\n")
+    fsync(latest_tmp)
+    os.replace(latest_tmp, root / LATEST)
+    fsync(root)
+    if replaced:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
 def check_fingerprint(manifest: dict, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
     saved = {name: tuple(spec["shape"]) for name, spec in manifest["model"].items()}
     missing = sorted(set(shapes) - set(saved))
@@ -109,14 +142,22 @@ def check_fingerprint(manifest: dict, shapes: dict[str, tuple[int, ...]], path: 
                               f"{len(missing)} missing, {len(unexpected)} unexpected):\n  " + "\n  ".join(problems))
 
 
-def check_base(manifest: dict, fingerprint: str | None, path: Path) -> None:
-    """A checkpoint without its frozen weights resumes only on the same pretrained files."""
-    base = manifest.get("base")
-    if base and base["fingerprint"] != fingerprint:
-        now = "weights whose names, shapes or file sizes differ" if fingerprint else "no pretrained weights"
-        raise CheckpointError(f"checkpoint: {path} holds adapters trained on the frozen weights of {base['path']} "
-                              f"(fingerprint {base['fingerprint']}), which it does not save; this run has {now}: "
-                              f"set model.path to those weights")
+def check_base(base: dict | None, fingerprint: str | None, path: Path) -> None:
+    """A checkpoint without its frozen weights (its manifest's `base`) resumes or merges only on the
+    same pretrained files: the same `layout+values` fingerprint (trainer.models.weights.fingerprint).
+    One recorded before values were sampled (its layout alone) passes on the same layout, with a warning."""
+    if not base or base["fingerprint"] == fingerprint:
+        return
+    layout_only = "+" not in base["fingerprint"]
+    if layout_only and fingerprint and fingerprint.partition("+")[0] == base["fingerprint"]:
+        log.warning(f"checkpoint: {path} records its frozen base {base['path']} by tensor names, shapes and file "
+                    "sizes only (saved before values were fingerprinted): those match, but whether these are the "
+                    "same values (not a fine-tuned variant of that base) cannot be checked")
+        return
+    now = "other weights (names, shapes, file sizes or values differ)" if fingerprint else "no pretrained weights"
+    raise CheckpointError(f"checkpoint: {path} holds adapters trained on the frozen weights of {base['path']} "
+                          f"(fingerprint {base['fingerprint']}), which it does not save; this run has {now}: "
+                          f"set model.path to those weights")
 
 
 class PieceReader:
@@ -149,3 +190,79 @@ class PieceReader:
     def read_full(self, key: str) -> torch.Tensor:
         shape = self.tensors[key]["shape"]
         return self.read(key, 0, math.prod(shape)).reshape(shape)
+
+
+@dataclass
+class Portable:
+    """A checkpoint whole, as the trainer keys it, whatever format it came from (trainer.convert)."""
+    weights: dict[str, torch.Tensor]  # fp32, by parameter name
+    moments: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg", "exp_avg_sq"}
+    step: int
+    lacks: list[str] = field(default_factory=list)  # what the source does not hold
+    train: dict | None = None  # the trainer's own state (data position, ...), from our format
+    source: dict = field(default_factory=dict)  # where the model came from (ours: the manifest's)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # persistent buffers, in their own dtype
+    base: dict | None = None  # frozen pretrained weights recorded, not held (LoRA's base): path, fingerprint
+    unsaved: dict[str, tuple[int, ...]] = field(default_factory=dict)  # their shapes, by parameter name
+
+    def tensors(self):
+        yield from self.weights.values()
+        yield from (t for moments in self.moments.values() for t in moments.values())
+
+    def fit(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Keep the parameters of a model with these shapes: a state dict also names a tied matrix
+        by its second name (`lm_head.weight`), which is no parameter of its own; other differences
+        are for the fingerprint check to name."""
+        for name in [n for n in self.weights if n not in shapes]:
+            twin = next((k for k in shapes if k in self.weights and torch.equal(self.weights[k], self.weights[name])),
+                        None)
+            if twin is not None:
+                del self.weights[name]
+                self.moments.pop(name, None)
+
+
+def read_step_dir(path: Path, moments: bool = True) -> Portable:
+    """A step dir whole: weights, (Adam moments,) buffers, step, trainer state, source and base."""
+    manifest = read_manifest(path)
+    reader = PieceReader(path, manifest)
+    saved = [n for n in manifest["model"] if state_keys(n)["param"] in reader.tensors]
+    weights = {n: reader.read_full(state_keys(n)["param"]) for n in saved}
+    adam = {n: {k: reader.read_full(state_keys(n)[k]) for k in ADAM_KEYS}
+            for n in manifest["model"] if moments and state_keys(n)["exp_avg"] in reader.tensors}
+    buffers = {n: reader.read_full(buffer_key(n)).to(getattr(torch, spec["dtype"]))
+               for n, spec in manifest.get("buffers", {}).items() if buffer_key(n) in reader.tensors}
+    unsaved = {n: tuple(spec["shape"]) for n, spec in manifest["model"].items() if n not in weights}
+    lacks = ["the frozen base weights (read from model.path by a run)"] if manifest.get("base") else []
+    step = int(reader.read_full(STEP_KEY).item()) if STEP_KEY in reader.tensors else manifest["step"]
+    return Portable(weights, adam, step, lacks, manifest["trainer"], manifest.get("source", {}), buffers,
+                    manifest.get("base"), unsaved)
+
+
+def fresh_trainer_state(step: int) -> dict:
+    """The trainer state of a checkpoint from elsewhere: the data from the start of epoch 0."""
+    return {"step": step, "epoch": 0, "skipped": 0, "loss_scale": None, "tokens": 0,
+            "data": {"epoch": 0, "samples_consumed": 0}}
+
+
+def write_step_dir(p: Portable, root: Path) -> Path:
+    """A step dir under `root` (and `latest`), every tensor whole in one rank file, published as a
+    save publishes it: any strategy at any world size resumes it."""
+    final = root / step_dir_name(p.step)
+    tmp = root / f"{TMP_PREFIX}{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a conversion that died
+    tmp.mkdir(parents=True)
+    tensors = {state_keys(n)["param"]: w for n, w in p.weights.items()}
+    for name, weight in p.weights.items():  # zeros, Adam's own start, where the source has no moments
+        moments = p.moments.get(name) or {k: torch.zeros_like(weight) for k in ADAM_KEYS}
+        tensors.update({state_keys(name)[k]: v for k, v in moments.items()})
+    tensors[STEP_KEY] = torch.tensor([float(p.step)])
+    tensors.update({buffer_key(n): b for n, b in p.buffers.items()})
+    save_safetensors({f"{key}@0": t.detach().float().contiguous().view(-1) for key, t in tensors.items()},
+                     tmp / rank_file(0))
+    fsync(tmp / rank_file(0))
+    pieces = {key: {"pieces": [[rank_file(0), 0, t.numel()]], "shape": list(t.shape)} for key, t in tensors.items()}
+    shapes = {n: tuple(w.shape) for n, w in p.weights.items()} | p.unsaved
+    write_manifest(tmp, manifest_of(p.step, p.train or fresh_trainer_state(p.step), "converted", 1, shapes,
+                                     p.buffers, p.source, p.base, pieces))
+    publish(tmp, final)
+    return final

@@ -9,9 +9,12 @@ out of the trainer's format. SRC's format is detected:
 - a DeepSpeed universal checkpoint (`zero/<param>/fp32.pt, exp_avg.pt, ...`);
 - a Hugging Face folder (safetensors weights only).
 
-In between, a checkpoint is `Portable`: fp32 weights and Adam moments by parameter name, the step,
-and what the source lacks. Conversions read whole tensors in one process: memory is the full
-model plus its two moments (the cost `checkpoint.resume=SRC` pays once, before the ranks start).
+In between, a checkpoint is `Portable` (trainer/checkpoint_format.py): fp32 weights and Adam
+moments by parameter name, the step, and what the source lacks; from ours also its buffers, trainer
+state and frozen base. Our step dirs are read and written by the format's own functions (a save
+publishes its step dirs with the same `publish`), and `--to hf` is `trainer.export`'s writer, so
+a LoRA checkpoint gives its PEFT folder, or with `--merge` the merged model. Conversions read
+whole tensors in one process: memory is the full model plus its two moments (the cost `checkpoint.resume=SRC` pays once, before the ranks start).
 """
 from __future__ import annotations
 
@@ -21,52 +24,17 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from trainer.checkpoint_format import (
-    LATEST,
-    MANIFEST,
-    PieceReader,
-    manifest_of,
-    rank_file,
-    read_manifest,
-    step_dir_name,
-)
+from trainer.checkpoint_format import LATEST, MANIFEST, Portable, read_step_dir, write_step_dir
 from trainer.errors import CheckpointError
-from trainer.models.weights import safetensors_files, save_safetensors
+from trainer.models.weights import safetensors_files
 from trainer.resume import latest_checkpoint
-from trainer.strategies.base import ADAM_KEYS, STEP_KEY, state_keys
+from trainer.strategies.base import ADAM_KEYS
 
 FORMATS = ("trainer", "dcp", "deepspeed", "universal", "hf")
-
-
-@dataclass
-class Portable:
-    """A checkpoint of any format as the trainer keys it."""
-    weights: dict[str, torch.Tensor]  # fp32, by parameter name
-    moments: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg", "exp_avg_sq"}
-    step: int
-    lacks: list[str] = field(default_factory=list)  # what the source does not hold
-    train: dict | None = None  # the trainer's own state (data position, ...), from our format
-    source: dict = field(default_factory=dict)  # where the model came from (ours: the manifest's)
-
-    def tensors(self):
-        yield from self.weights.values()
-        yield from (t for moments in self.moments.values() for t in moments.values())
-
-    def fit(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Keep the parameters of a model with these shapes: a state dict also names a tied matrix
-        by its second name (`lm_head.weight`), which is no parameter of its own; other differences
-        are for the fingerprint check to name."""
-        for name in [n for n in self.weights if n not in shapes]:
-            twin = next((k for k in shapes if k in self.weights and torch.equal(self.weights[k], self.weights[name])),
-                        None)
-            if twin is not None:
-                del self.weights[name]
-                self.moments.pop(name, None)
 
 
 # -- detection -----------------------------------------------------------------------------------
@@ -113,17 +81,7 @@ def read(path: Path) -> Portable:
 
 
 def read_trainer(path: Path) -> Portable:
-    if not (path / MANIFEST).is_file():
-        path = latest_checkpoint(path)
-    manifest = read_manifest(path)
-    reader = PieceReader(path, manifest)
-    names = [n for n in manifest["model"] if state_keys(n)["param"] in reader.tensors]
-    weights = {n: reader.read_full(state_keys(n)["param"]) for n in names}
-    moments = {n: {k: reader.read_full(state_keys(n)[k]) for k in ADAM_KEYS}
-               for n in manifest["model"] if state_keys(n)["exp_avg"] in reader.tensors}
-    lacks = ["the frozen base weights (read from model.path by a run)"] if manifest.get("base") else []
-    step = int(reader.read_full(STEP_KEY).item()) if STEP_KEY in reader.tensors else manifest["step"]
-    return Portable(weights, moments, step, lacks, manifest["trainer"], manifest.get("source", {}))
+    return read_step_dir(path if (path / MANIFEST).is_file() else latest_checkpoint(path))
 
 
 def from_optimizer_state(weights: dict, optim: dict, lacks: list[str]) -> Portable:
@@ -213,33 +171,6 @@ READERS = {"trainer": read_trainer, "dcp": read_dcp, "universal": read_universal
 
 # -- writing -------------------------------------------------------------------------------------
 
-def fresh_trainer_state(step: int) -> dict:
-    """The trainer state of a checkpoint from elsewhere: the data from the start of epoch 0."""
-    return {"step": step, "epoch": 0, "skipped": 0, "loss_scale": None, "tokens": 0,
-            "data": {"epoch": 0, "samples_consumed": 0}}
-
-
-def write_trainer(p: Portable, root: Path) -> Path:
-    """A step dir under `root` (and `latest`), every tensor whole in one rank file: any strategy at
-    any world size resumes it."""
-    final = root / step_dir_name(p.step)
-    final.mkdir(parents=True, exist_ok=True)
-    tensors = {state_keys(n)["param"]: w for n, w in p.weights.items()}
-    for name, weight in p.weights.items():  # zeros, Adam's own start, where the source has no moments
-        moments = p.moments.get(name) or {k: torch.zeros_like(weight) for k in ADAM_KEYS}
-        tensors.update({state_keys(name)[k]: v for k, v in moments.items()})
-    tensors[STEP_KEY] = torch.tensor([float(p.step)])
-    save_safetensors({f"{key}@0": t.detach().float().contiguous().view(-1) for key, t in tensors.items()},
-                     final / rank_file(0))
-    pieces = {key: {"pieces": [[rank_file(0), 0, t.numel()]], "shape": list(t.shape)} for key, t in tensors.items()}
-    shapes = {n: tuple(w.shape) for n, w in p.weights.items()}
-    manifest = manifest_of(p.step, p.train or fresh_trainer_state(p.step), "converted", 1, shapes, {}, p.source,
-                           None, pieces)
-    (final / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    (root / LATEST).write_text(final.name + "\n")
-    return final
-
-
 def optimizer_groups(p: Portable, lr: float = 3e-3, betas=(0.9, 0.95), eps: float = 1e-8,
                      weight_decay: float = 0.1) -> list[dict]:
     """Param groups as the trainer builds them (weight decay on matrices only), with every key of a
@@ -266,16 +197,6 @@ def write_dcp(p: Portable, out: Path) -> Path:
     return out
 
 
-def write_hf(p: Portable, out: Path) -> Path:
-    from trainer.models.hf import export_folder
-
-    if p.source.get("kind") != "hf":
-        raise CheckpointError("--to hf: the source records no Hugging Face config (only checkpoints of model=hf do)")
-    tokenizer = Path(p.source["tokenizer"]) if p.source.get("tokenizer") else None
-    export_folder(p.weights, p.source, out, tokenizer if tokenizer and tokenizer.is_dir() else None)
-    return out
-
-
 def write_deepspeed(p: Portable, out: Path) -> Path:
     """A DeepSpeed universal checkpoint (an engine resumes it with "checkpoint": {"load_universal":
     true}), made by DeepSpeed's own code: a ZeRO-1 engine of one rank takes the weights and
@@ -292,7 +213,7 @@ def write_deepspeed(p: Portable, out: Path) -> Path:
                               "does); convert it --to trainer first and resume it with your model's settings")
     tag = f"global_step{p.step}"
     with tempfile.TemporaryDirectory() as tmp:
-        ours = write_trainer(p, Path(tmp) / "ours")
+        ours = write_step_dir(p, Path(tmp) / "ours")
         cfg = to_config({"strategy": {"name": "zero1"}, "model": p.source["model"], "train": {"micro_batch_size": 1}})
         env = distributed.init()
         try:
@@ -312,18 +233,26 @@ def write_deepspeed(p: Portable, out: Path) -> Path:
     return out
 
 
-WRITERS = {"trainer": write_trainer, "dcp": write_dcp, "deepspeed": write_deepspeed, "hf": write_hf}
+WRITERS = {"trainer": write_step_dir, "dcp": write_dcp, "deepspeed": write_deepspeed}
+TARGETS = [*WRITERS, "hf"]  # hf: trainer.export's writer
 
 
-def convert(src: Path, dst: Path, to: str) -> str:
-    """Convert; a line that says what came across and what the source lacks."""
+def convert(src: Path, dst: Path, to: str, merge: bool = False) -> str:
+    """Convert; a line that says what came across and what the source lacks. `merge` (--to hf of a
+    LoRA checkpoint): the adapters merged into the model, as `trainer.export --merge` does."""
+    if merge and to != "hf":
+        raise CheckpointError(f"--merge: merges LoRA adapters into a Hugging Face folder (--to hf), not --to {to}")
     kind = detect(src)
     p = READERS[kind](src)
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty: give a new directory")
-    written = WRITERS[to](p, dst)
-    moments = f", Adam moments of {len(p.moments)}" if p.moments and to != "hf" else ""
     lacks = f"; {kind} lacks {', '.join(p.lacks)}" if p.lacks else ""
+    if to == "hf":
+        from trainer.export import write_weights
+
+        return f"{kind} -> hf: {write_weights(p, dst, merge, src, f'step {p.step} of {src}')}{lacks}"
+    written = WRITERS[to](p, dst)
+    moments = f", Adam moments of {len(p.moments)}" if p.moments else ""
     return f"{kind} {src} -> {to} {written}: {len(p.weights)} weights{moments}, step {p.step}{lacks}"
 
 
@@ -332,7 +261,8 @@ def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(prog="python -m trainer.convert", description=__doc__.splitlines()[0])
     cli.add_argument("src", type=Path)
     cli.add_argument("dst", type=Path)
-    cli.add_argument("--to", choices=list(WRITERS), required=True)
+    cli.add_argument("--to", choices=TARGETS, required=True)
+    cli.add_argument("--merge", action="store_true", help="--to hf of a LoRA checkpoint: the adapters merged")
     return cli
 
 
@@ -342,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(None, is_main=True)  # [trainer] lines (a DeepSpeed op build), as the trainer's
     args = parser().parse_args(argv)
     try:
-        print(convert(args.src, args.dst, args.to))
+        print(convert(args.src, args.dst, args.to, args.merge))
     except CheckpointError as e:
         refuse(e, "trainer.convert")
 

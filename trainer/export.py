@@ -9,16 +9,16 @@ adapter_model.safetensors) that `PeftModel.from_pretrained(base, OUT_DIR)` loads
 the adapters merged into the model's weights (by peft), written as above.
 
 A file operation: no process group, no strategy. The checkpoint may come from any strategy
-and world size; parameters are assembled one at a time from the ranks' pieces.
+and world size; parameters are assembled one at a time from the ranks' pieces
+(`checkpoint_format.read_step_dir`). `python -m trainer.convert CKPT DIR --to hf [--merge]`
+writes through the same `write_weights`.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-import torch
-
-from trainer.checkpoint_format import PieceReader, read_manifest
+from trainer.checkpoint_format import Portable, read_manifest, read_step_dir
 from trainer.errors import CheckpointError, ConfigError
 from trainer.log import refuse
 from trainer.models import lora
@@ -31,7 +31,14 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> str:
     if (checkpoint / "latest").is_file():
         checkpoint = latest_checkpoint(checkpoint) or checkpoint
     manifest = read_manifest(checkpoint)
-    source = manifest.get("source", {})
+    of = f"step {manifest['step']} ({manifest['strategy']}, world size {manifest['world_size']}, {checkpoint})"
+    return write_weights(read_step_dir(checkpoint, moments=False), out, merge, checkpoint, of)
+
+
+def write_weights(p: Portable, out: Path, merge: bool, checkpoint: Path, of: str) -> str:
+    """A checkpoint read whole (`p`, from `checkpoint`) written for inference, by `export` and by
+    `convert --to hf` alike; a line saying what was written (`of`: which checkpoint)."""
+    source = p.source
     settings = source.get("lora")
     as_folder = out.suffix != ".safetensors"
     if merge and not settings:
@@ -40,41 +47,35 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> str:
         raise CheckpointError(f"--merge: {checkpoint} holds a {source.get('kind')} model; merging needs model=hf "
                               "(export the adapters to a folder, and merge them with peft)")
     if as_folder and source.get("kind") != "hf" and not (settings and not merge):
-        raise CheckpointError(f"{checkpoint} holds a {source.get('kind', 'reference')} model, which has no "
-                              "Hugging Face config: export it to a file, OUT.safetensors")
-    reader = PieceReader(checkpoint, manifest)
-    saved = [name for name in manifest["model"] if f"model.{name}" in reader.tensors]
-    weights = {name: reader.read_full(f"model.{name}").contiguous() for name in saved}
-    written = f"step {manifest['step']} ({manifest['strategy']}, world size {manifest['world_size']}, {checkpoint})"
-    base = manifest.get("base") or {}
+        raise CheckpointError(f"{checkpoint} records no Hugging Face config (only checkpoints of model=hf do): "
+                              "write its weights to a file, OUT.safetensors")
+    weights = {name: w.contiguous() for name, w in p.weights.items()}
     if settings and not merge:  # the adapters alone, as peft saves them
         if not as_folder:
             raise CheckpointError(f"{checkpoint} holds LoRA adapters: export them to a folder (OUT_DIR), or merged "
                                   "into the model with --merge")
         adapters = {name: w for name, w in weights.items() if lora.is_adapter(name)}
-        lora.write_adapter_folder(adapters, settings, base.get("path") or source.get("path"), out)
+        lora.write_adapter_folder(adapters, settings, (p.base or {}).get("path") or source.get("path"), out)
         count = sum(w.numel() for w in adapters.values())
-        return (f"wrote the LoRA adapters ({count:,} fp32 parameters, r={settings['r']}) of {written} to {out}/ "
+        return (f"wrote the LoRA adapters ({count:,} fp32 parameters, r={settings['r']}) of {of} to {out}/ "
                 f"({lora.ADAPTER_CONFIG}, {lora.ADAPTER_WEIGHTS})")
     if settings:  # merged: the frozen base from its pretrained files where the checkpoint does not hold it
         from trainer.models import hf
 
-        unsaved = [name for name in manifest["model"] if name not in weights]
-        if unsaved:
+        if p.unsaved:
             try:
-                weights.update(hf.read_pretrained(source, unsaved, base["fingerprint"]))
+                weights.update(hf.read_pretrained(source, p.base, list(p.unsaved), checkpoint))
             except ConfigError as e:
                 raise CheckpointError(f"--merge: {e}") from None
         config = hf.config_of(source)
         weights = lora.merged(weights, settings, lambda: hf.model_class(config)(config))
     count = sum(w.numel() for w in weights.values())
     # Persistent buffers (running statistics, Gemma4's layer_scalar) in the dtype the model keeps them in.
-    weights.update({name: reader.read_full(f"buffer.{name}").to(getattr(torch, spec["dtype"])).contiguous()
-                    for name, spec in manifest.get("buffers", {}).items()})
-    what = f"{count:,} fp32 parameters{' (LoRA merged)' if settings else ''} of {written}"
+    weights.update({name: b.contiguous() for name, b in p.buffers.items()})
+    what = f"{count:,} fp32 parameters{' (LoRA merged)' if settings else ''} of {of}"
     if not as_folder:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_safetensors(weights, out, metadata={"step": str(manifest["step"]), "strategy": manifest["strategy"]})
+        save_safetensors(weights, out, metadata={"step": str(p.step)})
         return f"wrote {what} to {out}"
     from trainer.models.hf import export_folder
 

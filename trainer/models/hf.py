@@ -186,9 +186,11 @@ def description(cfg: ModelConfig, tokenizer: str | None) -> dict:
             "tokenizer": str(found) if found else None}
 
 
-def read_pretrained(source: dict, names: list[str], fingerprint: str) -> dict[str, torch.Tensor]:
+def read_pretrained(source: dict, base: dict, names: list[str], checkpoint: Path) -> dict[str, torch.Tensor]:
     """Weights a checkpoint did not save (LoRA's frozen base), from the pretrained folder it
-    records, provided its files are still the ones trained on (`fingerprint`)."""
+    records, provided its files are still the ones trained on (`base`'s fingerprint: `check_base`)."""
+    from trainer.checkpoint_format import check_base
+
     config = config_of(source)
     with torch.device("meta"):
         model = model_class(config)(config)
@@ -197,9 +199,7 @@ def read_pretrained(source: dict, names: list[str], fingerprint: str) -> dict[st
     if not safetensors_files(path):
         raise ConfigError(f"{path}: the frozen base weights of this checkpoint are gone (no *.safetensors)")
     files = SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), None, known_extra_keys(model))
-    if files.fingerprint != fingerprint:
-        raise ConfigError(f"{path}: its weights are not the ones these adapters were trained on (fingerprint "
-                          f"{files.fingerprint}, checkpoint {fingerprint})")
+    check_base(base, files.fingerprint, checkpoint)
     return {name: files.read(name, 0, math.prod(shape)).view(shape) for name, shape in shapes.items()}
 
 

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import zlib
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -55,7 +55,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 class WeightSource(Protocol):
     description: str
-    fingerprint: str | None  # pretrained files: a hash of their tensors' names and shapes and their sizes
+    fingerprint: str | None  # pretrained files: their layout and sampled values (`fingerprint`)
 
     def read(self, name: str, start: int, numel: int) -> torch.Tensor:
         """fp32 values [start, start + numel) of parameter `name`, flattened."""
@@ -238,6 +238,54 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
+SAMPLE_WINDOWS, SAMPLE_BYTES = 8, 4096  # per tensor: 8 windows of 4 KiB, evenly spread (all of a smaller one)
+
+
+def byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each tensor's bytes lie in a safetensors file: the format's header (8 bytes of its
+    length, little-endian, then JSON) gives each tensor's `data_offsets`, counted from its end."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {key: (8 + length + spec["data_offsets"][0], 8 + length + spec["data_offsets"][1])
+            for key, spec in header.items() if key != "__metadata__"}
+
+
+def sampled_bytes(f, begin: int, end: int) -> Iterator[bytes]:
+    """A fixed sample of the bytes [begin, end) of an open file: SAMPLE_WINDOWS windows of SAMPLE_BYTES
+    from the first byte to the last, by seeking (a 70B folder is not read whole to fingerprint it)."""
+    if end - begin <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+        f.seek(begin)
+        yield f.read(end - begin)
+        return
+    for i in range(SAMPLE_WINDOWS):
+        f.seek(begin + i * (end - begin - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1))
+        yield f.read(SAMPLE_BYTES)
+
+
+def fingerprint(files: list[Path], shapes: dict[str, list[int]], where: dict[str, tuple[Path, str]]) -> str:
+    """What a checkpoint that does not save pretrained weights (frozen under LoRA) records of them:
+    `layout+values`, where layout hashes the tensors' names and shapes and the files' sizes (all a
+    checkpoint recorded before values were sampled: `check_base` accepts those, with a warning) and
+    values hashes a fixed sample of each tensor's stored bytes, so a base and its fine-tuned variant
+    (same names, shapes and sizes) differ. `where`: a tensor's name -> (file, key)."""
+    layout = hashlib.sha256(json.dumps({f.name: f.stat().st_size for f in files} | shapes,
+                                       sort_keys=True).encode()).hexdigest()[:16]
+    values = hashlib.sha256()
+    ranges = {f: byte_ranges(f) for f in files}
+    with ExitStack() as files_open:
+        handles = {f: files_open.enter_context(open(f, "rb")) for f in files}
+        for handle in handles.values():  # no read-ahead around each window: 1.6-2.7x faster from a cold disk here
+            if hasattr(os, "posix_fadvise"):  # Linux
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        for name in sorted(where):
+            path, key = where[name]
+            values.update(name.encode())
+            for sample in sampled_bytes(handles[path], *ranges[path][key]):
+                values.update(sample)
+    return f"{layout}+{values.hexdigest()[:16]}"
+
+
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names; others hold quantised values
 QUANTISATION_SUFFIXES = ("_scale_inv", "_scale", ".absmax", ".quant_map", ".quant_state")
 
@@ -284,10 +332,8 @@ class SafetensorsWeights:
             raise ConfigError(f"model.path: the weights in {directory} do not fit the model built from its "
                               f"config.json ({len(problems)} parameters):\n  " + "\n  ".join(problems[:10]))
         self.where = {name: stored[name][:2] for name in shapes}
-        # What a checkpoint that does not save these weights (frozen under LoRA) records of them.
-        self.fingerprint = hashlib.sha256(json.dumps(
-            {f.name: f.stat().st_size for f in self.files} | {name: list(stored[name][2]) for name in sorted(stored)},
-            sort_keys=True).encode()).hexdigest()[:16]
+        self.fingerprint = fingerprint(self.files, {name: list(stored[name][2]) for name in stored},
+                                       {name: stored[name][:2] for name in stored})
         self.buffers = {name: stored[name][:2] for name in buffers if name in stored}
 
     def read_buffer(self, name: str) -> torch.Tensor | None:
