@@ -1,11 +1,14 @@
 """Checkpoint save/load time, bytes on disk and the memory a save adds, per strategy (prints numbers).
 
     python bench/checkpoint_io.py [--model gpt_125m] [--nproc 2] [--strategies ddp,fsdp,zero1,zero2,zero3]
+                                  [--no-checksums]
 
 Per strategy: one training step (so Adam state exists), then a save and a load of the full
 portable state (model + Adam moments, fp32). "save peak +MB" is how far the rank's peak RSS
 rose above its RSS before the save (Linux VmHWM, reset before the save): it should follow the
-rank's own share of the state, never the full model.
+rank's own share of the state, never the full model. "verify s": rank 0 verifying every file of
+the step dir (what a resume does before the ranks start). --no-checksums: the same save and load
+with the hashing and the verification replaced by nothing, to measure what they cost.
 """
 from __future__ import annotations
 
@@ -31,16 +34,34 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
-def measure(env, model: dict, strategy: str, root: str) -> dict:
+def without_checksums() -> None:
+    """The files written and read as with checksums, less the hashing and the verification."""
+    from trainer import checkpoint_format
+
+    class NoHash:
+        def update(self, data) -> None:
+            pass
+
+        def hexdigest(self) -> str:
+            return ""
+
+    checkpoint_format.xxhash = type("xxhash", (), {"xxh3_128": NoHash})
+    checkpoint_format.verify_file = lambda *args: None
+
+
+def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict:
     import torch
 
     from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint_format import read_manifest, verify_step_dir
     from trainer.config import to_config
     from trainer.loop import setup_model, token_loss_sum
     from trainer.strategies import build_strategy
 
     cfg = to_config({"strategy": {"name": strategy}, "model": model,
                      "checkpoint": {"dir": f"{root}/{strategy}", "keep_last": 0}})
+    if not checksums:
+        without_checksums()
     s = build_strategy(cfg, env)
     net, _, _, _ = setup_model(cfg, s)
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1))
@@ -60,10 +81,15 @@ def measure(env, model: dict, strategy: str, root: str) -> dict:
     t0 = time.perf_counter()
     manager.load(path)
     load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if s.is_main and checksums:
+        verify_step_dir(path, read_manifest(path))
+    verify_s = time.perf_counter() - t0
     own = sum(p.tensor.numel() * 4 for p in s.state_dict().values()) / 1e6
     disk = sum(f.stat().st_size for f in path.iterdir()) / 1e6
     s.teardown()
-    return {"save_s": save_s, "load_s": load_s, "disk_mb": disk, "save_peak_mb": save_peak_mb, "own_share_mb": own}
+    return {"save_s": save_s, "load_s": load_s, "verify_s": verify_s, "disk_mb": disk, "save_peak_mb": save_peak_mb,
+            "own_share_mb": own}
 
 
 def main() -> None:
@@ -79,21 +105,24 @@ def main() -> None:
     parser.add_argument("--model", default="gpt_125m")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--strategies", default="ddp,fsdp,zero1,zero2,zero3")
+    parser.add_argument("--no-checksums", action="store_true", help="save and load without hashing or verifying")
     args = parser.parse_args()
     model = OmegaConf.to_container(OmegaConf.load(REPO / "conf/model" / f"{args.model}.yaml"))
     n_params = count_params(to_config({"model": model}))
     full_mb = 3 * 4 * n_params / 1e6  # fp32 params + 2 Adam moments
     print(f"model={args.model} ({n_params / 1e6:.0f}M params, full portable state {full_mb:.0f} MB) "
-          f"ranks={args.nproc}")
-    print(f"{'strategy':<10}{'save s':>8}{'load s':>8}{'disk MB':>9}{'own share MB':>14}{'save peak +MB':>15}"
-          f"{'peak/full':>11}")
+          f"ranks={args.nproc}{'' if args.no_checksums else ' checksums'}")
+    print(f"{'strategy':<10}{'save s':>8}{'load s':>8}{'verify s':>10}{'disk MB':>9}{'own share MB':>14}"
+          f"{'save peak +MB':>15}{'peak/full':>11}")
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for strategy in args.strategies.split(","):
-            ranks = distributed.launch_local(args.nproc, in_group, measure_fn, model, strategy, root)
+            ranks = distributed.launch_local(args.nproc, in_group, measure_fn, model, strategy, root,
+                                             not args.no_checksums)
             r = {k: max(rank[k] for rank in ranks.values()) for k in ranks[0]}
             results[strategy] = r
-            print(f"{strategy:<10}{r['save_s']:>8.2f}{r['load_s']:>8.2f}{r['disk_mb']:>9.0f}{r['own_share_mb']:>14.0f}"
+            print(f"{strategy:<10}{r['save_s']:>8.2f}{r['load_s']:>8.2f}{r['verify_s']:>10.2f}{r['disk_mb']:>9.0f}"
+                  f"{r['own_share_mb']:>14.0f}"
                   f"{r['save_peak_mb']:>15.0f}{r['save_peak_mb'] / full_mb:>11.2f}", flush=True)
     print(json.dumps(results))
 

@@ -132,7 +132,7 @@ def save_with_a_failing_rank(env, ckpt_dir: str) -> str:
     if env.rank == 1:
         def broken(*args, **kwargs):
             raise OSError("disk full (injected)")
-        checkpoint.save_safetensors = broken
+        checkpoint.write_tensors = broken
     try:
         manager.save(state["step"] + 1, state)
     except CheckpointError as e:

@@ -28,7 +28,7 @@ HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
 HYDRA_FLAGS = {"-m", "--multirun", "--resolve"}
 PATH_PREFIXES = ("launch/", "bench/", "examples/", "conf/", "tests/", "trainer/", "docs/")
 # Companion commands with an argument parser of their own (`parser()`), which parses each documented one.
-PARSED_MODULES = ("trainer.convert", "trainer.export", "trainer.metrics")
+PARSED_MODULES = ("trainer.convert", "trainer.export", "trainer.metrics", "trainer.verify")
 
 
 def rel(path: Path) -> str:
@@ -256,6 +256,7 @@ def test_a_wrong_command_fails_the_check(line):
     "python -m trainer.export ckpt",  # no OUT
     "python -m trainer.export ckpt out --merged",  # no such flag
     "python -m trainer.metrics",  # no run dir
+    "python -m trainer.verify",  # no checkpoint dir
     "python -m trainer.metrics run-a run-b",  # one run dir
 ])
 def test_a_wrong_companion_command_fails_to_parse(line):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from trainer.checkpoint_format import (
     LATEST,
@@ -22,19 +21,19 @@ from trainer.checkpoint_format import (
     PieceReader,
     check_base,
     check_fingerprint,
-    fsync,
     manifest_of,
     publish,
     rank_file,
     read_manifest,
     step_dir_name,
     write_manifest,
+    write_tensors,
 )
 from trainer.config import CheckpointConfig
 from trainer.distributed import broadcast_object
 from trainer.errors import CheckpointError
 from trainer.log import log
-from trainer.models.weights import canonical_name, save_safetensors
+from trainer.models.weights import canonical_name
 from trainer.resume import checkpoints_with_manifest, latest_checkpoint
 from trainer.strategies.base import STEP_KEY, Piece, Strategy, buffer_key, state_keys
 
@@ -134,17 +133,15 @@ class CheckpointManager:
             pieces = {key: piece for key, piece in s.state_dict().items() if key not in self.unsaved}
             if s.is_main:
                 pieces.update({buffer_key(name): Piece(0, b.view(-1)) for name, b in s.buffers().items()})
-            tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu().clone() for key, p in pieces.items()}
+            tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu() for key, p in pieces.items()}
             bad = [key for key, t in tensors.items() if not torch.isfinite(t).all()]
             if bad:  # never saved: a checkpoint must be one to go back to
                 raise ValueError(f"non-finite values in {', '.join(bad[:3])}")
             tensors["rng.torch"] = torch.get_rng_state()
             if self.strategy.device.type == "cuda":
                 tensors["rng.cuda"] = torch.cuda.get_rng_state()
-            path = tmp / rank_file(s.rank)
-            save_safetensors(tensors, path)
-            fsync(path)
-            return {"pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}}
+            checksum = write_tensors(tensors, tmp / rank_file(s.rank))
+            return {"pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}, "checksum": checksum}
         except Exception as e:  # reported to all ranks, so that none waits forever
             return {"error": f"{type(e).__name__}: {e}"}
 
@@ -162,8 +159,9 @@ class CheckpointManager:
             spec["shape"] = list(key_shapes[key])
         base = {"path": self.source.get("path"), "fingerprint": self.base_fingerprint,
                 "params": len(self.unsaved)} if self.unsaved else None
+        checksums = {rank_file(rank): outcome["checksum"] for rank, outcome in enumerate(outcomes)}
         write_manifest(tmp, manifest_of(step, trainer_state, self.strategy_name, self.strategy.world_size, shapes,
-                                        buffers, self.source, base, tensors))
+                                        buffers, self.source, base, tensors, checksums))
         self._set_aside_newer(step)
         publish(tmp, final)
 
@@ -232,8 +230,8 @@ class CheckpointManager:
             reader = PieceReader(path, manifest)
             values.update({key: reader.read(key, start, numel) for key, (start, numel) in layout.items()})
             saved_rank = s.rank if s.rank < manifest["world_size"] else 0
-            with safe_open(str(path / rank_file(saved_rank)), framework="pt") as f:
-                rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})
+            f = reader.open(rank_file(saved_rank))
+            rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})
             if saved_rank != s.rank:  # a rank the saving run did not have: a stream of its own
                 rng.update({key: rng_state_of_new_rank(state, s.rank, "cuda" if key == "rng.cuda" else "cpu")
                             for key, state in rng.items()})

@@ -11,8 +11,9 @@ out of the trainer's format. SRC's format is detected:
 
 In between, a checkpoint is `Portable` (trainer/checkpoint_format.py): fp32 weights and Adam
 moments by parameter name, the step, and what the source lacks; from ours also its buffers, trainer
-state and frozen base. Our step dirs are read and written by the format's own functions (a save
-publishes its step dirs with the same `publish`), and `--to hf` is `trainer.export`'s writer, so
+state and frozen base. Our step dirs are read and written by the format's own functions (files
+verified against their checksums as they are read, and written with theirs; a save publishes its
+step dirs with the same `publish`), and `--to hf` is `trainer.export`'s writer, so
 a LoRA checkpoint gives its PEFT folder, or with `--merge` the merged model. Conversions read
 whole tensors in one process: memory is the full model plus its two moments (the cost `checkpoint.resume=SRC` pays once, before the ranks start).
 """

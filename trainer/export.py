@@ -10,8 +10,9 @@ the adapters merged into the model's weights (by peft), written as above.
 
 A file operation: no process group, no strategy. The checkpoint may come from any strategy
 and world size; parameters are assembled one at a time from the ranks' pieces
-(`checkpoint_format.read_step_dir`). `python -m trainer.convert CKPT DIR --to hf [--merge]`
-writes through the same `write_weights`.
+(`checkpoint_format.read_step_dir`), each file verified against its checksum first: a damaged
+checkpoint is refused. `python -m trainer.convert CKPT DIR --to hf [--merge]` writes through the
+same `write_weights`.
 """
 from __future__ import annotations
 

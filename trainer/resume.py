@@ -9,10 +9,19 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from trainer.checkpoint_format import LATEST, MANIFEST, STEP_PREFIX, TMP_PREFIX, read_manifest, readable_manifest
+from trainer.checkpoint_format import (
+    LATEST,
+    MANIFEST,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    read_manifest,
+    readable_manifest,
+    verify_step_dir,
+)
 from trainer.config import CheckpointConfig, Config, OptimConfig
 from trainer.distributed import restart_count
 from trainer.errors import CheckpointError
+from trainer.log import log
 from trainer.schedule import lr_at
 
 
@@ -29,6 +38,19 @@ def latest_checkpoint(root: Path) -> Path | None:
             return path
     done = checkpoints_with_manifest(root)
     return done[-1] if done else None
+
+
+def newest_intact(root: Path, newest: Path) -> Path:
+    """The newest complete step dir whose files are as written (`verify_step_dir`), from `newest` back;
+    each damaged one skipped with a line that names its file. None intact: refused."""
+    for path in [newest, *(p for p in reversed(checkpoints_with_manifest(root)) if p != newest)]:
+        try:
+            verify_step_dir(path, read_manifest(path))
+            return path
+        except CheckpointError as e:
+            log.warning(f"checkpoint: skipping step {step_of(path)}, damaged: {str(e).removeprefix('checkpoint: ')}")
+    raise CheckpointError(f"checkpoint.dir={root}: no checkpoint there is intact (python -m trainer.verify {root} "
+                          "lists them); checkpoint.resume=PATH names one, another checkpoint.dir starts over")
 
 
 def check_writable(root: Path) -> None:
@@ -57,19 +79,19 @@ def resolve_resume(cfg: CheckpointConfig) -> Path | None:
     named one is older work by then, or pruned by keep_last."""
     root = Path(cfg.dir) if cfg.dir else None
     found = latest_checkpoint(root) if root and root.is_dir() else None
-    if cfg.resume == "auto":
-        return found
-    if cfg.resume == "none":
-        if found and not restart_count():
-            raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {found.name}); "
-                                  "checkpoint.resume=auto continues from it, another checkpoint.dir starts over")
-        return found  # a restart: this run's own saves
+    if cfg.resume == "none" and found and not restart_count():
+        raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {found.name}); "
+                              "checkpoint.resume=auto continues from it, another checkpoint.dir starts over")
+    if found and (cfg.resume == "auto" or restart_count()):
+        found = newest_intact(root, found)
+    if cfg.resume in ("auto", "none"):
+        return found  # none: a restart, from this run's own saves
     path = Path(cfg.resume)
     if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).exists():
         path = latest_checkpoint(path)  # a checkpoint root: its newest
     if found and restart_count() and (not readable_manifest(path) or step_of(found) > step_of(path)):
         return found
-    read_manifest(path)
+    verify_step_dir(path, read_manifest(path))  # named: refused when damaged
     return path
 
 
