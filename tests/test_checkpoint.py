@@ -191,7 +191,7 @@ def test_auto_resume_picks_the_newest_complete_checkpoint_and_keep_last_prunes(t
                      f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"resumed from {ckpt / 'step_00000012'} at step 12" in result.stdout
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000014", "step_00000016"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".writer.lock", "latest", "step_00000014", "step_00000016"]
     assert [r["step"] for r in records(tmp_path / "run")] == [13, 14, 15, 16]
 
 

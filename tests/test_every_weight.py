@@ -320,7 +320,7 @@ def test_a_signal_during_an_evaluation_and_save_stops_right_after_them(tmp_path)
                      f"checkpoint.dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 143, result.stderr[-3000:]
     assert event_lines(tmp_path / "run")[-1]["step"] == 2  # no extra step ...
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000002"]  # ... nor save
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".writer.lock", "latest", "step_00000002"]  # ... nor save
 
 
 def uneven_case(strategy: str, world: int, **overrides) -> dict:

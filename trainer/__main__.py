@@ -10,6 +10,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,14 +28,17 @@ from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
 from trainer.plan import resolve_auto
-from trainer.resume import check_writable, resolve_resume
+from trainer.resume import check_writable, data_position, hold_checkpoint_dir, resolve_resume
 from trainer.run import check_run_dir, exit_now, launched_worker, worker
 from trainer.strategies import preflight
 
 
-def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> None:
+def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO | None:
     """Everything that can be wrong with the settings, found before a rank is started (the same
-    on every rank of a launcher; the run dir, rank 0's alone, is then checked by `worker`)."""
+    on every rank of a launcher; the run dir, rank 0's alone, is then checked by `worker`). Returns
+    the hold on checkpoint.dir, which the caller keeps for the run's life (the launching process,
+    or rank 0 of a launcher: see hold_checkpoint_dir)."""
+    held = None
     validate(cfg)
     preflight(cfg, world_size)
     model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
@@ -43,14 +47,17 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> Non
     check_data(cfg, world_size)
     if cfg.checkpoint.dir and distributed.launcher_rank() == 0:  # one try: ranks that all try race to remove it
         check_writable(Path(cfg.checkpoint.dir))
+        held = hold_checkpoint_dir(Path(cfg.checkpoint.dir))
     resume_from = resolve_resume(cfg.checkpoint)
     if resume_from:
         manifest = read_manifest(resume_from)
         check_fingerprint(manifest, param_shapes(model), resume_from)
         check_base(manifest.get("base"), weights.fingerprint, resume_from)
-        BatchStream.check_position(manifest["trainer"]["data"], world_size, resume_from)
+        if position := data_position(manifest["trainer"]["data"], cfg):
+            BatchStream.check_position(position, world_size, resume_from)
     if run_dir is not None:
         check_run_dir(run_dir, resume_from)
+    return held
 
 
 def take_foreign_resume(cfg: Config, run_dir: Path) -> str:
@@ -117,7 +124,8 @@ def app(cfg: DictConfig):
         distributed.use_device(cfg.train.device)  # before DeepSpeed is imported
         typed = resolve_settings(cfg, world)
         typed.checkpoint.resume = cfg.checkpoint.resume = take_foreign_resume(typed, run_dir)
-        check_before_work(typed, world, None if distributed.launched_externally() else run_dir)
+        # checkpoint.dir's lock, held while `held` lives: until this run (nproc=N: all its ranks) ends
+        held = check_before_work(typed, world, None if distributed.launched_externally() else run_dir)  # noqa: F841
     except RunError as e:
         if first:
             remove_refused_run_dir(run_dir)

@@ -17,14 +17,14 @@ from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint_format import read_manifest
 from trainer.checks import check_validation_rows
 from trainer.config import Config, OptimConfig
-from trainer.data import IGNORE_INDEX, BatchStream, eval_batches, load_data
+from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.faults import StepGuard, Stopped, Verdict
 from trainer.log import log, setup_logging
 from trainer.loggers import RunLog
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
 from trainer.models.weights import WeightSource
-from trainer.resume import resolve_resume, resume_notes
+from trainer.resume import data_position, resolve_resume, resume_notes
 from trainer.schedule import lr_at
 from trainer.steps import EarlyStop, StepMeter, StepProfiler
 from trainer.strategies import Strategy, build_strategy
@@ -158,7 +158,8 @@ class Run:
             guard.scale_skips = state.get("scale_skips", 0)
             if state.get("loss_scale"):
                 strategy.load_loss_scale_state(state["loss_scale"])
-            stream.load_state_dict(state["data"])
+            if position := data_position(state["data"], cfg):  # other data start at their beginning
+                stream.load_state_dict(position)
             if state.get("early_stop"):
                 self.early_stop.load_state_dict(state["early_stop"])
         self.meter = StepMeter(env.device, model_facts(cfg.model, cfg.strategy.wrap, cfg.peft).flops_per_token,
@@ -176,7 +177,8 @@ class Run:
         if not resume_from:
             log.info(f"model: {weights.description}")
             return
-        log.info(f"resumed from {resume_from} at step {self.step}: model, optimizer state, schedule and data position")
+        position = " and data position" if data_position(state["data"], self.cfg) else ""
+        log.info(f"resumed from {resume_from} at step {self.step}: model, optimizer state, schedule{position}")
         self.records.log({"event": "resumed", "step": self.step, "from": str(resume_from)})
         for note in resume_notes(state, self.cfg, self.global_batch, self.total_steps, self.run_dir):
             log.info(f"resume: {note}")  # rank 0's console, like the other [trainer] lines
@@ -246,7 +248,7 @@ class Run:
             "step": self.step, "epoch": self.stream.epoch, "skipped": self.guard.skipped,
             "scale_skips": self.guard.scale_skips,
             "loss_scale": self.strategy.loss_scale_state(), **self.meter.totals(),
-            "data": self.stream.state_dict(),
+            "data": {**self.stream.state_dict(), "fingerprint": data_fingerprint(self.cfg)},
             # what a resume compares against (resume_notes)
             "global_batch": self.global_batch, "schedule_steps": o.schedule_steps or self.total_steps,
             "run_dir": str(self.run_dir), "early_stop": self.early_stop.state_dict(),

@@ -2,12 +2,20 @@
 and what resuming it changes against the run that saved it.
 
 A step dir counts once its manifest reads back whole: a save writes it last, before the rename
-that publishes the dir, so a save that died leaves none (trainer/checkpoint_format.py).
+that publishes the dir, so a save that died leaves none (trainer/checkpoint_format.py). One run
+writes a checkpoint dir at a time (`hold_checkpoint_dir`).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import IO
 
 from trainer.checkpoint_format import (
     LATEST,
@@ -19,10 +27,14 @@ from trainer.checkpoint_format import (
     verify_step_dir,
 )
 from trainer.config import CheckpointConfig, Config, OptimConfig
+from trainer.data import data_fingerprint
 from trainer.distributed import restart_count
 from trainer.errors import CheckpointError
 from trainer.log import log
 from trainer.schedule import lr_at
+
+WRITER_LOCK = ".writer.lock"  # in checkpoint.dir: locked by the run that writes there, naming it
+RESTART_WAIT_S = 60  # how long a restart waits for its job's old process to let go of the lock
 
 
 def checkpoints_with_manifest(root: Path) -> list[Path]:
@@ -70,6 +82,49 @@ def check_writable(root: Path) -> None:
                 path.rmdir()
 
 
+def hold_checkpoint_dir(root: Path) -> IO:
+    """One writer per checkpoint dir: the lock of root/.writer.lock, taken by the process that lives
+    for the whole job (the launcher of nproc=N, rank 0's under an external launcher) and held until
+    it ends: keep the returned file open. A POSIX lock (lockf): the kernel drops it when the process
+    dies, it is the process's alone (not the loader workers' it forks), and NFS carries it across
+    nodes (docs/checkpoints.md). A restart of the same job (restart_count) waits up to RESTART_WAIT_S
+    for its old process to go; another run is refused at once, in one line naming the holder."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / WRITER_LOCK, "a+")
+    deadline = time.monotonic() + (RESTART_WAIT_S if restart_count() else 0)
+    while True:
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except (BlockingIOError, PermissionError):  # held by another process
+            if time.monotonic() >= deadline:
+                lock.seek(0)
+                holder = lock.read()
+                lock.close()
+                raise CheckpointError(f"checkpoint.dir={root} is in use by another run ({holder_of(holder)}); one run "
+                                      "writes a checkpoint dir at a time: wait for that one to end, or give another "
+                                      "checkpoint.dir") from None
+            time.sleep(0.5)
+        except OSError as e:  # a filesystem without locks (NFS without lockd: ENOLCK)
+            log.warning(f"checkpoint.dir={root}: cannot lock {WRITER_LOCK} ({e.strerror or e}): nothing keeps a "
+                        "second run from writing there too")
+            return lock
+    lock.truncate(0)
+    lock.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "since": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}))
+    lock.flush()
+    return lock
+
+
+def holder_of(text: str) -> str:
+    """Who holds the lock, as its file says; the file is written right after the lock is taken."""
+    try:
+        holder = json.loads(text)
+        return f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "which has not written its host and pid yet"
+
+
 def resolve_resume(cfg: CheckpointConfig) -> Path | None:
     """The step dir to resume from, or None to start fresh. Raises before any work starts.
 
@@ -99,9 +154,32 @@ def step_of(path: Path) -> int:
     return read_manifest(path)["step"]
 
 
+def data_changes(saved: dict, cfg: Config) -> list[str]:
+    """How this run's data differ from those of the checkpoint's data position `saved`, by setting:
+    those both record (a setting added since, or a checkpoint from before fingerprints, is no change)."""
+    then, now = saved.get("fingerprint", {}), data_fingerprint(cfg)
+    return [f"{key}={value}, now {now[key]}" for key, value in then.items() if key in now and now[key] != value]
+
+
+def data_position(saved: dict, cfg: Config) -> dict | None:
+    """The checkpoint's data position where this run's data are the checkpoint's (at any world size);
+    None for other data, which start at their beginning: the old position means nothing there."""
+    return None if data_changes(saved, cfg) else saved
+
+
+def distinct(a: float, b: float) -> tuple[str, str]:
+    """a and b with the fewest significant digits (3 at least) that tell them apart."""
+    digits = next((d for d in range(3, 18) if f"{a:.{d}g}" != f"{b:.{d}g}"), 17)
+    return f"{a:.{digits}g}", f"{b:.{digits}g}"
+
+
 def resume_notes(state: dict, cfg: Config, global_batch: int, total_steps: int, run_dir: Path) -> list[str]:
     """What a resume changes against the run that saved the checkpoint, one line each."""
     notes, step, o = [], state["step"], cfg.optim
+    if changed := data_changes(state["data"], cfg):
+        notes.append(f"the checkpoint was trained on other data ({'; '.join(changed)}): this run starts its data at their "
+                     f"beginning, not at the checkpoint's position (epoch {state['data']['epoch']}, "
+                     f"{state['data']['samples_consumed']} samples in), which means nothing in other data")
     if state.get("global_batch", global_batch) != global_batch:
         notes.append(f"the checkpoint was trained at global batch {state['global_batch']} and this run's is "
                      f"{global_batch}: the data order from here on, and so the losses, differ from those of the "
@@ -109,8 +187,11 @@ def resume_notes(state: dict, cfg: Config, global_batch: int, total_steps: int, 
     saved_end, end = state.get("schedule_steps"), o.schedule_steps or total_steps
     if saved_end and saved_end != end:
         before = lr_at(step, saved_end, OptimConfig(**{**vars(o), "schedule_steps": saved_end}))
-        notes.append(f"the learning-rate schedule now ends at step {end}, not {saved_end}: step {step + 1} trains "
-                     f"at {lr_at(step, total_steps, o):.3g} instead of {before:.3g}; "
+        after, trains = lr_at(step, total_steps, o), ""
+        if after != before:  # inside the warmup they are the same
+            now, then = distinct(after, before)
+            trains = f"step {step + 1} trains at {now} instead of {then}; "
+        notes.append(f"the learning-rate schedule now ends at step {end}, not {saved_end}: {trains}"
                      f"optim.schedule_steps={saved_end} keeps the old end")
     if state.get("run_dir") and Path(state["run_dir"]) != run_dir:
         notes.append(f"the steps before {step + 1} are in {state['run_dir']}/metrics.jsonl")

@@ -3,6 +3,8 @@
 split, and the stream that owns `set_epoch`."""
 from __future__ import annotations
 
+from dataclasses import asdict
+from enum import Enum
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -26,14 +28,33 @@ from trainer.errors import ConfigError
 from trainer.log import log
 from trainer.models.packing import check_packing
 
-__all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "load_data"]
+__all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data"]
 
 TOKENIZED = (DataName.hf, DataName.chat)
+# How the training samples are read or held out for validation, not which they are
+NOT_THE_SAMPLES = {"num_workers", "cache_dir", "val_path"}
+
+
+def _tokenizer(cfg: Config) -> str | None:
+    d, m = cfg.data, cfg.model
+    return d.tokenizer or (m.path if ModelKind(m.kind) is ModelKind.hf else None)
+
+
+def data_fingerprint(cfg: Config) -> dict:
+    """What makes the training samples what they are, by setting name (the sources, the tokenizer,
+    the packing, seq_len; a synthetic set's seed and vocabulary): saved with the data position, which
+    means nothing in other data. Not the world size: the position holds at any (data/stream.py)."""
+    d, m = cfg.data, cfg.model
+    settings = {f"data.{key}": value.value if isinstance(value, Enum) else value
+                for key, value in asdict(d).items() if key not in NOT_THE_SAMPLES}
+    settings.update({"data.tokenizer": _tokenizer(cfg), "model.seq_len": m.seq_len})
+    if DataName(d.name) is DataName.synthetic:
+        settings.update({"train.seed": cfg.train.seed, "model.vocab_size": m.vocab_size})
+    return settings
 
 
 def _tokenized(cfg: Config, path: str | None, key: str) -> TokenizedText:
-    d, m = cfg.data, cfg.model
-    tokenizer = d.tokenizer or (m.path if ModelKind(m.kind) is ModelKind.hf else None)
+    d, tokenizer = cfg.data, _tokenizer(cfg)
     encoding = Conversations(d.train_on, d.chat_template) if DataName(d.name) is DataName.chat \
         else TextDocuments(d.text_field)
     return TokenizedText(path, key, encoding, Path(tokenizer) if tokenizer else None,
