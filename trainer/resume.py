@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -56,13 +57,23 @@ def newest_intact(root: Path, newest: Path) -> Path:
     """The newest complete step dir whose files are as written (`verify_step_dir`), from `newest` back;
     each damaged one skipped with a line that names its file. None intact: refused."""
     for path in [newest, *(p for p in reversed(checkpoints_with_manifest(root)) if p != newest)]:
-        try:
-            verify_step_dir(path, read_manifest(path))
+        if intact(path, tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()))):
             return path
-        except CheckpointError as e:
-            log.warning(f"checkpoint: skipping step {step_of(path)}, damaged: {str(e).removeprefix('checkpoint: ')}")
     raise CheckpointError(f"checkpoint.dir={root}: no checkpoint there is intact (python -m trainer.verify {root} "
                           "lists them); checkpoint.resume=PATH names one, another checkpoint.dir starts over")
+
+
+@functools.cache
+def intact(path: Path, files: tuple) -> bool:
+    """`verify_step_dir`, a damaged step dir said in one line. Once per process while its files (`files`:
+    name, size, mtime of each) stay as they are: a run resolves its resume up to three times (the
+    checks before work, an external launcher's worker, the loop)."""
+    try:
+        verify_step_dir(path, read_manifest(path))
+        return True
+    except CheckpointError as e:
+        log.warning(f"checkpoint: skipping step {step_of(path)}, damaged: {str(e).removeprefix('checkpoint: ')}")
+        return False
 
 
 def check_writable(root: Path) -> None:
