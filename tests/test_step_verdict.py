@@ -34,11 +34,15 @@ def saved_step(ckpt: Path, step: int) -> float:
 def test_every_backend_skips_what_the_verdict_skips_and_saves_before_its_first_update(tmp_path):
     # Step 1 is skipped (NaN gradients) and saved before any update; step 3 has an infinite loss with
     # finite gradients, which no backend's own overflow check would skip.
-    configs = {name: faulty(name, 4, nan_steps=[1], inf_steps=[3], checkpoint__dir=str(tmp_path / name / "ckpt"),
-                            checkpoint__every_steps=1, checkpoint__keep_last=0, train__max_bad_steps=3)
-               for name in STRATEGIES}
+    # Also DeepSpeed's unmanaged accumulation (grad_reduce=micro_step), whose boundary work the norm
+    # does before engine.step().
+    runs = [(name, "step") for name in STRATEGIES] + [(name, "micro_step") for name in ("zero1", "zero2", "zero3")]
+    configs = {f"{name}_{mode}": faulty(name, 4, nan_steps=[1], inf_steps=[3], strategy__grad_reduce=mode,
+                                        checkpoint__dir=str(tmp_path / f"{name}_{mode}" / "ckpt"),
+                                        checkpoint__every_steps=1, checkpoint__keep_last=0, train__max_bad_steps=3)
+               for name, mode in runs}
     on_ranks(2, train_cases, configs, str(tmp_path))
-    for name in STRATEGIES:
+    for name in configs:
         steps = records(tmp_path / name)
         assert [r["skipped"] for r in steps] == [1, 1, 2, 2], name
         # Adam's saved step count is the steps minus the skipped ones

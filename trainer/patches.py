@@ -65,7 +65,15 @@ ZERO3_CHECK_OVERFLOW = Internal("deepspeed.runtime.zero.stage3:DeepSpeedZeroOpti
                                 "_overflow_check_and_loss_scale_update", "(self, update_scale=True)", "DeepSpeed 0.19.8")
 # made a no-op while a model is built whose values come afterwards (models/hf.py without_initialisation)
 INITIALIZE_WEIGHTS = Internal("transformers:PreTrainedModel", "initialize_weights", "(self)", "transformers 5.24")
+# Under unmanaged accumulation (strategy.grad_reduce=micro_step) engine.step() begins with the
+# boundary work (ZeRO-2/3: finalize_gradient_accumulation_boundary); the trainer does it before,
+# to take the norm, and step() must not do it twice (it is not idempotent).
+ZERO12_FINALIZE = Internal("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer",
+                           "finalize_gradient_accumulation_boundary", "(self)", "DeepSpeed 0.19.8")
+ZERO3_FINALIZE = Internal("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3",
+                          "finalize_gradient_accumulation_boundary", "(self)", "DeepSpeed 0.19.8")
 REPLACED = [RUN_NINJA_BUILD, JIT_COMPILE, MONITOR_WORKERS, ZERO12_CHECK_OVERFLOW, ZERO3_CHECK_OVERFLOW,
+            ZERO12_FINALIZE, ZERO3_FINALIZE,
             INITIALIZE_WEIGHTS]
 
 
@@ -241,3 +249,12 @@ def deepspeed_overflow(zero) -> Iterator[None]:
             yield
     finally:
         zero.check_grad_overflow = own_setting
+
+
+@contextmanager
+def deepspeed_boundary_done(zero) -> Iterator[None]:
+    """Around one engine.step() under unmanaged accumulation, after the ZeRO-2/3 optimizer `zero`
+    finalized its gradients for the trainer's norm: step() does not finalize them again."""
+    internal = ZERO3_FINALIZE if hasattr(zero, ZERO3_CHECK_OVERFLOW.name) else ZERO12_FINALIZE
+    with replaced(internal, lambda own: lambda: None, on=zero):
+        yield

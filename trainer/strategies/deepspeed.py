@@ -121,6 +121,15 @@ class DeepSpeedStrategy(ZeroState):
     def grad_norm(self):
         # DeepSpeed's own norm of the reduced gradient partitions, which its step takes again.
         zero = self.engine.optimizer
+        if self.reduce_every_micro_step:
+            # Unmanaged accumulation: engine.step() is the boundary, and its boundary work comes first
+            # in it; done here instead, before the norm (ZeRO-2/3 finalize their partitions, ZeRO-1
+            # reduces, as step() would), and step() must then not do it again (_stepped).
+            if self.stage >= 2:
+                zero.finalize_gradient_accumulation_boundary()
+            else:
+                zero.set_gradient_accumulation_boundary(True)
+                zero.reduce_gradients()
         if self.stage == 3:
             from deepspeed.runtime.utils import combine_grad_norm_groups
 
@@ -132,17 +141,31 @@ class DeepSpeedStrategy(ZeroState):
 
     def apply(self, max_grad_norm):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
-        self._gradient_peak = 0
-        self.engine.step()
+        self._stepped()
 
     def _discard(self):
         # DeepSpeed's own overflow path: no update to masters, moments or step count, gradients
         # cleared, the fp16 scale backed off. Nothing public takes it on demand (patches.py).
         from trainer.patches import deepspeed_overflow
 
-        self._gradient_peak = 0
         with deepspeed_overflow(self.engine.optimizer):
-            self.engine.step()
+            self._stepped()
+
+    def _stepped(self) -> None:
+        """engine.step(), after grad_norm: under unmanaged accumulation without the boundary work
+        grad_norm did (ZeRO-1's step() reduces where enable_backward_allreduce is set; ZeRO-2/3's
+        finalize, replaced for this call)."""
+        from trainer.patches import deepspeed_boundary_done
+
+        self._gradient_peak = 0
+        engine, own_setting = self.engine, self.engine.enable_backward_allreduce
+        with ExitStack() as unmanaged:
+            if self.reduce_every_micro_step and self.stage >= 2:
+                unmanaged.enter_context(deepspeed_boundary_done(engine.optimizer))
+            elif self.reduce_every_micro_step:
+                engine.enable_backward_allreduce = False
+                unmanaged.callback(setattr, engine, "enable_backward_allreduce", own_setting)
+            engine.step()
 
     def _masters(self) -> list[torch.Tensor]:
         """The fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently."""
