@@ -289,19 +289,12 @@ def test_buffers_come_through_conversion_to_trainer(tmp_path):
 def test_buffers_come_through_conversion_to_hf(tmp_path):
     """Gemma4's `layer_scalar` (persistent buffers, here not at their start value) in the folder
     `from_pretrained` loads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from tests.toys import save_gemma4_with_scaled_buffers
     from trainer.convert import convert as convert_in_process
 
-    config = AutoConfig.for_model("gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                  max_position_embeddings=128, layer_types=["full_attention"] * 2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            layer.layer_scalar.fill_(0.5 / (i + 1))
-    model.save_pretrained(str(tmp_path / "gemma4"), safe_serialization=True)
+    save_gemma4_with_scaled_buffers(tmp_path / "gemma4")
     cfg = with_overrides(case("ddp", steps=1), data__name="synthetic", checkpoint__dir=str(tmp_path / "ckpt"),
                          strategy__wrap=["Gemma4TextDecoderLayer"])  # its _no_split_modules name vision/audio blocks
     cfg["model"] = {"name": "hf", "kind": "hf", "path": str(tmp_path / "gemma4"), "seq_len": 16, "vocab_size": 128}

@@ -261,21 +261,12 @@ def test_mfu_divides_by_the_peak_of_the_precision_that_runs(monkeypatch):
 def test_persistent_buffers_are_read_from_a_pretrained_folder(tmp_path):
     """Gemma4's `layer_scalar` (a persistent buffer that scales each layer's output), saved with
     values other than its start value: the model the trainer builds gives transformers' logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    from tests.toys import save_gemma4_with_scaled_buffers
     from trainer.config import ModelConfig, ModelKind
     from trainer.models import build_model, initial_weights, logits_of
     from trainer.models.weights import allocate, fill, params_on_meta
 
-    config = AutoConfig.for_model("gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                  max_position_embeddings=128, layer_types=["full_attention"] * 2)
-    torch.manual_seed(0)
-    theirs = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for i, layer in enumerate(theirs.model.layers):
-            layer.layer_scalar.fill_(0.5 / (i + 1))
-    theirs.save_pretrained(str(tmp_path / "gemma4"), safe_serialization=True)
+    theirs = save_gemma4_with_scaled_buffers(tmp_path / "gemma4")
     cfg = ModelConfig(name="hf", kind=ModelKind.hf, path=str(tmp_path / "gemma4"), seq_len=16, vocab_size=128)
     ours = build_model(cfg, params_on_meta())
     weights = initial_weights(cfg, ours, seed=0)

@@ -66,3 +66,20 @@ def build(vocab: int = 64, dim: int = 16, layers: int = 2, frozen: list[str] = (
         if any(name == f or name.startswith(f"{f}.") for f in frozen):
             p.requires_grad_(False)
     return model
+
+
+def save_gemma4_with_scaled_buffers(directory) -> nn.Module:
+    """A tiny Gemma4 text model whose persistent buffers (`layer_scalar`, which scales each layer's
+    output) hold values other than their start value, saved as a Hugging Face folder; returned."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  max_position_embeddings=128, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 / (i + 1))
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return model
