@@ -52,11 +52,11 @@ def without_checksums() -> None:
 def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict:
     import torch
 
-    from trainer.checkpoint import CheckpointManager
-    from trainer.checkpoint_format import read_manifest, verify_step_dir
+    from trainer.checkpoint.format import read_manifest, verify_step_dir
+    from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config
-    from trainer.loop import setup_model, token_loss_sum
     from trainer.strategies import build_strategy
+    from trainer.training.loop import setup_model, token_loss_sum
 
     cfg = to_config({"strategy": {"name": strategy}, "model": model,
                      "checkpoint": {"dir": f"{root}/{strategy}", "keep_last": 0}})
@@ -99,7 +99,7 @@ def main() -> None:
     from trainer import distributed
     from trainer.config import to_config
     from trainer.plan import count_params
-    from trainer.run import in_group
+    from trainer.training.run import in_group
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt_125m")

@@ -82,9 +82,9 @@ def loading_memory(env, cfg_dict: dict) -> dict:
 
     import trainer.models.weights as weights
     from trainer.config import to_config
-    from trainer.loop import setup_model
     from trainer.models import build_model
     from trainer.strategies import build_strategy
+    from trainer.training.loop import setup_model
 
     cfg = to_config(cfg_dict)
     strategy = build_strategy(cfg, env)
@@ -122,7 +122,7 @@ def main() -> None:
     from trainer import distributed
     from trainer.config import to_config
     from trainer.models import model_facts
-    from trainer.run import in_group
+    from trainer.training.run import in_group
 
     directory = Path(tempfile.mkdtemp(prefix="bench-hf-"))
     started = time.perf_counter()

@@ -89,7 +89,7 @@ def main() -> None:
     import statistics
 
     from trainer import distributed
-    from trainer.run import in_group, train_configs
+    from trainer.training.run import in_group, train_configs
 
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:

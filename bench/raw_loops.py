@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.blocks import find_blocks
 from trainer.config import Config, Precision, to_config
 from trainer.data import BatchStream, load_data
 from trainer.distributed import DistEnv
 from trainer.models import builder, initial_weights, logits_of
+from trainer.models.blocks import find_blocks
 from trainer.models.weights import fill
-from trainer.run import train_configs
-from trainer.schedule import lr_at
 from trainer.strategies.base import peak_device_bytes
+from trainer.training.run import train_configs
+from trainer.training.schedule import lr_at
 
 COMPUTE_DTYPE = {Precision.bf16: torch.bfloat16, Precision.fp32: torch.float32}
 

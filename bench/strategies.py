@@ -95,7 +95,7 @@ def run_one(strategy: str, ranks: int, args, model: dict, run_dir: Path) -> dict
     per-step times, losses and memory (`summarise` derives the rest)."""
     from bench.raw_loops import measure
     from trainer import distributed
-    from trainer.run import in_group
+    from trainer.training.run import in_group
 
     cfg = {"strategy": {"name": strategy}, "model": model,
            "train": {"max_steps": args.steps, "log_every": 1, "micro_batch_size": args.global_batch // ranks,

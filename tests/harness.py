@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer import distributed
 from trainer.errors import ERROR_EXIT_CODE
-from trainer.run import in_group
-from trainer.run import train_configs as train_cases  # noqa: F401 (used by the tests)
+from trainer.training.run import in_group
+from trainer.training.run import train_configs as train_cases  # noqa: F401 (used by the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 # DeepSpeed's accelerator, for processes the tests start: the CPU where there is no GPU; on a
@@ -118,7 +118,7 @@ def full_state(strategy, model_only: bool = True) -> dict | None:
 
     import torch.distributed as dist
 
-    from trainer.strategies.base import STEP_KEY, state_keys
+    from trainer.checkpoint.format import STEP_KEY, state_keys
 
     pieces = {k: (p.start, p.tensor.detach().float().cpu().clone()) for k, p in strategy.state_dict(model_only).items()}
     gathered = [None] * strategy.world_size if strategy.is_main else None

@@ -24,9 +24,9 @@ from tests.harness import (
     saving,
     train_cases,
 )
-from trainer.checkpoint_format import PieceReader, read_manifest
+from trainer.checkpoint.format import PieceReader, read_manifest
+from trainer.checkpoint.resume import WRITER_LOCK
 from trainer.config import to_config
-from trainer.resume import WRITER_LOCK
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 # (source strategy, source world size) -> (target strategy, target world size)
@@ -93,7 +93,7 @@ def test_writes_only_complete_step_dirs_and_latest(runs):
 def reload_and_save(env, source: str, strategy: str, dest: str) -> None:
     """Load a checkpoint under `strategy` and save it again at once, untouched."""
     from tests.test_core_behaviour import build
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
 
     cfg = case(strategy, checkpoint__dir=dest)
     strategy_obj, _, _ = build(env, cfg)
@@ -124,10 +124,10 @@ def fingerprint_of(path):
 
 
 def save_with_a_failing_rank(env, ckpt_dir: str) -> str:
-    import trainer.checkpoint as checkpoint
+    import trainer.checkpoint.manager as checkpoint
     from tests.test_core_behaviour import build
+    from trainer.checkpoint.resume import resolve_resume
     from trainer.errors import CheckpointError
-    from trainer.resume import resolve_resume
 
     cfg = case("ddp", checkpoint__dir=ckpt_dir, checkpoint__max_failed_saves=1)  # the first failure stops
     strategy, _, _ = build(env, cfg)
@@ -220,7 +220,7 @@ def test_export_loads_into_the_plain_model_and_reproduces_its_outputs(runs, tmp_
 
 def logits_under_strategy(env, step: str):
     from tests.test_core_behaviour import build
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
 
     strategy, model, _ = build(env, case("ddp"))
     CheckpointManager(to_config(case("ddp")).checkpoint, strategy, "ddp").load(Path(step))
@@ -232,7 +232,7 @@ def logits_under_strategy(env, step: str):
 
 def full_weights(env, step: str):
     from tests.test_core_behaviour import build
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
 
     strategy, _, _ = build(env, case("zero3"))
     CheckpointManager(to_config(case("zero3")).checkpoint, strategy, "zero3").load(Path(step))
@@ -244,7 +244,7 @@ def full_weights(env, step: str):
 def test_the_ranks_pieces_joined_are_the_exported_weights(runs):
     from safetensors.torch import load_file
 
-    from trainer.export import export
+    from trainer.checkpoint.export import export
 
     root, _ = runs
     step = root / "fsdp@2" / "step_00000012"

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from tests.harness import assert_refused, run_cli
-from trainer.checkpoint import CheckpointManager
-from trainer.checkpoint_format import REPLACED_PREFIX
+from trainer.checkpoint.format import REPLACED_PREFIX
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import CheckpointConfig
 
 

@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from tests.harness import case, on_ranks, records, refusal, run_cli, saving, train_cases
 from trainer import verify
-from trainer.checkpoint_format import CHECKSUM, PieceReader, file_checksum, read_manifest
-from trainer.convert import convert
+from trainer.checkpoint.convert import convert
+from trainer.checkpoint.export import export
+from trainer.checkpoint.format import CHECKSUM, PieceReader, file_checksum, read_manifest
 from trainer.errors import CheckpointError
-from trainer.export import export
 
 FLAGS = ["checkpoint.every_steps=3", "train.log_every=1", "train.micro_batch_size=8", "optim.warmup_steps=2",
          "data.num_workers=0"]

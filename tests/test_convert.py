@@ -26,8 +26,8 @@ from tests.harness import (
     train_cases,
     with_overrides,
 )
-from trainer.checkpoint_format import read_manifest
-from trainer.convert import detect, read
+from trainer.checkpoint.convert import detect, read
+from trainer.checkpoint.format import read_manifest
 
 SEQ = 32
 STEPS = 3  # the foreign programs' steps
@@ -71,7 +71,7 @@ def saved(neox, tmp_path_factory):
 def full_state_after_loading(env, cfg: dict, step_dir: str) -> dict | None:
     """What a strategy holds after loading `step_dir`: every parameter and Adam moment, whole, on rank 0."""
     from tests.test_core_behaviour import build
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config
 
     strategy, _, _ = build(env, cfg)
@@ -170,8 +170,8 @@ def test_ours_converted_to_hf_loads_with_from_pretrained_and_a_stranger_is_refus
 
 def round_trip(env, out_dir: str) -> dict:
     """The tiny reference model trained 3 steps with a checkpoint; that converted to DCP and back."""
-    from trainer.convert import convert as convert_in_process
-    from trainer.resume import latest_checkpoint
+    from trainer.checkpoint.convert import convert as convert_in_process
+    from trainer.checkpoint.resume import latest_checkpoint
 
     cfg = case("ddp", steps=3)
     cfg["checkpoint"] = {"dir": f"{out_dir}/ckpt"}
@@ -200,7 +200,7 @@ def test_a_converted_step_dir_appears_only_complete_and_flushed(tmp_path, monkey
     import json
     import os
 
-    from trainer.convert import WRITERS, Portable
+    from trainer.checkpoint.convert import WRITERS, Portable
 
     portable = Portable({"w": torch.arange(6.0).view(2, 3)}, {}, 5)
     flushed, fsync = [], os.fsync
@@ -234,7 +234,7 @@ def lora_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_lora_step_dir_converted_to_trainer_resumes(lora_run):
-    from trainer.convert import convert as convert_in_process
+    from trainer.checkpoint.convert import convert as convert_in_process
 
     root, cfg = lora_run
     said = convert_in_process(root / "ckpt" / "step_00000002", root / "converted", "trainer")
@@ -254,8 +254,8 @@ def safetensors_equal(a: Path, b: Path) -> None:
 
 def test_a_lora_step_dir_converted_to_hf_is_what_export_writes(lora_run, tmp_path):
     """--to hf: the PEFT adapter folder export writes; --to hf --merge: export --merge's model folder."""
-    from trainer.convert import convert as convert_in_process
-    from trainer.export import export
+    from trainer.checkpoint.convert import convert as convert_in_process
+    from trainer.checkpoint.export import export
 
     root, _ = lora_run
     step = root / "ckpt" / "step_00000004"
@@ -274,7 +274,7 @@ def test_buffers_come_through_conversion_to_trainer(tmp_path):
     """The toy model's running statistics (a float mean, an int64 count) are in the converted step
     dir with their values and dtypes."""
     from tests.test_every_weight import buffers_at, toy_case
-    from trainer.convert import convert as convert_in_process
+    from trainer.checkpoint.convert import convert as convert_in_process
 
     on_ranks(1, train_cases, {"toy": saving(toy_case("ddp", 1), tmp_path / "ckpt", 6)}, str(tmp_path))
     convert_in_process(tmp_path / "ckpt", tmp_path / "converted", "trainer")
@@ -292,7 +292,7 @@ def test_buffers_come_through_conversion_to_hf(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.toys import save_gemma4_with_scaled_buffers
-    from trainer.convert import convert as convert_in_process
+    from trainer.checkpoint.convert import convert as convert_in_process
 
     save_gemma4_with_scaled_buffers(tmp_path / "gemma4")
     cfg = with_overrides(case("ddp", steps=1), data__name="synthetic", checkpoint__dir=str(tmp_path / "ckpt"),

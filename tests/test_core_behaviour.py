@@ -15,8 +15,8 @@ GRADIENT_COLLECTIVES = ("allreduce", "reduce_scatter", "reduce_")
 
 def build(env, overrides: dict):
     from trainer.distributed import seed_everything
-    from trainer.loop import setup_model
     from trainer.strategies import build_strategy
+    from trainer.training.loop import setup_model
 
     cfg = to_config(overrides)
     seed_everything(0)
@@ -27,8 +27,8 @@ def build(env, overrides: dict):
 
 def loss_of(model, x):
     """The trainer's loss of next-token targets x[1:] (the loop's normalisation, one micro-batch)."""
-    from trainer.loop import token_loss_sum
     from trainer.models import logits_of
+    from trainer.training.loop import token_loss_sum
 
     return token_loss_sum(logits_of(model(x[:, :-1])), x[:, 1:]) / x[:, 1:].numel()
 
@@ -208,7 +208,7 @@ def set_up(env, cases: dict[str, dict]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def setups(tmp_path_factory):
-    from trainer.run import in_group
+    from trainer.training.run import in_group
 
     return in_group(set_up, setup_cases(ds_user_config(tmp_path_factory.mktemp("ds") / "ds.json")))
 

@@ -163,7 +163,7 @@ def start_values():
 
 
 def test_frozen_parameters_save_resume_anywhere_and_never_change(toy_runs):
-    from trainer.checkpoint_format import PieceReader, read_manifest
+    from trainer.checkpoint.format import PieceReader, read_manifest
 
     model = start_values()
     for strategy in FROZEN_STRATEGIES:
@@ -182,7 +182,7 @@ def test_frozen_parameters_save_resume_anywhere_and_never_change(toy_runs):
 
 
 def buffers_at(path) -> dict[str, torch.Tensor]:
-    from trainer.checkpoint_format import PieceReader, read_manifest
+    from trainer.checkpoint.format import PieceReader, read_manifest
 
     manifest = read_manifest(path)
     return {name: PieceReader(path, manifest).read_full(f"buffer.{name}") for name in manifest["buffers"]}
@@ -191,7 +191,7 @@ def buffers_at(path) -> dict[str, torch.Tensor]:
 def test_persistent_buffers_are_saved_restored_under_another_strategy_and_exported(toy_runs, tmp_path):
     from safetensors.torch import load_file
 
-    from trainer.export import export
+    from trainer.checkpoint.export import export
 
     names = {"stats.mean", "stats.count"}
     for strategy in FROZEN_STRATEGIES:
@@ -226,7 +226,7 @@ def test_a_model_with_dropout_resumes_bit_exact(tmp_path):
 
 
 def test_ranks_beyond_the_saved_world_size_get_rng_states_of_their_own():
-    from trainer.checkpoint import rng_state_of_new_rank
+    from trainer.checkpoint.manager import rng_state_of_new_rank
 
     rank0 = torch.get_rng_state()
     states = [rng_state_of_new_rank(rank0, rank) for rank in (2, 3)]
@@ -240,7 +240,7 @@ def test_ranks_beyond_the_saved_world_size_get_rng_states_of_their_own():
 
 def test_the_cosine_reaches_its_floor_at_the_last_step():
     from trainer.config import OptimConfig
-    from trainer.schedule import lr_at
+    from trainer.training.schedule import lr_at
 
     o = OptimConfig(lr=1e-3, warmup_steps=2, min_lr_ratio=0.1)
     lrs = [lr_at(step, 10, o) for step in range(10)]
@@ -463,7 +463,7 @@ STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
     # lr 0, one step: what each saves is where it started. DeepSpeed clones its masters from the
     # bf16 parameters unless they are set again from the fp32 values.
-    from trainer.checkpoint_format import PieceReader, read_manifest
+    from trainer.checkpoint.format import PieceReader, read_manifest
     from trainer.models.reference import Transformer, shape_of
     from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
 

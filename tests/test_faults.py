@@ -30,8 +30,8 @@ from tests.harness import (
     train_cases,
     with_overrides,
 )
+from trainer.checkpoint.resume import resolve_resume
 from trainer.config import CheckpointConfig
-from trainer.resume import resolve_resume
 
 STEPS = 40  # long enough that a signal sent at step 3 lands well before the end
 
@@ -445,7 +445,7 @@ def port_is_free(port: int) -> bool:
 
 def manifest_only(root: Path, step: int) -> Path:
     """A step dir as resume's choice reads it: its manifest alone."""
-    from trainer.checkpoint_format import FORMAT_VERSION, MANIFEST, step_dir_name
+    from trainer.checkpoint.format import FORMAT_VERSION, MANIFEST, step_dir_name
 
     path = root / step_dir_name(step)
     path.mkdir(parents=True)

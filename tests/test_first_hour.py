@@ -152,7 +152,7 @@ def test_the_launch_script_uses_the_active_environments_torchrun(tmp_path):
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
 def test_every_schedule_warms_up_then_ends_where_it_should(schedule):
     from trainer.config import OptimConfig
-    from trainer.schedule import lr_at
+    from trainer.training.schedule import lr_at
 
     o = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule=schedule, decay_fraction=0.25)
     lrs = [lr_at(step, 20, o) for step in range(24)]
@@ -221,8 +221,8 @@ def test_early_stopping_counts_on_across_a_resume(tmp_path):
 
 def test_keep_best_keeps_the_lowest_val_losses_besides_the_newest(tmp_path):
     """Step dirs 1-5 saved with val losses NaN, 3.0, 1.0, 2.0 and none (no evaluation at step 5)."""
-    from trainer.checkpoint import CheckpointManager
-    from trainer.checkpoint_format import FORMAT_VERSION
+    from trainer.checkpoint.format import FORMAT_VERSION
+    from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import CheckpointConfig
 
     def kept(keep_best: int) -> list[int]:
@@ -242,7 +242,7 @@ def test_keep_best_keeps_the_lowest_val_losses_besides_the_newest(tmp_path):
 
 
 def test_a_nan_val_loss_counts_neither_as_better_nor_as_worse():
-    from trainer.steps import EarlyStop
+    from trainer.training.steps import EarlyStop
 
     stop = EarlyStop(patience=2)
     assert [stop.update(step, loss) for step, loss in [(1, 2.0), (2, math.nan), (3, 3.0), (4, math.nan)]] == [False] * 4

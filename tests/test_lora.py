@@ -26,7 +26,7 @@ from tests.harness import (
     train_cases,
     with_overrides,
 )
-from trainer.checkpoint_format import read_manifest
+from trainer.checkpoint.format import read_manifest
 
 SEQ, VOCAB = 32, 512
 PHI3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -189,7 +189,7 @@ def exported(core, tmp_path_factory):
 
 def trainer_logits(env, step: str, cfg: dict, ids):
     from tests.test_core_behaviour import build
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config
 
     strategy, model, _ = build(env, cfg)

@@ -24,11 +24,11 @@ from tests.harness import (
     train_cases,
     with_overrides,
 )
+from trainer.checkpoint.resume import WRITER_LOCK, hold_checkpoint_dir, resume_notes
 from trainer.config import to_config
 from trainer.errors import CheckpointError
-from trainer.resume import WRITER_LOCK, hold_checkpoint_dir, resume_notes
 
-HOLD = ("import sys, time; from pathlib import Path; from trainer.resume import hold_checkpoint_dir; "
+HOLD = ("import sys, time; from pathlib import Path; from trainer.checkpoint.resume import hold_checkpoint_dir; "
         "held = hold_checkpoint_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(float(sys.argv[2]))")
 
 

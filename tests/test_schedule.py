@@ -1,4 +1,4 @@
-"""The learning-rate schedules (trainer/schedule.py) step by step, against their closed forms as
+"""The learning-rate schedules (trainer/training/schedule.py) step by step, against their closed forms as
 docs/checkpoints.md states them: linear warmup to `lr`, then the named decay to `lr * min_lr_ratio`
 at the schedule's last step, held after it. The end points alone would let one schedule pass for
 another (cosine and linear meet at both ends and at the middle), so the interior is checked too.
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from trainer.config import OptimConfig
-from trainer.schedule import lr_at
+from trainer.training.schedule import lr_at
 
 LR, WARMUP, FLOOR, STEPS = 2.0, 3, 0.1, 20
 

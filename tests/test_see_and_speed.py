@@ -279,7 +279,7 @@ def test_the_rate_and_mfu_are_of_the_tokens_processed_and_tokens_of_the_targets(
 
 
 def test_the_compiling_steps_tokens_are_left_out_of_the_first_rate_after_it():
-    from trainer.steps import StepMeter
+    from trainer.training.steps import StepMeter
 
     meter = StepMeter(torch.device("cpu"), flops_per_token=6, peak_flops=1e3, world_size=2, tokens=7, input_tokens=9)
     meter.count(torch.tensor(5), torch.tensor(100))  # the first step, which compiles

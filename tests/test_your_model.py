@@ -31,7 +31,7 @@ from tests.harness import (
     train_cases,
     with_overrides,
 )
-from trainer.checkpoint_format import read_manifest
+from trainer.checkpoint.format import read_manifest
 from trainer.config import to_config
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
@@ -167,7 +167,7 @@ def test_a_tied_matrix_is_stored_once(resumed):
 
 def logits_in_trainer(env, step: str, model_dict: dict, ids):
     from tests.test_core_behaviour import build
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
 
     cfg = with_model(case("ddp"), model_dict)
     strategy, model, _ = build(env, cfg)
@@ -223,7 +223,7 @@ def first_batch_loss_of_the_hf_model(cfg: dict, model_dir: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     from trainer.data import BatchStream, load_data
-    from trainer.loop import token_loss_sum
+    from trainer.training.loop import token_loss_sum
 
     typed = to_config(cfg)
     train_set, _ = load_data(typed, local_rank=0)

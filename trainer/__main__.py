@@ -17,20 +17,20 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
-from trainer.blocks import find_blocks
-from trainer.checkpoint_format import check_base, check_fingerprint, read_manifest
+from trainer.checkpoint.format import check_base, check_fingerprint, read_manifest
+from trainer.checkpoint.resume import check_writable, data_position, hold_checkpoint_dir, resolve_resume
 from trainer.checks import check_overrides, validate
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
 from trainer.data import BatchStream, check_data
 from trainer.errors import ERROR_EXIT_CODE, CheckpointError, ConfigError, RunError, signal_exit_code
-from trainer.faults import STOP_SIGNALS
 from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
+from trainer.models.blocks import find_blocks
 from trainer.plan import resolve_auto
-from trainer.resume import check_writable, data_position, hold_checkpoint_dir, resolve_resume
-from trainer.run import check_run_dir, exit_now, launched_worker, worker
 from trainer.strategies import preflight
+from trainer.training.faults import STOP_SIGNALS
+from trainer.training.run import check_run_dir, exit_now, launched_worker, worker
 
 
 def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO | None:
@@ -64,8 +64,8 @@ def take_foreign_resume(cfg: Config, run_dir: Path) -> str:
     """checkpoint.resume=DIR of another format (torch DCP, DeepSpeed, DeepSpeed universal, a Hugging
     Face folder): converted once, before any rank starts, into a step dir of ours in the run dir,
     which the ranks then resume from like any other; the resume setting that does that."""
-    from trainer.checkpoint_format import write_step_dir
-    from trainer.convert import detect, read
+    from trainer.checkpoint.convert import detect, read
+    from trainer.checkpoint.format import write_step_dir
 
     resume = cfg.checkpoint.resume
     if resume in ("auto", "none") or not Path(resume).is_dir():

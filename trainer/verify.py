@@ -1,6 +1,6 @@
 """`python -m trainer.verify CKPT_DIR`: are a checkpoint's files as they were written? CKPT_DIR: a step
 dir, or a checkpoint dir for every step dir in it. Each file's size and checksum against its manifest
-(trainer/checkpoint_format.py), offline, before a long job starts or after a copy; one line per step
+(trainer/checkpoint/format.py), offline, before a long job starts or after a copy; one line per step
 dir, exit 0 when none is damaged, 2 otherwise (a step dir saved before checksums: said, not counted).
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainer.checkpoint_format import MANIFEST, STEP_PREFIX, read_manifest, verify_step_dir
+from trainer.checkpoint.format import MANIFEST, STEP_PREFIX, read_manifest, verify_step_dir
 from trainer.errors import CheckpointError
 from trainer.log import log, refuse, setup_logging
 

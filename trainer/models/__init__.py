@@ -115,7 +115,7 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | Non
     does) 2 forward, 2 backward for its input's gradient and 2 for its own gradient, which a frozen
     one (LoRA's base) does not have: 6 x trainable + 4 x frozen; + 12 x layers x width x context
     for attention."""
-    from trainer.blocks import find_blocks
+    from trainer.models.blocks import find_blocks
 
     model = meta_model(cfg, peft)
     params = sum(p.numel() for p in model.parameters())

@@ -189,7 +189,7 @@ def description(cfg: ModelConfig, tokenizer: str | None) -> dict:
 def read_pretrained(source: dict, base: dict, names: list[str], checkpoint: Path) -> dict[str, torch.Tensor]:
     """Weights a checkpoint did not save (LoRA's frozen base), from the pretrained folder it
     records, provided its files are still the ones trained on (`base`'s fingerprint: `check_base`)."""
-    from trainer.checkpoint_format import check_base
+    from trainer.checkpoint.format import check_base
 
     config = config_of(source)
     with torch.device("meta"):

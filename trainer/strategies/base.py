@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
 from trainer.models import param_shapes
@@ -18,34 +19,6 @@ from trainer.models.weights import WeightSource, params_on_meta, persistent_buff
 OptimizerFactory = Callable[[list[tuple[nn.Parameter, tuple[int, ...]]]], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
 REDUCE_DTYPES = {r: DTYPES[Precision(r.value)] for r in ReduceDtype}  # the same names as the precisions
-
-
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-class Piece(NamedTuple):
-    """A contiguous range [start, start + numel) of a flattened tensor, as a 1-D tensor."""
-    start: int
-    tensor: torch.Tensor
-
-
-def state_keys(name: str) -> dict[str, str]:
-    """Portable keys (DESIGN §5) of one parameter: its fp32 value and its Adam moments."""
-    return {"param": f"model.{name}", **{k: f"optim.{name}.{k}" for k in ADAM_KEYS}}
-
-
-STEP_KEY = "optim.step"  # Adam's step count, one value
-
-
-def buffer_key(name: str) -> str:
-    """Portable key of a persistent buffer (saved whole, by rank 0)."""
-    return f"buffer.{name}"
-
-
-def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> Piece:
-    """Of a range held identically by `replicas` ranks, the part replica `index` saves."""
-    chunk = -(-flat.numel() // replicas)
-    return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk])
 
 
 @contextmanager

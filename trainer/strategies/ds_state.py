@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from trainer.checkpoint.format import ADAM_KEYS, STEP_KEY, Piece, replica_slice, state_keys
 from trainer.models.weights import canonical_name
-from trainer.strategies.base import ADAM_KEYS, STEP_KEY, Piece, Strategy, replica_slice, state_keys
+from trainer.strategies.base import Strategy
 
 
 class ZeroState(Strategy):

@@ -9,8 +9,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from trainer.blocks import find_blocks
 from trainer.config import Precision, Sharding
+from trainer.models.blocks import find_blocks
 from trainer.models.weights import allocate, fill
 from trainer.strategies.base import DTYPES, REDUCE_DTYPES, tensor_bytes, toggled
 from trainer.strategies.torch_native import TorchStrategy

@@ -8,22 +8,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from trainer.checkpoint.format import ADAM_KEYS, STEP_KEY, Piece, replica_slice, state_keys
 from trainer.config import Config, Precision
 from trainer.distributed import DistEnv
 from trainer.models.weights import WeightSource, canonical_name
-from trainer.strategies.base import (
-    ADAM_KEYS,
-    DTYPES,
-    STEP_KEY,
-    Piece,
-    Strategy,
-    hold_in,
-    optimizer_state_tensors,
-    peak_device_bytes,
-    replica_slice,
-    state_keys,
-    tensor_bytes,
-)
+from trainer.strategies.base import DTYPES, Strategy, hold_in, optimizer_state_tensors, peak_device_bytes, tensor_bytes
 
 
 class TorchStrategy(Strategy):

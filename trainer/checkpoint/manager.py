@@ -1,6 +1,6 @@
 """CheckpointManager: step dirs saved and loaded by any strategy, atomic commit, keep_last and
-keep_best (DESIGN §5). The format on disk: trainer/checkpoint_format.py; which checkpoint a run
-resumes from: trainer/resume.py.
+keep_best (DESIGN §5). The format on disk: trainer/checkpoint/format.py; which checkpoint a run
+resumes from: trainer/checkpoint/resume.py.
 """
 from __future__ import annotations
 
@@ -12,30 +12,34 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint_format import (
+from trainer.checkpoint.format import (
     LATEST,
     REPLACED_PREFIX,
+    STEP_KEY,
     STEP_PREFIX,
     SUPERSEDED_PREFIX,
     TMP_PREFIX,
+    Piece,
     PieceReader,
+    buffer_key,
     check_base,
     check_fingerprint,
     manifest_of,
     publish,
     rank_file,
     read_manifest,
+    state_keys,
     step_dir_name,
     write_manifest,
     write_tensors,
 )
+from trainer.checkpoint.resume import checkpoints_with_manifest, latest_checkpoint
 from trainer.config import CheckpointConfig
 from trainer.distributed import broadcast_object
 from trainer.errors import CheckpointError
 from trainer.log import log
 from trainer.models.weights import canonical_name
-from trainer.resume import checkpoints_with_manifest, latest_checkpoint
-from trainer.strategies.base import STEP_KEY, Piece, Strategy, buffer_key, state_keys
+from trainer.strategies.base import Strategy
 
 
 def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "cpu") -> torch.Tensor:

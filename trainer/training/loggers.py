@@ -17,8 +17,8 @@ from pathlib import Path
 
 from trainer.config import Config, LoggerConfig
 from trainer.errors import ERROR_EXIT_CODE, ConfigError, RunError
-from trainer.faults import Stopped
 from trainer.log import log
+from trainer.training.faults import Stopped
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
@@ -178,7 +178,7 @@ class RunLog:
     """The run's loggers (none on ranks other than 0): one `log` and one `finish` for the loop.
     Called on every rank: a logger that cannot start on rank 0 stops every rank, with its error.
     A context manager: a run that leaves unfinished (a stop signal, an error) closes each logger
-    with its status on the way out, before the rank's hard exit (trainer/run.py) would lose it."""
+    with its status on the way out, before the rank's hard exit (trainer/training/run.py) would lose it."""
 
     def __init__(self, cfg: Config, run_dir: Path, is_main: bool):
         from trainer.distributed import broadcast_object

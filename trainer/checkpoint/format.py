@@ -18,8 +18,8 @@ Every file is hashed as it is written (`write_tensors`) and verified where it is
 Here: the names in a checkpoint dir, the manifest written and read, the checks that it fits the
 model, the checksums, `PieceReader`, a step dir published whole (`publish`), and a step dir read whole into a
 `Portable` or written from one: what export and convert read and write, so neither drops what a
-checkpoint holds. Saving and loading with a strategy: trainer/checkpoint.py; which checkpoint a
-run resumes from: trainer/resume.py.
+checkpoint holds. Saving and loading with a strategy: manager.py; which checkpoint a run resumes
+from: resume.py.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import xxhash
@@ -36,7 +37,35 @@ from safetensors import safe_open
 
 from trainer.errors import CheckpointError
 from trainer.log import log
-from trainer.strategies.base import ADAM_KEYS, STEP_KEY, buffer_key, state_keys
+
+# The format's vocabulary: every strategy states its pieces in these keys.
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class Piece(NamedTuple):
+    """A contiguous range [start, start + numel) of a flattened tensor, as a 1-D tensor."""
+    start: int
+    tensor: torch.Tensor
+
+
+def state_keys(name: str) -> dict[str, str]:
+    """Portable keys (DESIGN §5) of one parameter: its fp32 value and its Adam moments."""
+    return {"param": f"model.{name}", **{k: f"optim.{name}.{k}" for k in ADAM_KEYS}}
+
+
+STEP_KEY = "optim.step"  # Adam's step count, one value
+
+
+def buffer_key(name: str) -> str:
+    """Portable key of a persistent buffer (saved whole, by rank 0)."""
+    return f"buffer.{name}"
+
+
+def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> Piece:
+    """Of a range held identically by `replicas` ranks, the part replica `index` saves."""
+    chunk = -(-flat.numel() // replicas)
+    return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk])
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -276,7 +305,7 @@ class PieceReader:
 
 @dataclass
 class Portable:
-    """A checkpoint whole, as the trainer keys it, whatever format it came from (trainer.convert)."""
+    """A checkpoint whole, as the trainer keys it, whatever format it came from (trainer.checkpoint.convert)."""
     weights: dict[str, torch.Tensor]  # fp32, by parameter name
     moments: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg", "exp_avg_sq"}
     step: int

@@ -12,22 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from trainer.blocks import apply_checkpointing, find_blocks
-from trainer.checkpoint import CheckpointManager
-from trainer.checkpoint_format import read_manifest
+from trainer.checkpoint.format import read_manifest
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.resume import data_position, resolve_resume, resume_notes
 from trainer.checks import check_validation_rows
 from trainer.config import Config, OptimConfig
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
-from trainer.faults import StepGuard, Stopped, Verdict
 from trainer.log import log, setup_logging
-from trainer.loggers import RunLog
 from trainer.models import build_model, description, initial_weights, logits_of, model_facts
+from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.weights import WeightSource
-from trainer.resume import data_position, resolve_resume, resume_notes
-from trainer.schedule import lr_at
-from trainer.steps import EarlyStop, StepMeter, StepProfiler
 from trainer.strategies import Strategy, build_strategy
+from trainer.training.faults import StepGuard, Stopped, Verdict
+from trainer.training.loggers import RunLog
+from trainer.training.schedule import lr_at
+from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
 
 def adamw_factory(o: OptimConfig):
@@ -252,7 +252,7 @@ class Run:
             # what a resume compares against (resume_notes)
             "global_batch": self.global_batch, "schedule_steps": o.schedule_steps or self.total_steps,
             "run_dir": str(self.run_dir), "early_stop": self.early_stop.state_dict(),
-            # for other formats' optimizer param groups (trainer.convert)
+            # for other formats' optimizer param groups (trainer.checkpoint.convert)
             "optim": {"lr": self.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
             "val_loss": self.val_loss if self.evaluated else None},  # for checkpoint.keep_best
             last=last or self.step == self.total_steps)

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 from trainer import distributed
+from trainer.checkpoint.resume import resolve_resume
 from trainer.config import to_config
 from trainer.errors import ERROR_EXIT_CODE, ConfigError, RunError
-from trainer.faults import Stopped
-from trainer.resume import resolve_resume
+from trainer.training.faults import Stopped
 
 
 def worker(cfg_dict: dict, run_dir: str) -> dict:
-    from trainer.loop import train
+    from trainer.training.loop import train
 
     env = distributed.init(cfg_dict["collective_timeout_s"])
     try:
@@ -78,7 +78,7 @@ def in_group(fn, *args):
 
 def train_configs(env, configs: dict[str, dict], out_dir: str) -> None:
     """Train each config (plain dicts, as Hydra would give) in turn, into out_dir/<name>/."""
-    from trainer.loop import train
+    from trainer.training.loop import train
 
     for name, cfg in configs.items():
         run_dir = Path(out_dir) / name

@@ -2,7 +2,7 @@
 and what resuming it changes against the run that saved it.
 
 A step dir counts once its manifest reads back whole: a save writes it last, before the rename
-that publishes the dir, so a save that died leaves none (trainer/checkpoint_format.py). One run
+that publishes the dir, so a save that died leaves none (trainer/checkpoint/format.py). One run
 writes a checkpoint dir at a time (`hold_checkpoint_dir`).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
-from trainer.checkpoint_format import (
+from trainer.checkpoint.format import (
     LATEST,
     MANIFEST,
     STEP_PREFIX,
@@ -32,7 +32,7 @@ from trainer.data import data_fingerprint
 from trainer.distributed import restart_count
 from trainer.errors import CheckpointError
 from trainer.log import log
-from trainer.schedule import lr_at
+from trainer.training.schedule import lr_at
 
 WRITER_LOCK = ".writer.lock"  # in checkpoint.dir: locked by the run that writes there, naming it
 RESTART_WAIT_S = 60  # how long a restart waits for its job's old process to let go of the lock

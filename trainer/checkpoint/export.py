@@ -1,0 +1,71 @@
+"""A checkpoint's weights for inference; the command is `python -m trainer.export`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.checkpoint.format import Portable, read_manifest, read_step_dir
+from trainer.checkpoint.resume import latest_checkpoint
+from trainer.errors import CheckpointError, ConfigError
+from trainer.models import lora
+from trainer.models.weights import save_safetensors
+
+
+def export(checkpoint: Path, out: Path, merge: bool = False) -> str:
+    """Write the weights of `checkpoint` to `out`; a line saying what was written."""
+    if (checkpoint / "latest").is_file():
+        checkpoint = latest_checkpoint(checkpoint) or checkpoint
+    manifest = read_manifest(checkpoint)
+    of = f"step {manifest['step']} ({manifest['strategy']}, world size {manifest['world_size']}, {checkpoint})"
+    return write_weights(read_step_dir(checkpoint, moments=False), out, merge, checkpoint, of)
+
+
+def write_weights(p: Portable, out: Path, merge: bool, checkpoint: Path, of: str) -> str:
+    """A checkpoint read whole (`p`, from `checkpoint`) written for inference, by `export` and by
+    `convert --to hf` alike; a line saying what was written (`of`: which checkpoint)."""
+    source = p.source
+    settings = source.get("lora")
+    as_folder = out.suffix != ".safetensors"
+    if merge and not settings:
+        raise CheckpointError(f"--merge: {checkpoint} has no LoRA adapters to merge")
+    if merge and source.get("kind") != "hf":
+        raise CheckpointError(f"--merge: {checkpoint} holds a {source.get('kind')} model; merging needs model=hf "
+                              "(export the adapters to a folder, and merge them with peft)")
+    if as_folder and source.get("kind") != "hf" and not (settings and not merge):
+        raise CheckpointError(f"{checkpoint} records no Hugging Face config (only checkpoints of model=hf do): "
+                              "write its weights to a file, OUT.safetensors")
+    weights = {name: w.contiguous() for name, w in p.weights.items()}
+    if settings and not merge:  # the adapters alone, as peft saves them
+        if not as_folder:
+            raise CheckpointError(f"{checkpoint} holds LoRA adapters: export them to a folder (OUT_DIR), or merged "
+                                  "into the model with --merge")
+        adapters = {name: w for name, w in weights.items() if lora.is_adapter(name)}
+        lora.write_adapter_folder(adapters, settings, (p.base or {}).get("path") or source.get("path"), out)
+        count = sum(w.numel() for w in adapters.values())
+        return (f"wrote the LoRA adapters ({count:,} fp32 parameters, r={settings['r']}) of {of} to {out}/ "
+                f"({lora.ADAPTER_CONFIG}, {lora.ADAPTER_WEIGHTS})")
+    if settings:  # merged: the frozen base from its pretrained files where the checkpoint does not hold it
+        from trainer.models import hf
+
+        if p.unsaved:
+            try:
+                weights.update(hf.read_pretrained(source, p.base, list(p.unsaved), checkpoint))
+            except ConfigError as e:
+                raise CheckpointError(f"--merge: {e}") from None
+        config = hf.config_of(source)
+        weights = lora.merged(weights, settings, lambda: hf.model_class(config)(config))
+    count = sum(w.numel() for w in weights.values())
+    # Persistent buffers (running statistics, Gemma4's layer_scalar) in the dtype the model keeps them in.
+    weights.update({name: b.contiguous() for name, b in p.buffers.items()})
+    what = f"{count:,} fp32 parameters{' (LoRA merged)' if settings else ''} of {of}"
+    if not as_folder:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_safetensors(weights, out, metadata={"step": str(p.step)})
+        return f"wrote {what} to {out}"
+    from trainer.models.hf import export_folder
+
+    tokenizer = Path(source["tokenizer"]) if source.get("tokenizer") else None
+    note = ""
+    if tokenizer is not None and not tokenizer.is_dir():
+        tokenizer, note = None, f"; the tokenizer at {source['tokenizer']} is gone: none copied"
+    files = export_folder(weights, source, out, tokenizer)
+    return f"wrote {what} to {out}/ ({', '.join(files)}){note}"
