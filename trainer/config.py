@@ -113,8 +113,8 @@ class ModelKind(str, Enum):
 @dataclass
 class StrategyConfig:
     name: StrategyName = StrategyName.ddp
-    offload_optimizer: bool = False
-    offload_params: bool = False
+    offload_optimizer: bool = False  # optimizer state (and DeepSpeed's fp32 masters) in CPU memory, updated there
+    offload_params: bool = False  # parameters in CPU memory between uses (fsdp, zero3)
     sharding: Sharding = Sharding.FULL_SHARD  # fsdp only
     wrap: Optional[List[str]] = None  # block classes to shard; None: the model's _no_split_modules
     deepspeed_config: Optional[str] = None  # a ds_config.json merged under ours (zero1/2/3)
@@ -126,24 +126,24 @@ class StrategyConfig:
 class ModelConfig:
     """One schema for every kind of model; the `model` node of the Hydra config is open (custom
     models take their factory's arguments as keys) and is checked by `model_config`."""
-    name: str = "tiny"
+    name: str = "tiny"  # the preset's name (conf/model/), shown on the start line
     kind: ModelKind = ModelKind.reference
     vocab_size: Optional[int] = 256  # hf and custom: from the model
     seq_len: Optional[int] = 64  # the training context; hf: min(max_position_embeddings, 2048) when null
     # hf
-    path: Optional[str] = None
-    attn_implementation: str = "sdpa"
+    path: Optional[str] = None  # hf: the model folder (config.json, optional *.safetensors and tokenizer)
+    attn_implementation: str = "sdpa"  # hf: passed to transformers (sdpa, eager, flex_attention, flash_attention_2)
     # custom: `_target_` in the config, and every other key is an argument of the factory
-    target: Optional[str] = None
+    target: Optional[str] = None  # custom: the factory that builds the model, pkg.module.function
     args: Dict[str, Any] = field(default_factory=dict)
     # reference
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    d_ff: int = 256
-    mlp: str = "gelu"
-    norm: str = "layernorm"
-    bias: bool = True
+    d_model: int = 64  # reference: the width
+    n_layers: int = 2  # reference: transformer blocks
+    n_heads: int = 4  # reference: attention heads (divides d_model)
+    d_ff: int = 256  # reference: the MLP's inner width
+    mlp: str = "gelu"  # reference: gelu | swiglu
+    norm: str = "layernorm"  # reference: layernorm | rmsnorm
+    bias: bool = True  # reference: biases in linear layers and norms
     shape_only: bool = False  # too big to train here: built on the meta device, for planning
 
 
@@ -152,7 +152,7 @@ class PeftConfig:
     name: PeftName = PeftName.none
     r: int = 16  # the adapters' rank
     alpha: float = 32.0  # scaling alpha / r
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
     target_modules: Any = "all-linear"  # or a list of module names (a name matches itself and names ending in .name)
     init: Optional[str] = None  # an existing PEFT adapter folder to continue training (its r, alpha, targets)
 
@@ -187,11 +187,11 @@ class EvalConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    warmup_steps: int = 10
+    lr: float = 3e-3  # the peak learning rate, reached after warmup
+    weight_decay: float = 0.1  # AdamW's decoupled decay, on tensors of 2 or more dims (not biases, norms)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's (beta1, beta2)
+    eps: float = 1e-8  # Adam's epsilon
+    warmup_steps: int = 10  # linear warmup from 0 to lr over this many steps
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at its last step
     schedule: Schedule = Schedule.cosine
     schedule_steps: int = 0  # the schedule's length; 0: the run's steps (a resume that trains longer re-plans it)
@@ -201,14 +201,14 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 60  # 0: run `epochs` full epochs
-    epochs: int = 1
-    micro_batch_size: int = 8
-    grad_accum_steps: int = 1
+    epochs: int = 1  # full passes over the data, when max_steps=0
+    micro_batch_size: int = 8  # rows per rank and micro-step
+    grad_accum_steps: int = 1  # micro-steps per optimizer step (global batch: micro_batch_size x this x ranks)
     grad_clip: float = 1.0  # 0: no clipping (the norm is still reported)
-    seed: int = 1234
-    precision: Precision = Precision.fp32
-    activation_checkpointing: bool = False
-    log_every: int = 10
+    seed: int = 1234  # weights' initialisation, data order, dropout
+    precision: Precision = Precision.fp32  # the compute dtype; the weights the optimizer updates stay fp32
+    activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
+    log_every: int = 10  # a step record (metrics.jsonl, the loggers, the bar) every N steps
     device: Device = Device.auto
     compile: bool = False  # torch.compile each block (regional), before sharding
     peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16/fp16 peak, else (fp32) no mfu
@@ -218,9 +218,9 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None
-    every_steps: int = 0
-    keep_last: int = 2
+    dir: Optional[str] = None  # where step dirs go (multi-node: on storage every node sees); None: no saves
+    every_steps: int = 0  # 0: only after the last step (when there is validation data)
+    keep_last: int = 2  # step dirs kept, newest first; 0: keep all
     keep_best: int = 0  # also keep the N checkpoints with the lowest val loss (saved at evaluation steps)
     resume: str = "auto"  # auto | none | PATH
     max_failed_saves: int = 3  # failed saves in a row that stop the run (fewer: reported, training goes on)
@@ -238,16 +238,16 @@ class TensorBoardConfig:
 
 @dataclass
 class WandbConfig:
-    project: str = "trainer"
-    entity: Optional[str] = None
-    name: Optional[str] = None
+    project: str = "trainer"  # the W&B project
+    entity: Optional[str] = None  # the W&B team or user; None: your default
+    name: Optional[str] = None  # the run's name; None: the run dir's name
     mode: Optional[str] = None  # online | offline; None: offline unless WANDB_API_KEY or ~/.netrc is set
 
 
 @dataclass
 class MLflowConfig:
     tracking_uri: Optional[str] = None  # None: a SQLite store, <run dir>/mlflow.db
-    experiment: str = "trainer"
+    experiment: str = "trainer"  # the MLflow experiment
     run_name: Optional[str] = None  # None: the run dir's name
 
 
@@ -265,7 +265,7 @@ class PlanConfig:
     world_size: Optional[int] = None  # None: the run's (nproc, or the launcher's WORLD_SIZE)
     gpu_memory_gb: float = 80.0  # the budget per device where no GPU reports one (CPU)
     master_weights: bool = True  # False: pure bf16 training, no fp32 copy of the weights
-    json: bool = False
+    json: bool = False  # print the plan as JSON instead of a table
     # Step-time estimate: compute at this rate per device, communication over these links.
     flops_per_s: float = 4e14  # achieved, per device (H100 bf16 at ~40 % MFU)
     link_gbps: float = 400.0  # per device, between ranks: NVLink ~7200, InfiniBand 400, 10 GbE 10
