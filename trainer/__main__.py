@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
-from trainer.checkpoint.format import check_base, check_fingerprint, read_manifest
+from trainer.checkpoint.format import TrainerState, check_base, check_fingerprint, read_manifest
 from trainer.checkpoint.resume import check_writable, data_position, hold_checkpoint_dir, resolve_resume
 from trainer.checks import check_overrides, validate
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
@@ -53,7 +53,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO 
         manifest = read_manifest(resume_from)
         check_fingerprint(manifest, param_shapes(model), resume_from)
         check_base(manifest.get("base"), weights.fingerprint, resume_from)
-        if position := data_position(manifest["trainer"]["data"], cfg):
+        if position := data_position(TrainerState.from_dict(manifest["trainer"]).data, cfg):
             BatchStream.check_position(position, world_size, resume_from)
     if run_dir is not None:
         check_run_dir(run_dir, resume_from)

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -66,6 +66,40 @@ def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> 
     """Of a range held identically by `replicas` ranks, the part replica `index` saves."""
     chunk = -(-flat.numel() // replicas)
     return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk])
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds of the run besides tensors: the manifest's "trainer" entry, read and
+    written here only (`from_dict`, `to_dict`). The fields in the order a save has always written
+    them, so that manifests stay as they were; a field an older checkpoint lacks takes its default.
+    The RNG states are tensors of each rank's file, not fields here."""
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    skipped: int = 0  # bad steps in a row (faults.StepGuard)
+    scale_skips: int = 0  # fp16 loss-scaler overflow skips, apart from bad steps
+    loss_scale: dict | None = None  # Strategy.loss_scale_state(); None without an fp16 scaler
+    tokens: int = 0  # cumulative target tokens, all ranks
+    input_tokens: int = 0  # cumulative non-padding tokens (before they were counted: `tokens`)
+    # the data position: {"epoch", "samples_consumed", "fingerprint": the data's settings}
+    data: dict = field(default_factory=lambda: {"epoch": 0, "samples_consumed": 0})
+    global_batch: int | None = None  # what a resume compares against (training.resumed.resume_notes)
+    schedule_steps: int | None = None  # the step where the learning-rate schedule ends
+    run_dir: str | None = None
+    early_stop: dict | None = None  # steps.EarlyStop.state_dict()
+    optim: dict | None = None  # lr, betas, eps, weight_decay: other formats' param groups (convert)
+    val_loss: float | None = None  # at this step's evaluation, for checkpoint.keep_best
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TrainerState:
+        known = {f.name for f in fields(cls)}
+        state = cls(**{key: value for key, value in saved.items() if key in known})
+        if "input_tokens" not in saved:  # saved before input tokens were counted: without padding, the same
+            state.input_tokens = state.tokens
+        return state
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -350,12 +384,6 @@ def read_step_dir(path: Path, moments: bool = True) -> Portable:
                     manifest.get("base"), unsaved)
 
 
-def fresh_trainer_state(step: int) -> dict:
-    """The trainer state of a checkpoint from elsewhere: the data from the start of epoch 0."""
-    return {"step": step, "epoch": 0, "skipped": 0, "loss_scale": None, "tokens": 0,
-            "data": {"epoch": 0, "samples_consumed": 0}}
-
-
 def write_step_dir(p: Portable, root: Path) -> Path:
     """A step dir under `root` (and `latest`), every tensor whole in one rank file, published as a
     save publishes it: any strategy at any world size resumes it."""
@@ -372,7 +400,7 @@ def write_step_dir(p: Portable, root: Path) -> Path:
     checksum = write_tensors({f"{key}@0": t.detach().float().view(-1) for key, t in tensors.items()}, tmp / rank_file(0))
     pieces = {key: {"pieces": [[rank_file(0), 0, t.numel()]], "shape": list(t.shape)} for key, t in tensors.items()}
     shapes = {n: tuple(w.shape) for n, w in p.weights.items()} | p.unsaved
-    write_manifest(tmp, manifest_of(p.step, p.train or fresh_trainer_state(p.step), "converted", 1, shapes,
+    write_manifest(tmp, manifest_of(p.step, p.train or TrainerState(step=p.step).to_dict(), "converted", 1, shapes,
                                      p.buffers, p.source, p.base, pieces, {rank_file(0): checksum}))
     publish(tmp, final)
     return final

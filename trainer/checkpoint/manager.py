@@ -21,6 +21,7 @@ from trainer.checkpoint.format import (
     TMP_PREFIX,
     Piece,
     PieceReader,
+    TrainerState,
     buffer_key,
     check_base,
     check_fingerprint,
@@ -207,7 +208,7 @@ class CheckpointManager:
         (of equal ones, the older; a NaN is none)."""
         if not self.cfg.keep_best:
             return []
-        scored = [(read_manifest(p)["trainer"].get("val_loss"), p) for p in done]
+        scored = [(TrainerState.from_dict(read_manifest(p)["trainer"]).val_loss, p) for p in done]
         return [p for val_loss, p in sorted(s for s in scored if s[0] is not None and not math.isnan(s[0]))
                 [:self.cfg.keep_best]]
 

@@ -1,5 +1,5 @@
-"""Which checkpoint a run starts from (checkpoint.resume, checkpoint.dir), found before any work,
-and what resuming it changes against the run that saved it.
+"""Which checkpoint a run starts from (checkpoint.resume, checkpoint.dir), found before any work, and
+whether its data position fits this run's data (what else a resume changes: training/resumed.py).
 
 A step dir counts once its manifest reads back whole: a save writes it last, before the rename
 that publishes the dir, so a save that died leaves none (trainer/checkpoint/format.py). One run
@@ -27,12 +27,11 @@ from trainer.checkpoint.format import (
     readable_manifest,
     verify_step_dir,
 )
-from trainer.config import CheckpointConfig, Config, OptimConfig
+from trainer.config import CheckpointConfig, Config
 from trainer.data import data_fingerprint
 from trainer.distributed import restart_count
 from trainer.errors import CheckpointError
 from trainer.log import log
-from trainer.training.schedule import lr_at
 
 WRITER_LOCK = ".writer.lock"  # in checkpoint.dir: locked by the run that writes there, naming it
 RESTART_WAIT_S = 60  # how long a restart waits for its job's old process to let go of the lock
@@ -177,35 +176,3 @@ def data_position(saved: dict, cfg: Config) -> dict | None:
     None for other data, which start at their beginning: the old position means nothing there."""
     return None if data_changes(saved, cfg) else saved
 
-
-def distinct(a: float, b: float) -> tuple[str, str]:
-    """a and b with the fewest significant digits (3 at least) that tell them apart."""
-    digits = next((d for d in range(3, 18) if f"{a:.{d}g}" != f"{b:.{d}g}"), 17)
-    return f"{a:.{digits}g}", f"{b:.{digits}g}"
-
-
-def resume_notes(state: dict, cfg: Config, global_batch: int, total_steps: int, run_dir: Path) -> list[str]:
-    """What a resume changes against the run that saved the checkpoint, one line each."""
-    notes, step, o = [], state["step"], cfg.optim
-    if changed := data_changes(state["data"], cfg):
-        notes.append(f"the checkpoint was trained on other data ({'; '.join(changed)}): this run starts its data at their "
-                     f"beginning, not at the checkpoint's position (epoch {state['data']['epoch']}, "
-                     f"{state['data']['samples_consumed']} samples in), which means nothing in other data")
-    if state.get("global_batch", global_batch) != global_batch:
-        notes.append(f"the checkpoint was trained at global batch {state['global_batch']} and this run's is "
-                     f"{global_batch}: the data order from here on, and so the losses, differ from those of the "
-                     "run that saved it (the learning rate is not rescaled)")
-    saved_end, end = state.get("schedule_steps"), o.schedule_steps or total_steps
-    if saved_end and saved_end != end:
-        before = lr_at(step, saved_end, OptimConfig(**{**vars(o), "schedule_steps": saved_end}))
-        after, trains = lr_at(step, total_steps, o), ""
-        if after != before:  # inside the warmup they are the same
-            now, then = distinct(after, before)
-            trains = f"step {step + 1} trains at {now} instead of {then}; "
-        notes.append(f"the learning-rate schedule now ends at step {end}, not {saved_end}: {trains}"
-                     f"optim.schedule_steps={saved_end} keeps the old end")
-    if state.get("run_dir") and Path(state["run_dir"]) != run_dir:
-        notes.append(f"the steps before {step + 1} are in {state['run_dir']}/metrics.jsonl")
-    if not cfg.checkpoint.dir:
-        notes.append("no checkpoint.dir: nothing of this run is saved (checkpoint.resume only reads)")
-    return notes

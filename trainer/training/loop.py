@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from trainer.checkpoint.format import read_manifest
+from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.resume import data_position, resolve_resume, resume_notes
+from trainer.checkpoint.resume import data_position, resolve_resume
 from trainer.checks import check_validation_rows
 from trainer.config import Config, OptimConfig
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
@@ -26,6 +26,7 @@ from trainer.models.weights import WeightSource
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
+from trainer.training.resumed import resume_notes
 from trainer.training.schedule import lr_at
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
@@ -152,23 +153,21 @@ class Run:
                                              self.records, base_fingerprint=weights.fingerprint)
         self.early_stop = EarlyStop(cfg.eval.early_stop_patience)
         self.step, self.lr, self.val_loss, self.evaluated, self.last = 0, 0.0, None, False, {}
-        state = self.checkpoints.load(resume_from) if resume_from else {}
-        if state:
-            self.step, guard.skipped = state["step"], state.get("skipped", 0)
-            guard.scale_skips = state.get("scale_skips", 0)
-            if state.get("loss_scale"):
-                strategy.load_loss_scale_state(state["loss_scale"])
-            if position := data_position(state["data"], cfg):  # other data start at their beginning
+        state = TrainerState.from_dict(self.checkpoints.load(resume_from)) if resume_from else TrainerState()
+        if resume_from:
+            self.step, guard.skipped, guard.scale_skips = state.step, state.skipped, state.scale_skips
+            if state.loss_scale:
+                strategy.load_loss_scale_state(state.loss_scale)
+            if position := data_position(state.data, cfg):  # other data start at their beginning
                 stream.load_state_dict(position)
-            if state.get("early_stop"):
-                self.early_stop.load_state_dict(state["early_stop"])
+            if state.early_stop:
+                self.early_stop.load_state_dict(state.early_stop)
         self.meter = StepMeter(env.device, model_facts(cfg.model, cfg.strategy.wrap, cfg.peft).flops_per_token,
                                t.peak_flops or peak_flops(env.device, t.precision), env.world_size,
-                               # a checkpoint from before input_tokens: its target tokens (the same without padding)
-                               tokens=state.get("tokens", 0), input_tokens=state.get("input_tokens", state.get("tokens", 0)))
+                               tokens=state.tokens, input_tokens=state.input_tokens)
         self.announce(resume_from, state, weights)
 
-    def announce(self, resume_from: Path | None, state: dict, weights: WeightSource) -> None:
+    def announce(self, resume_from: Path | None, state: TrainerState, weights: WeightSource) -> None:
         log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps)}; run dir: {self.run_dir}")
         if restart_count():
             self.records.log({"event": "restarted", "restart": restart_count(), "step": self.step})
@@ -177,7 +176,7 @@ class Run:
         if not resume_from:
             log.info(f"model: {weights.description}")
             return
-        position = " and data position" if data_position(state["data"], self.cfg) else ""
+        position = " and data position" if data_position(state.data, self.cfg) else ""
         log.info(f"resumed from {resume_from} at step {self.step}: model, optimizer state, schedule{position}")
         self.records.log({"event": "resumed", "step": self.step, "from": str(resume_from)})
         for note in resume_notes(state, self.cfg, self.global_batch, self.total_steps, self.run_dir):
@@ -244,18 +243,15 @@ class Run:
 
     def save(self, last: bool = False) -> Path | None:
         o = self.cfg.optim
-        return self.checkpoints.save(self.step, {
-            "step": self.step, "epoch": self.stream.epoch, "skipped": self.guard.skipped,
-            "scale_skips": self.guard.scale_skips,
-            "loss_scale": self.strategy.loss_scale_state(), **self.meter.totals(),
-            "data": {**self.stream.state_dict(), "fingerprint": data_fingerprint(self.cfg)},
-            # what a resume compares against (resume_notes)
-            "global_batch": self.global_batch, "schedule_steps": o.schedule_steps or self.total_steps,
-            "run_dir": str(self.run_dir), "early_stop": self.early_stop.state_dict(),
-            # for other formats' optimizer param groups (trainer.checkpoint.convert)
-            "optim": {"lr": self.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
-            "val_loss": self.val_loss if self.evaluated else None},  # for checkpoint.keep_best
-            last=last or self.step == self.total_steps)
+        state = TrainerState(
+            step=self.step, epoch=self.stream.epoch, skipped=self.guard.skipped, scale_skips=self.guard.scale_skips,
+            loss_scale=self.strategy.loss_scale_state(), **self.meter.totals(),
+            data={**self.stream.state_dict(), "fingerprint": data_fingerprint(self.cfg)},
+            global_batch=self.global_batch, schedule_steps=o.schedule_steps or self.total_steps,
+            run_dir=str(self.run_dir), early_stop=self.early_stop.state_dict(),
+            optim={"lr": self.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+            val_loss=self.val_loss if self.evaluated else None)
+        return self.checkpoints.save(self.step, state.to_dict(), last=last or self.step == self.total_steps)
 
     def stop(self, saved: Path | None) -> None:
         """After a stop signal: saved (if not yet, and there is a checkpoint.dir), recorded, raised."""
