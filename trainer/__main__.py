@@ -29,6 +29,7 @@ from trainer.models import initial_weights, meta_model, param_shapes, resolve_mo
 from trainer.models.blocks import find_blocks
 from trainer.plan import resolve_auto
 from trainer.strategies import preflight
+from trainer.sweep import check_sweep
 from trainer.training.faults import STOP_SIGNALS
 from trainer.training.run import check_run_dir, exit_now, launched_worker, worker
 
@@ -216,6 +217,7 @@ def main() -> None:
     try:
         sys.argv[1:] = with_accelerate_choice(take_local_rank(sys.argv[1:]))
         check_overrides(sys.argv[1:])
+        check_sweep(sys.argv[1:])  # trainer -m: every job's settings, before the first job
     except RunError as e:
         refuse(e)
     app()
