@@ -134,3 +134,53 @@ def test_strategy_auto_plans_logs_and_trains_with_its_choice(tmp_path):
     recorded = (tmp_path / ".hydra" / "config.yaml").read_text()  # what ran, not `auto`
     assert "name: zero3" in recorded and "activation_checkpointing: true" in recorded
     assert [r["step"] for r in records(tmp_path)] == [1, 2]
+
+
+@pytest.fixture
+def a_24gb_cuda_card(monkeypatch):
+    """The planner's device probe sees a local 24 GB GPU."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=24 * 10 ** 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA GeForce RTX 4090")
+    monkeypatch.delenv("TRAINER_DEVICE", raising=False)
+
+
+def test_an_explicit_gpu_memory_budget_wins_over_the_local_gpu_and_the_plan_says_which_it_used(a_24gb_cuda_card,
+                                                                                                 capsys):
+    from trainer.plan import main
+
+    main(["model=gpt_1b", "plan.world_size=8", "plan.gpu_memory_gb=80", "plan.json=true"])
+    # 80 GB: DDP without activation checkpointing fits a 1B model (24 GB would need sharding)
+    options = json.loads(capsys.readouterr().out)["options"]
+    assert next(o for o in options if o["chosen"])["name"] == "ddp"
+    main(["model=gpt_1b", "plan.world_size=8", "plan.gpu_memory_gb=80"])
+    assert "world size 8, 80.0 GB per GPU (plan.gpu_memory_gb)," in capsys.readouterr().out.splitlines()[0]
+    main(["model=gpt_1b", "plan.world_size=8"])
+    assert "world size 8, 24.0 GB per GPU (the local GPU, NVIDIA GeForce RTX 4090)," in capsys.readouterr().out
+
+
+def test_strategy_auto_says_each_setting_it_replaced_and_a_world_size_it_planned_for_instead_of_the_runs(caplog):
+    import logging
+
+    from hydra import compose, initialize_config_module
+
+    from trainer.__main__ import resolve_settings
+    from trainer.config import CONFIG_MODULE
+
+    overrides = ["strategy=auto", "plan.gpu_memory_gb=0.005", "plan.world_size=4", "train.activation_checkpointing=false",
+                 "strategy.offload_optimizer=true"]
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        resolved = resolve_settings(cfg, 2)
+    # tiny in 5 MB at 4 ranks: full sharding with activation checkpointing, no offload
+    assert (resolved.strategy.name.value, resolved.train.activation_checkpointing,
+            resolved.strategy.offload_optimizer) == ("zero3", True, False)
+    said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
+    assert said == ("strategy=auto chose zero3 + activation checkpointing; train.activation_checkpointing=true "
+                    "(was false); strategy.offload_optimizer=false (was true); planned for plan.world_size=4, "
+                    "this run has 2 ranks"), said

@@ -107,7 +107,7 @@ def resolve_settings(cfg: DictConfig, world_size: int) -> Config:
     model = resolve_model(to_config(cfg).model)
     cfg.model.seq_len, cfg.model.vocab_size = model.seq_len, model.vocab_size
     if cfg.strategy.name == StrategyName.auto:
-        resolve_auto(cfg, cfg.plan.world_size or world_size)
+        resolve_auto(cfg, world_size)
     return to_config(cfg)
 
 

@@ -263,7 +263,7 @@ class LoggerConfig:
 @dataclass
 class PlanConfig:
     world_size: Optional[int] = None  # None: the run's (nproc, or the launcher's WORLD_SIZE)
-    gpu_memory_gb: float = 80.0  # the budget per device where no GPU reports one (CPU)
+    gpu_memory_gb: Optional[float] = None  # the budget per device; None: the local GPU's memory, else 80
     master_weights: bool = True  # False: pure bf16 training, no fp32 copy of the weights
     json: bool = False  # print the plan as JSON instead of a table
     # Step-time estimate: compute at this rate per device, communication over these links.

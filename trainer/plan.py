@@ -56,6 +56,7 @@ class Plan:
     link_gbps: float
     pcie_gbps: float
     options: list[Option] = field(default_factory=list)
+    memory_source: str = ""  # where gpu_memory_bytes came from (memory_budget)
 
     @property
     def choice(self) -> Option | None:
@@ -117,7 +118,8 @@ def step_seconds(traffic: dict[str, int], world_size: int, compute_flops: float,
             + traffic["host"] * 8 / (cfg.plan.pcie_gbps * 1e9))
 
 
-def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int | None = None) -> Plan:
+def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source: str = "",
+              n_params: int | None = None) -> Plan:
     from trainer.models import model_facts
 
     m, t = cfg.model, cfg.train
@@ -129,7 +131,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, n_params: int
     frozen = facts.params - facts.trainable if n_params == facts.params else 0
     trainable = n_params - frozen
     plan = Plan(n_params, trainable, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights,
-                cfg.plan.flops_per_s, cfg.plan.link_gbps, cfg.plan.pcie_gbps)
+                cfg.plan.flops_per_s, cfg.plan.link_gbps, cfg.plan.pcie_gbps, memory_source=memory_source)
     tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * m.seq_len
     # The decision order: cheaper in speed first; offload last of all.
     for offload in (False, True):
@@ -168,7 +170,7 @@ def format_plan(plan: Plan) -> str:
     unit, size = ("GB", GB) if plan.gpu_memory_bytes >= GB else ("MB", 1e6)
     trainable = f" ({plan.trainable:,} trainable)" if plan.trainable < plan.params else ""
     lines = [f"{plan.params:,} parameters{trainable}, world size {plan.world_size}, {plan.gpu_memory_bytes / size:.1f} {unit} "
-             f"per GPU, {plan.precision}"
+             f"per GPU{f' ({plan.memory_source})' if plan.memory_source else ''}, {plan.precision}"
              f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
              f"  {'strategy':<8}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
              f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}  fits"]
@@ -196,35 +198,52 @@ def plan_as_json(plan: Plan) -> dict:
                          "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen} for o in plan.options]}
 
 
-def device_memory_bytes(cfg: Config) -> int:
-    """The real device's memory where there is one; the configured budget on CPU."""
+DEFAULT_GPU_MEMORY_GB = 80.0  # the budget where neither plan.gpu_memory_gb nor a GPU says one
+
+
+def memory_budget(cfg: Config) -> tuple[int, str]:
+    """The memory per device to plan for, and where it came from: plan.gpu_memory_gb when given
+    (planning for other cards than the local one), else the local GPU's, else 80 GB."""
     from trainer.distributed import device_type
 
+    if cfg.plan.gpu_memory_gb is not None:
+        return int(cfg.plan.gpu_memory_gb * GB), "plan.gpu_memory_gb"
     if device_type() == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory
-    return int(cfg.plan.gpu_memory_gb * GB)
+        return torch.cuda.get_device_properties(0).total_memory, f"the local GPU, {torch.cuda.get_device_name(0)}"
+    return int(DEFAULT_GPU_MEMORY_GB * GB), "the default: no local GPU and no plan.gpu_memory_gb"
 
 
 def resolve_auto(cfg, world_size: int) -> None:
-    """strategy=auto: plan against this run's world size and device, then set the choice in `cfg`
-    (a DictConfig) so that everything downstream sees a concrete strategy."""
+    """strategy=auto: plan against this run's world size (plan.world_size when given) and device,
+    then set the choice in `cfg` (a DictConfig) so that everything downstream sees a concrete
+    strategy. The line that says the choice names every setting it replaced."""
     from trainer.config import to_config
     from trainer.errors import ConfigError
     from trainer.log import log
 
     typed = to_config(cfg)
-    plan = make_plan(typed, world_size, device_memory_bytes(typed))
+    planned_world = typed.plan.world_size or world_size
+    plan = make_plan(typed, planned_world, *memory_budget(typed))
     log.info(f"strategy=auto:\n{format_plan(plan)}")
     if not plan.choice:
         raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
-                          "(plan.gpu_memory_gb on CPU)")
+                          f"({plan.memory_source})")
+    chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
+              ("strategy", "offload_optimizer"): plan.choice.offload,
+              ("strategy", "offload_params"): plan.choice.offload
+              and "params" in OFFLOADED[StrategyName(plan.choice.name)]}
+    replaced = []
+    for (group, key), value in chosen.items():
+        if cfg[group][key] != value:
+            replaced.append(f"{group}.{key}={str(value).lower()} (was {str(cfg[group][key]).lower()})")
+        cfg[group][key] = value
     cfg.strategy.name = plan.choice.name
-    cfg.train.activation_checkpointing = plan.choice.activation_checkpointing
-    cfg.strategy.offload_optimizer = plan.choice.offload
-    cfg.strategy.offload_params = plan.choice.offload and "params" in OFFLOADED[StrategyName(plan.choice.name)]
+    if planned_world != world_size:
+        replaced.append(f"planned for plan.world_size={planned_world}, this run has {world_size} rank"
+                        f"{'s' if world_size > 1 else ''}")
     log.info(f"strategy=auto chose {plan.choice.name}"
              f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
-             f"{' + CPU offload' if plan.choice.offload else ''}")
+             f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = to_config(compose(config_name="config", overrides=overrides))
         world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
         cfg.model = resolve_model(cfg.model)
-        plan = make_plan(cfg, world, device_memory_bytes(cfg))
+        plan = make_plan(cfg, world, *memory_budget(cfg))
     except (RunError, HydraException, OmegaConfBaseException) as e:  # the trainer's one-line errors
         refuse(e, "trainer.plan")
     print(json.dumps(plan_as_json(plan), indent=1) if cfg.plan.json else format_plan(plan))
