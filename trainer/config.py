@@ -228,7 +228,7 @@ class CheckpointConfig:
 
 @dataclass
 class JsonlConfig:
-    file: str = "metrics.jsonl"  # in the run dir
+    """metrics.jsonl in the run dir: written whatever `logger=` lists (it is the run's record)."""
 
 
 @dataclass
@@ -253,7 +253,8 @@ class MLflowConfig:
 
 @dataclass
 class LoggerConfig:
-    """The loggers chosen (`logger=tensorboard`, `logger=[jsonl,wandb]`): a node each; None: off."""
+    """The loggers chosen (`logger=tensorboard`, `logger=[jsonl,wandb]`): a node each; None: off
+    (jsonl's metrics.jsonl is written either way)."""
     jsonl: Optional[JsonlConfig] = None
     tensorboard: Optional[TensorBoardConfig] = None
     wandb: Optional[WandbConfig] = None
