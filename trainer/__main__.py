@@ -23,6 +23,7 @@ from trainer.checks import check_overrides, validate
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
 from trainer.data import BatchStream, check_data
 from trainer.errors import ERROR_EXIT_CODE, CheckpointError, ConfigError, RunError, signal_exit_code
+from trainer.hub import resolve_names
 from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
@@ -103,7 +104,9 @@ def remove_refused_run_dir(run_dir: Path) -> None:
 
 def resolve_settings(cfg: DictConfig, world_size: int) -> Config:
     """Fill in what the settings leave to the trainer (the model's vocabulary and context, the
-    planner's choice for strategy=auto) in `cfg` itself, which the ranks receive; the typed copy."""
+    planner's choice for strategy=auto) in `cfg` itself, which the ranks receive; the typed copy.
+    Hub names become folders of the Hugging Face cache first (downloaded there where missing)."""
+    resolve_names(cfg)
     model = resolve_model(to_config(cfg).model)
     cfg.model.seq_len, cfg.model.vocab_size = model.seq_len, model.vocab_size
     if cfg.strategy.name == StrategyName.auto:

@@ -144,7 +144,7 @@ class ModelConfig:
     mlp: str = "gelu"  # reference: gelu | swiglu
     norm: str = "layernorm"  # reference: layernorm | rmsnorm
     bias: bool = True  # reference: biases in linear layers and norms
-    shape_only: bool = False  # too big to train here: built on the meta device, for planning
+    shape_only: bool = False  # built on the meta device, for planning only (python -m trainer.plan); never trained
 
 
 @dataclass

@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.checks import check_overrides
     from trainer.config import CONFIG_MODULE, register_configs, to_config
     from trainer.errors import RunError
+    from trainer.hub import resolve_names
     from trainer.log import refuse
     from trainer.models import resolve_model
 
@@ -262,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_overrides(overrides)
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-            cfg = to_config(compose(config_name="config", overrides=overrides))
+            composed = compose(config_name="config", overrides=overrides)
+        resolve_names(composed)  # model.path=org/name: its config from the Hugging Face cache (trainer/hub.py)
+        cfg = to_config(composed)
         world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
         cfg.model = resolve_model(cfg.model)
         plan = make_plan(cfg, world, *memory_budget(cfg))

@@ -14,6 +14,9 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> str:
     """Write the weights of `checkpoint` to `out`; a line saying what was written."""
     if (checkpoint / "latest").is_file():
         checkpoint = latest_checkpoint(checkpoint) or checkpoint
+    if out.is_file() or (out.is_dir() and any(out.iterdir())):  # as trainer.convert: never over earlier work
+        raise CheckpointError(f"{out} exists{' and is not empty' if out.is_dir() else ''}: export writes to a new "
+                              "file or folder (remove it, or give another OUT)")
     manifest = read_manifest(checkpoint)
     of = f"step {manifest['step']} ({manifest['strategy']}, world size {manifest['world_size']}, {checkpoint})"
     return write_weights(read_step_dir(checkpoint, moments=False), out, merge, checkpoint, of)
@@ -41,8 +44,14 @@ def write_weights(p: Portable, out: Path, merge: bool, checkpoint: Path, of: str
         adapters = {name: w for name, w in weights.items() if lora.is_adapter(name)}
         lora.write_adapter_folder(adapters, settings, (p.base or {}).get("path") or source.get("path"), out)
         count = sum(w.numel() for w in adapters.values())
+        tokenizer, note = tokenizer_of(source)
+        files = [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
+        if tokenizer is not None:  # as TRL's SFTTrainer saves it beside the adapters
+            from trainer.models.hf import save_tokenizer
+
+            files.append(save_tokenizer(tokenizer, source.get("chat_template"), out))
         return (f"wrote the LoRA adapters ({count:,} fp32 parameters, r={settings['r']}) of {of} to {out}/ "
-                f"({lora.ADAPTER_CONFIG}, {lora.ADAPTER_WEIGHTS})")
+                f"({', '.join(files)}){note}")
     if settings:  # merged: the frozen base from its pretrained files where the checkpoint does not hold it
         from trainer.models import hf
 
@@ -63,9 +72,14 @@ def write_weights(p: Portable, out: Path, merge: bool, checkpoint: Path, of: str
         return f"wrote {what} to {out}"
     from trainer.models.hf import export_folder
 
-    tokenizer = Path(source["tokenizer"]) if source.get("tokenizer") else None
-    note = ""
-    if tokenizer is not None and not tokenizer.is_dir():
-        tokenizer, note = None, f"; the tokenizer at {source['tokenizer']} is gone: none copied"
+    tokenizer, note = tokenizer_of(source)
     files = export_folder(weights, source, out, tokenizer)
     return f"wrote {what} to {out}/ ({', '.join(files)}){note}"
+
+
+def tokenizer_of(source: dict) -> tuple[Path | None, str]:
+    """The tokenizer folder a checkpoint records (model=hf), and a note when it is gone."""
+    tokenizer = Path(source["tokenizer"]) if source.get("tokenizer") else None
+    if tokenizer is not None and not tokenizer.is_dir():
+        return None, f"; the tokenizer at {source['tokenizer']} is gone: none copied"
+    return tokenizer, ""

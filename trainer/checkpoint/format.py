@@ -67,6 +67,7 @@ def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> 
     chunk = -(-flat.numel() // replicas)
     return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk])
 
+
 @dataclass
 class TrainerState:
     """What a checkpoint holds of the run besides tensors: the manifest's "trainer" entry, read and
@@ -401,6 +402,7 @@ def write_step_dir(p: Portable, root: Path) -> Path:
     pieces = {key: {"pieces": [[rank_file(0), 0, t.numel()]], "shape": list(t.shape)} for key, t in tensors.items()}
     shapes = {n: tuple(w.shape) for n, w in p.weights.items()} | p.unsaved
     write_manifest(tmp, manifest_of(p.step, p.train or TrainerState(step=p.step).to_dict(), "converted", 1, shapes,
-                                     p.buffers, p.source, p.base, pieces, {rank_file(0): checksum}))
+                                     p.buffers, p.source, p.base, pieces, {rank_file(0): checksum})
+                   | ({"lacks": p.lacks} if p.lacks else {}))  # what a resume from it cannot restore
     publish(tmp, final)
     return final

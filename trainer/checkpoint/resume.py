@@ -176,3 +176,35 @@ def data_position(saved: dict, cfg: Config) -> dict | None:
     None for other data, which start at their beginning: the old position means nothing there."""
     return None if data_changes(saved, cfg) else saved
 
+
+# What a resume restores, and the words of a converted checkpoint's `lacks` (trainer.checkpoint.convert,
+# recorded in its manifest by write_step_dir) that say it is not there.
+RESTORED = (("model", None), ("optimizer state", "Adam moments"), ("schedule", "learning-rate schedule"),
+            ("data position", "data position"), ("RNG state", "RNG state"))
+STARTED_FRESH = {"optimizer state": "optimizer state (Adam starts from zero moments)",
+                 "schedule": "schedule (the learning rate follows this run's, from the step)",
+                 "data position": "data position (the data start at their beginning)"}
+
+
+def restored(manifest: dict, data_kept: bool) -> tuple[list[str], list[str]]:
+    """(what a resume from the step dir of `manifest` restores, what it cannot because the source
+    lacked it). `data_kept`: this run's data are the checkpoint's (`data_position`); other data are
+    neither (the resume notes say why they start at their beginning)."""
+    lacks = manifest.get("lacks", [])
+    got, missing = [], []
+    for what, lacked_as in RESTORED:
+        gone = lacked_as is not None and any(lacked_as in lack for lack in lacks)
+        if what == "data position" and not gone and not data_kept:
+            continue
+        (missing if gone else got).append(what)
+    return got, missing
+
+
+def resumed_line(resume_from: Path, step: int, manifest: dict, data_kept: bool) -> str:
+    """The line that says what a resume restored, built from what the checkpoint holds."""
+    got, missing = restored(manifest, data_kept)
+    line = f"resumed from {resume_from} at step {step}: {', '.join(got[:-1])} and {got[-1]}"
+    if missing:  # a converted checkpoint whose source had none
+        line += ("; not in the converted checkpoint, so started fresh: "
+                 + ", ".join(STARTED_FRESH.get(what, what) for what in missing))
+    return line

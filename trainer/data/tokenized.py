@@ -109,7 +109,7 @@ def data_files(path: Path, key: str) -> tuple[str, list[Path]] | None:
         raise ConfigError(f"{key}: {path} does not exist")
     if path.is_dir() and any((path / f).is_file() for f in SAVED_DATASET_FILES):
         return None
-    files = sorted(f for f in path.rglob("*") if f.suffix in BUILDERS) if path.is_dir() else [path]
+    files = train_split(path, sorted(f for f in path.rglob("*") if f.suffix in BUILDERS)) if path.is_dir() else [path]
     if not files or files[0].suffix not in BUILDERS:
         raise ConfigError(f"{key}: {path} is no {'/'.join(BUILDERS)} file, folder of them, or Dataset.save_to_disk "
                           "folder")
@@ -117,6 +117,21 @@ def data_files(path: Path, key: str) -> tuple[str, list[Path]] | None:
     if len(builders) > 1:
         raise ConfigError(f"{key}: {path} mixes file types ({', '.join(sorted(builders))}); keep one kind per folder")
     return builders.pop(), files
+
+
+def train_split(folder: Path, files: list[Path]) -> list[Path]:
+    """A folder whose files name their splits (`data/train-00000-of-00001.parquet`, `test.jsonl`: a
+    Hub dataset's layout): the train split's files, as `datasets.load_dataset(folder)` takes them."""
+    from datasets.data_files import get_data_patterns
+
+    try:
+        patterns = {str(split): found for split, found in get_data_patterns(str(folder)).items()}
+    except Exception:  # no files it knows (datasets' EmptyDatasetError): the checks after say what is wrong
+        return files
+    if len(patterns) < 2 or "train" not in patterns:
+        return files
+    train = {f for pattern in patterns["train"] for f in folder.glob(pattern)}
+    return [f for f in files if f in train]
 
 
 def open_dataset(path: Path, key: str, cache_dir: Path):

@@ -86,10 +86,13 @@ def initial_weights(cfg: ModelConfig, model: nn.Module, seed: int, peft: PeftCon
     return lora.AdapterWeights(base, adapters, seed, Path(peft.init) if peft and peft.init else None)
 
 
-def description(cfg: ModelConfig, tokenizer: str | None = None, model: nn.Module | None = None) -> dict:
+def description(cfg: ModelConfig, tokenizer: str | None = None, model: nn.Module | None = None,
+                chat_template: str | None = None) -> dict:
     """What a checkpoint records about where the model came from (export needs it); `tokenizer`:
-    the data's tokenizer folder, when not the model's own; `model`'s LoRA settings, if it has adapters."""
-    found = hf.description(cfg, tokenizer) if ModelKind(cfg.kind) is ModelKind.hf else {"kind": ModelKind(cfg.kind).value}
+    the data's tokenizer folder, when not the model's own, and `chat_template` its data.chat_template
+    file; `model`'s LoRA settings, if it has adapters."""
+    found = (hf.description(cfg, tokenizer, chat_template) if ModelKind(cfg.kind) is ModelKind.hf
+             else {"kind": ModelKind(cfg.kind).value})
     found["model"] = model_node(cfg)  # to build it again (trainer.convert --to deepspeed)
     settings = getattr(model, "lora_settings", None)
     return {**found, "lora": settings} if settings else found

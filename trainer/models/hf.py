@@ -174,16 +174,18 @@ def checkpoint_key_renamer(model: nn.Module, shapes: dict) -> Callable[[str], st
     return rename
 
 
-def description(cfg: ModelConfig, tokenizer: str | None) -> dict:
+def description(cfg: ModelConfig, tokenizer: str | None, chat_template: str | None = None) -> dict:
     """What a checkpoint records to export a Hugging Face folder later: the config itself (the
-    source folder may be gone by then) and where the tokenizer's files are."""
+    source folder may be gone by then), where the tokenizer's files are and the chat template the
+    run rendered its conversations with (`data.chat_template`'s text: the file may be gone too)."""
     config = read_config(cfg)
     config.dtype = torch.float32  # the exported weights are the fp32 masters
     config.use_cache = True  # for whoever loads the export to generate
     found = next((Path(c).resolve() for c in (tokenizer, cfg.path)
                   if c and any((Path(c) / f).is_file() for f in TOKENIZER_FILES)), None)
     return {"kind": "hf", "config": config.to_dict(), "path": str(Path(cfg.path).resolve()),
-            "tokenizer": str(found) if found else None}
+            "tokenizer": str(found) if found else None,
+            "chat_template": Path(chat_template).read_text() if chat_template else None}
 
 
 def read_pretrained(source: dict, base: dict, names: list[str], checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -244,8 +246,17 @@ def export_folder(weights: dict[str, torch.Tensor], source: dict, out: Path, tok
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     written = sorted(split.filename_to_tensors)
     if tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(tokenizer)).save_pretrained(str(out))
-        written.append("tokenizer")
+        written.append(save_tokenizer(tokenizer, source.get("chat_template"), out))
     return written
+
+
+def save_tokenizer(tokenizer: Path, chat_template: str | None, out: Path) -> str:
+    """The tokenizer's files in `out`, with the chat template the run trained with (`data.chat_template`)
+    in place of its own: the exported model formats prompts as training did. What was written."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(tokenizer))
+    if chat_template is not None:
+        loaded.chat_template = chat_template
+    loaded.save_pretrained(str(out))
+    return "tokenizer" + (" (with the run's data.chat_template)" if chat_template is not None else "")

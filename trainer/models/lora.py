@@ -83,7 +83,8 @@ def lora_config(settings: dict):
     from peft import LoraConfig
 
     return LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
-                      target_modules=list(settings["target_modules"]), bias="none")
+    targets = settings["target_modules"]  # a list of names, or (from an adapter folder) peft's regex string
+                      target_modules=targets if isinstance(targets, str) else list(targets), bias="none")
 
 
 def add_adapters(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> nn.Module:
@@ -91,7 +92,7 @@ def add_adapters(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> nn.Modul
     rest frozen; in place."""
     from peft import inject_adapter_in_model
 
-    settings = read_adapter_folder(Path(cfg.init)) if cfg.init else adapter_settings(model, cfg, vocab_size)
+    settings = from_init(cfg) if cfg.init else adapter_settings(model, cfg, vocab_size)
     inject_adapter_in_model(lora_config(settings), model)
     model.lora_settings = settings  # read by the checkpoint's manifest (export needs them)
     return model
@@ -126,6 +127,26 @@ def read_adapter_folder(path: Path) -> dict:
 
 
 class AdapterWeights:
+def from_init(cfg: PeftConfig) -> dict:
+    """peft.init=DIR: the folder's settings, which the adapters' shapes and names follow. A peft.r,
+    alpha, dropout or target_modules set to something else (not its default) would be ignored
+    without a word: refused, naming both values."""
+    settings = read_adapter_folder(Path(cfg.init))
+    defaults = PeftConfig()
+    given = {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout, "target_modules": cfg.target_modules}
+    for key, value in given.items():
+        saved = settings[key]
+        if value == getattr(defaults, key):
+            continue
+        same = (sorted(value) == sorted(saved) if isinstance(value, (list, tuple)) and isinstance(saved, list)
+                else value == saved)
+        if not same:
+            raise ConfigError(f"peft.{key}={value if not isinstance(value, (list, tuple)) else list(value)}: "
+                              f"peft.init={cfg.init} holds adapters with {key} {saved!r}, which the run continues; "
+                              f"leave peft.{key} unset (or start new adapters without peft.init)")
+    return settings
+
+
     """The first values of a LoRA model: the base's from `base` (pretrained files or the model's
     own init), the adapters' as peft makes them (A: Kaiming-uniform, seeded per layer; B: zeros, so
     training starts at the base model), or from a PEFT adapter folder (`peft.init`)."""

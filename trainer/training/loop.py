@@ -14,9 +14,9 @@ from tqdm import tqdm
 
 from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.resume import data_position, resolve_resume
+from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
 from trainer.checks import check_validation_rows
-from trainer.config import Config, OptimConfig
+from trainer.config import Config, ModelKind, OptimConfig, PeftName
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
@@ -92,6 +92,8 @@ def evaluate(model: nn.Module, strategy: Strategy, batches, device: torch.device
         batch = [t.to(device) for t in batch]
         with strategy.autocast():
             totals[0] += token_loss_sum(forward(model, batch), batch[1]).double()
+                     # peft=lora brings its own (conf/peft/lora.yaml): said, so nobody trains at a rate they did not expect
+                     f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
         totals[1] += target_count(batch[1])
     model.train()
     strategy.all_reduce(totals)
@@ -149,7 +151,8 @@ class Run:
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
         self.records = records
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
-                                             description(cfg.model, cfg.data.tokenizer, strategy.module),
+                                             description(cfg.model, cfg.data.tokenizer, strategy.module,
+                                                         cfg.data.chat_template),
                                              self.records, base_fingerprint=weights.fingerprint)
         self.early_stop = EarlyStop(cfg.eval.early_stop_patience)
         self.step, self.lr, self.val_loss, self.evaluated, self.last = 0, 0.0, None, False, {}
@@ -158,6 +161,7 @@ class Run:
             self.step, guard.skipped, guard.scale_skips = state.step, state.skipped, state.scale_skips
             if state.loss_scale:
                 strategy.load_loss_scale_state(state.loss_scale)
+        self.saved: Path | None = None  # the newest checkpoint this run wrote: the done line names it
             if position := data_position(state.data, cfg):  # other data start at their beginning
                 stream.load_state_dict(position)
             if state.early_stop:
@@ -169,6 +173,8 @@ class Run:
 
     def announce(self, resume_from: Path | None, state: TrainerState, weights: WeightSource) -> None:
         log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps)}; run dir: {self.run_dir}")
+        if describe_sources := getattr(self.stream.dataset, "describe", None):  # data=mixture: each source
+            self.records.log({"event": "sources", "step": self.step, "sources": describe_sources()})
         if restart_count():
             self.records.log({"event": "restarted", "restart": restart_count(), "step": self.step})
             log.info(f"restart {restart_count()}: " + (f"resumed from {resume_from} at step {self.step}"
@@ -176,8 +182,8 @@ class Run:
         if not resume_from:
             log.info(f"model: {weights.description}")
             return
-        position = " and data position" if data_position(state.data, self.cfg) else ""
-        log.info(f"resumed from {resume_from} at step {self.step}: model, optimizer state, schedule{position}")
+        log.info(resumed_line(resume_from, self.step, read_manifest(resume_from),
+                              data_kept=data_position(state.data, self.cfg) is not None))
         self.records.log({"event": "resumed", "step": self.step, "from": str(resume_from)})
         for note in resume_notes(state, self.cfg, self.global_batch, self.total_steps, self.run_dir):
             log.info(f"resume: {note}")  # rank 0's console, like the other [trainer] lines
@@ -222,8 +228,16 @@ class Run:
         batches = eval_batches(self.val_set, t.micro_batch_size, env.rank, env.world_size, self.cfg.eval.max_batches)
         self.val_loss = evaluate(self.model, self.strategy, batches, env.device)
         self.records.log({"step": self.step, "split": "val", "loss": self.val_loss,
-                          "ppl": math.exp(min(self.val_loss, 700))})
+                          "ppl": math.exp(min(self.val_loss, 700)), **self.source_losses()})
         return self.early_stop.update(self.step, self.val_loss)
+
+    def source_losses(self) -> dict:
+        """data=mixture: the val loss of each source's held-out rows apart, as `loss/<name>`."""
+        t, env = self.cfg.train, self.env
+        return {f"loss/{name}": evaluate(self.model, self.strategy, eval_batches(rows, t.micro_batch_size, env.rank,
+                                                                                 env.world_size,
+                                                                                 self.cfg.eval.max_batches), env.device)
+                for name, rows in getattr(self.val_set, "by_source", {}).items()}
 
     def log_line(self, mean_loss: torch.Tensor, grad_norm, mem: dict | None) -> dict:
         """Record the step's numbers; what the progress bar shows of them."""
@@ -231,6 +245,7 @@ class Run:
                      "grad_norm": float(grad_norm), "skipped": self.guard.skipped, **self.meter.read(), "mem": mem}
         if (scaler := self.strategy.loss_scale_state()) is not None:  # fp16: the scaler's own skips, apart
             self.last.update(scale_skips=self.guard.scale_skips, loss_scale=scaler["scale"])
+        self.last.update(self.stream.counts())  # data=mixture: samples_by_source, tokens_by_source
         self.records.log(self.last)
         shown = {"loss": f"{self.last['loss']:.4f}", "lr": f"{self.lr:.2e}"}
         if self.last["tokens_per_s"]:
@@ -251,7 +266,9 @@ class Run:
             run_dir=str(self.run_dir), early_stop=self.early_stop.state_dict(),
             optim={"lr": self.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
             val_loss=self.val_loss if self.evaluated else None)
-        return self.checkpoints.save(self.step, state.to_dict(), last=last or self.step == self.total_steps)
+        saved = self.checkpoints.save(self.step, state.to_dict(), last=last or self.step == self.total_steps)
+        self.saved = saved or self.saved
+        return saved
 
     def stop(self, saved: Path | None) -> None:
         """After a stop signal: saved (if not yet, and there is a checkpoint.dir), recorded, raised."""
@@ -289,14 +306,26 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     with ExitStack() as cleanup:
         guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
         cleanup.callback(guard.close)
+                 + (f"; saved {self.saved} ({export_hint(self.cfg)})" if self.saved else "")
         seed_everything(t.seed)
         strategy = build_strategy(cfg, env)
         cleanup.callback(strategy.teardown)
         train_set, val_set = load_data(cfg, env.local_rank)
+def export_hint(cfg: Config) -> str:
+    """The command that turns the run's checkpoint into weights for inference, and what it writes."""
+    command = f"python -m trainer.export {cfg.checkpoint.dir}"
+    if PeftName(cfg.peft.name) is PeftName.lora:
+        merged = "; with --merge, the merged model" if ModelKind(cfg.model.kind) is ModelKind.hf else ""
+        return f"{command} OUT_DIR writes the LoRA adapters as a PEFT folder{merged}"
+    if ModelKind(cfg.model.kind) is ModelKind.hf:
+        return f"{command} OUT_DIR writes a Hugging Face folder"
+    return f"{command} OUT.safetensors writes the weights"
+
+
         stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
                              num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
         cleanup.callback(stream.close)
-        total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
+        total_steps = t.max_steps or stream.steps_for(t.epochs)
         resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
         if resume_from and (at := read_manifest(resume_from)["step"]) >= total_steps:
             log.info(f"nothing to do: {resume_from} is at step {at}, and this run ends at step {total_steps}; "
