@@ -564,3 +564,24 @@ def test_zero3_on_cuda_starts_from_the_weights_of_ddp():
     expected = on_ranks(1, first_weights, "ddp")[0]
     got = on_ranks(2, first_weights, "zero3")[0]
     assert all(torch.equal(got[k].cpu(), expected[k].cpu()) for k in expected)
+
+
+def test_metrics_jsonl_is_written_whatever_the_loggers_listed(tmp_path, monkeypatch):
+    """logger=tensorboard replaces the default list: the run's record is written all the same."""
+    from hydra import compose, initialize_config_module
+
+    from trainer import distributed
+    from trainer.config import CONFIG_MODULE, register_configs
+    from trainer.training.loggers import RunLog
+
+    register_configs()
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj, src=0: obj)  # one process, no group
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        cfg = to_config(compose(config_name="config", overrides=["logger=tensorboard"]))
+    assert cfg.logger.jsonl is None and cfg.logger.tensorboard is not None
+    with RunLog(cfg, tmp_path, is_main=True) as run_log:
+        run_log.log({"step": 1, "loss": 2.5})
+        run_log.finish({"step": 1, "loss": 2.5})
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "loss": 2.5}, {"event": "end", "step": 1, "loss": 2.5}]
+    assert any((tmp_path / "tensorboard").iterdir())

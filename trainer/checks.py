@@ -92,16 +92,19 @@ def validate(cfg: Config) -> None:
     _require(not (d.val_fraction and d.val_path), "data.val_fraction",
              "give data.val_path or data.val_fraction, not both")
     data_name = DataName(d.name)
-    _require(d.packing or data_name in (DataName.hf, DataName.chat), "data.packing",
+    _require(d.packing or data_name in (DataName.hf, DataName.chat, DataName.mixture), "data.packing",
              f"data={data_name.value} has no documents to keep apart; packing=false needs data=hf or data=chat")
-    _require(not d.drop_long or data_name is DataName.chat or (data_name is DataName.hf and not d.packing),
+    _require(not d.drop_long or data_name in (DataName.chat, DataName.mixture)
+             or (data_name is DataName.hf and not d.packing),
              "data.drop_long", "only rows of whole documents drop long ones: data=chat, or data=hf with "
              "data.packing=false")
     for key, is_set in (("chat_template", d.chat_template is not None),
                         ("train_on", TrainOn(d.train_on) is not TrainOn.assistant),
                         ("bad_rows", BadRows(d.bad_rows) is not BadRows.error)):
-        _require(not is_set or data_name is DataName.chat, f"data.{key}",
+        _require(not is_set or data_name is DataName.chat or (key == "bad_rows" and data_name is DataName.mixture),
+                 f"data.{key}",
                  f"only read by data=chat, not data={data_name.value}")
+    check_mixture(cfg)
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
     _require(cfg.eval.max_batches >= 0, "eval.max_batches", f"must be >= 0, got {cfg.eval.max_batches}")
@@ -120,6 +123,12 @@ def validate(cfg: Config) -> None:
              f"only read by zero1/zero2/zero3, not strategy={name.value}")
     _require(Sharding(s.sharding) is Sharding.FULL_SHARD or name is StrategyName.fsdp,
              "strategy.sharding", f"only read by strategy=fsdp, not strategy={name.value}")
+
+
+def check_mixture(cfg: Config) -> None:
+    from trainer.data.mixture import check_mixture as check  # trainer.data imports this module
+
+    check(cfg)
 
 
 def check_validation_rows(cfg: Config, rows: int) -> None:
@@ -165,6 +174,20 @@ def _enum_of(key: str) -> type[Enum] | None:
     return cls if isinstance(cls, type) and issubclass(cls, Enum) else None
 
 
+def check_sources_override(key: str, value: str) -> None:
+    """data.sources=[{kind:...,path:...,weight:...}, ...]: parsed as Hydra parses it, each source checked."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from trainer.data.mixture import EXAMPLE, check_source_nodes  # trainer.data imports this module
+
+    try:
+        nodes = OverridesParser.create().parse_overrides([f"{key}={value}"])[0].value()
+    except OverrideParseException as e:
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}; e.g. '{EXAMPLE}'") from None
+    check_source_nodes(nodes, key)
+
+
 def check_overrides(overrides: list[str]) -> None:
     """Caught before Hydra, whose own messages are tracebacks or suggest adding a key with `+`: a
     mistyped key (the closest valid one is named), a config group option or an enum value that
@@ -184,6 +207,9 @@ def check_overrides(overrides: list[str]) -> None:
             continue  # Hydra's own settings and groups (its plugins add launchers and sweepers)
         if "." not in key and not added:  # a config group choice
             allowed = _group_options(key) if own_groups else []
+        elif key == "data.sources":  # its elements, whose errors Hydra says in several lines
+            check_sources_override(key, value)
+            continue
         elif key in known:
             allowed = [m.value for m in _enum_of(key) or ()]
         elif added and key.startswith("model."):

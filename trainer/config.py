@@ -131,8 +131,7 @@ class ModelConfig:
     vocab_size: Optional[int] = 256  # hf and custom: from the model
     seq_len: Optional[int] = 64  # the training context; hf: min(max_position_embeddings, 2048) when null
     # hf
-    path: Optional[str] = None  # hf: the model folder (config.json, optional *.safetensors and tokenizer), or a Hub name
-    revision: Optional[str] = None  # hf: a Hub name's branch, tag or commit; None: main
+    path: Optional[str] = None  # hf: the model folder (config.json, optional *.safetensors and tokenizer)
     attn_implementation: str = "sdpa"  # hf: passed to transformers (sdpa, eager, flex_attention, flash_attention_2)
     # custom: `_target_` in the config, and every other key is an argument of the factory
     target: Optional[str] = None  # custom: the factory that builds the model, pkg.module.function
@@ -145,7 +144,7 @@ class ModelConfig:
     mlp: str = "gelu"  # reference: gelu | swiglu
     norm: str = "layernorm"  # reference: layernorm | rmsnorm
     bias: bool = True  # reference: biases in linear layers and norms
-    shape_only: bool = False  # too big to train here: built on the meta device, for planning
+    shape_only: bool = False  # built on the meta device, for planning only (python -m trainer.plan); never trained
 
 
 @dataclass
@@ -161,8 +160,7 @@ class PeftConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.text
-    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf, chat: a file, folder or Hub name
-    revision: Optional[str] = None  # hf, chat: a Hub dataset name's branch, tag or commit; None: main
+    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf: a file or folder
     num_samples: int = 2048  # synthetic only
     dtype: TokenDtype = TokenDtype.uint16  # tokens only
     text_field: str = "text"  # hf only
@@ -230,7 +228,7 @@ class CheckpointConfig:
 
 @dataclass
 class JsonlConfig:
-    file: str = "metrics.jsonl"  # in the run dir
+    """metrics.jsonl in the run dir: written whatever `logger=` lists (it is the run's record)."""
 
 
 @dataclass
@@ -255,7 +253,8 @@ class MLflowConfig:
 
 @dataclass
 class LoggerConfig:
-    """The loggers chosen (`logger=tensorboard`, `logger=[jsonl,wandb]`): a node each; None: off."""
+    """The loggers chosen (`logger=tensorboard`, `logger=[jsonl,wandb]`): a node each; None: off
+    (jsonl's metrics.jsonl is written either way)."""
     jsonl: Optional[JsonlConfig] = None
     tensorboard: Optional[TensorBoardConfig] = None
     wandb: Optional[WandbConfig] = None
@@ -316,7 +315,7 @@ def profile_steps(spec: str) -> tuple[int, int] | None:
 MODEL_KEYS = {
     ModelKind.reference: ("name", "kind", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "mlp",
                           "norm", "bias", "shape_only"),
-    ModelKind.hf: ("name", "kind", "vocab_size", "seq_len", "path", "revision", "attn_implementation"),
+    ModelKind.hf: ("name", "kind", "vocab_size", "seq_len", "path", "attn_implementation"),
     ModelKind.custom: ("name", "kind", "vocab_size", "seq_len", "_target_"),
 }
 

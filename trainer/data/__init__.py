@@ -11,6 +11,8 @@ from torch.utils.data import Dataset
 
 from trainer.config import Config, DataName, ModelKind
 from trainer.data.chat import Conversations
+from trainer.data.mixture import check_mixture_data, load_mixture
+from trainer.data.mixture import fingerprint as sources_fingerprint
 from trainer.data.sources import (
     IGNORE_INDEX,
     DocumentRows,
@@ -47,7 +49,8 @@ def data_fingerprint(cfg: Config) -> dict:
     d, m = cfg.data, cfg.model
     settings = {f"data.{key}": value.value if isinstance(value, Enum) else value
                 for key, value in asdict(d).items() if key not in NOT_THE_SAMPLES}
-    settings.update({"data.tokenizer": _tokenizer(cfg), "model.seq_len": m.seq_len})
+    settings.update({"data.tokenizer": _tokenizer(cfg), "model.seq_len": m.seq_len,
+                     "data.sources": sources_fingerprint(d.sources)})
     if DataName(d.name) is DataName.synthetic:
         settings.update({"train.seed": cfg.train.seed, "model.vocab_size": m.vocab_size})
     return settings
@@ -87,6 +90,8 @@ def check_data(cfg: Config, world_size: int) -> None:
     """What can be wrong with the data settings, found before any rank starts: files, and one
     step's worth of samples (text to tokenise: once it is, at the start of the run)."""
     name = DataName(cfg.data.name)
+    if name is DataName.mixture:
+        return check_mixture_data(cfg)
     if name is DataName.chat and cfg.data.packing and ModelKind(cfg.model.kind) is not ModelKind.reference:
         check_packing(cfg.model)  # the reference model keeps packed documents apart (tests/test_chat.py)
     if name in TOKENIZED:
@@ -102,6 +107,8 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
     """(training rows, validation rows or None). Text to tokenise is tokenised once, by the
     first process of a node, while the others wait (outside any collective: data/tokenized.py)."""
     d = cfg.data
+    if DataName(d.name) is DataName.mixture:
+        return load_mixture(cfg, local_rank)
     if DataName(d.name) in TOKENIZED:
         for key, path in _paths(cfg):
             source = _tokenized(cfg, path, key)

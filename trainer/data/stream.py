@@ -7,6 +7,11 @@ does not depend on the world size: DistributedSampler hands rank r the elements 
 exactly the first k*N elements of it, at any N. A torch DataLoader with worker processes
 reads the batches ahead of the step; which samples it reads follows from the position alone,
 so resuming (at any world size) needs nothing of the loader's own state.
+
+A dataset that plans its rows per epoch (data=mixture: `rows_in(epoch)`, items addressed (epoch,
+row), rows already in training order) takes the place of the sampler's permutation: rank r reads
+rows r, r+N, r+2N, ... of the epoch, so the same position rule holds; the stream also counts what
+each of its sources gave (`counts`), which the data position carries.
 """
 from __future__ import annotations
 
@@ -33,12 +38,12 @@ class _EpochBatches(Sampler):
     def __iter__(self):
         s = self.stream
         order = s.epoch_order()
-        start, end = s.samples_consumed // s.world_size, s.steps_per_epoch * s.per_step
+        start, end = s.samples_consumed // s.world_size, s.steps_in(s.epoch) * s.per_step
         return iter([order[i:i + s.micro_batch_size] for i in range(start, end, s.micro_batch_size)])
 
     def __len__(self) -> int:
         s = self.stream
-        return (s.steps_per_epoch * s.per_step - s.samples_consumed // s.world_size) // s.micro_batch_size
+        return (s.steps_in(s.epoch) * s.per_step - s.samples_consumed // s.world_size) // s.micro_batch_size
 
 
 class BatchStream:
@@ -59,9 +64,15 @@ class BatchStream:
                  seed: int, num_workers: int = 0, pin_memory: bool = False):
         self.micro_batch_size, self.grad_accum_steps, self.world_size = micro_batch_size, grad_accum_steps, world_size
         self.per_step = micro_batch_size * grad_accum_steps
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=seed, drop_last=True)
-        self.steps_per_epoch = self.check_size(len(dataset), micro_batch_size, grad_accum_steps, world_size)
+        self.dataset, self.rank = dataset, rank
+        self.planned = callable(getattr(dataset, "rows_in", None))  # rows planned per epoch (data=mixture)
+        # Planned rows come in their own order; the sampler's serves the other datasets.
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                          drop_last=True)
+        self._steps: dict[int, int] = {}
+        self.steps_per_epoch = self.steps_in(0)  # the first epoch's (every epoch's, unless planned)
+        names = getattr(dataset, "names", []) if self.planned else []
+        self.by_source = {"samples_by_source": dict.fromkeys(names, 0), "tokens_by_source": dict.fromkeys(names, 0)}
         self.epoch = 0
         self.samples_consumed = 0  # global (all ranks), in this epoch
         self.last_indices: list[list[int]] = []  # this rank's sample indices of the last step
@@ -76,16 +87,34 @@ class BatchStream:
                                  multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None)
         self._batches = None  # the loader's iterator over the rest of the current epoch
 
-    def epoch_order(self) -> list[int]:
+    def steps_in(self, epoch: int) -> int:
+        if epoch not in self._steps:
+            rows = self.dataset.rows_in(epoch) if self.planned else len(self.dataset)
+            self._steps[epoch] = self.check_size(rows, self.micro_batch_size, self.grad_accum_steps, self.world_size)
+        return self._steps[epoch]
+
+    def steps_for(self, epochs: int) -> int:
+        """The optimizer steps of the first `epochs` epochs."""
+        return sum(self.steps_in(e) for e in range(epochs)) if self.planned else epochs * self.steps_per_epoch
+
+    def epoch_order(self) -> list:
         if self._order[0] != self.epoch:
-            self.sampler.set_epoch(self.epoch)
-            self._order = (self.epoch, list(self.sampler))
+            if self.planned:  # this rank's rows of the epoch, addressed (epoch, row)
+                used = self.steps_in(self.epoch) * self.per_step * self.world_size
+                self._order = (self.epoch, [(self.epoch, row) for row in range(self.rank, used, self.world_size)])
+            else:
+                self.sampler.set_epoch(self.epoch)
+                self._order = (self.epoch, list(self.sampler))
         return self._order[1]
+
+    def counts(self) -> dict:
+        """data=mixture: the documents and target tokens each source gave so far, all ranks together."""
+        return {key: dict(values) for key, values in self.by_source.items()} if self.planned else {}
 
     def next_step(self) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro-batches of the next step: (inputs, targets[, position_ids]) each."""
         start = self.samples_consumed // self.world_size
-        if start + self.per_step > self.steps_per_epoch * self.per_step:
+        if start + self.per_step > self.steps_in(self.epoch) * self.per_step:
             self.epoch, self.samples_consumed, start = self.epoch + 1, 0, 0
             self._batches = None
         if self._batches is None:
@@ -93,6 +122,12 @@ class BatchStream:
         order = self.epoch_order()[start:start + self.per_step]
         mbs = self.micro_batch_size
         self.last_indices = [order[i:i + mbs] for i in range(0, self.per_step, mbs)]
+        if self.planned:  # the step's rows of all ranks: the epoch's next per_step x world size
+            samples, tokens = self.dataset.drawn(self.epoch, self.samples_consumed,
+                                                 self.samples_consumed + self.per_step * self.world_size)
+            for name, n, t in zip(self.dataset.names, samples, tokens):
+                self.by_source["samples_by_source"][name] += n
+                self.by_source["tokens_by_source"][name] += t
         self.samples_consumed += self.per_step * self.world_size
         return [next(self._batches) for _ in range(self.grad_accum_steps)]
 
@@ -101,7 +136,7 @@ class BatchStream:
         self._batches, self.loader = None, None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "samples_consumed": self.samples_consumed}
+        return {"epoch": self.epoch, "samples_consumed": self.samples_consumed, **self.counts()}
 
     @staticmethod
     def check_position(state: dict, world_size: int, where: object = "checkpoint") -> None:
@@ -114,6 +149,8 @@ class BatchStream:
     def load_state_dict(self, state: dict) -> None:
         self.check_position(state, self.world_size)
         self.epoch, self.samples_consumed = state["epoch"], state["samples_consumed"]
+        for key, values in self.by_source.items():
+            values.update({name: n for name, n in state.get(key, {}).items() if name in values})
         self._batches = None
 
 

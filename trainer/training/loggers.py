@@ -2,8 +2,10 @@
 
 Every logger gets the same things, from rank 0 only: the resolved config (as hyperparameters),
 each logged step, each evaluation, events (resumed, ...) and a final summary. jsonl writes
-them as they are (metrics.jsonl, DESIGN §4); the others get the numbers, named `train/loss`,
-`train/lr`, `mem/params`, `val/loss`, ..., at the record's step.
+them as they are (metrics.jsonl, DESIGN §4), for every run, whatever else is listed: it is the
+run's record, which the stop line, the run-dir guard, `python -m trainer.metrics` and the sweep
+table read. The others get the numbers, named `train/loss`, `train/lr`, `mem/params`,
+`val/loss`, ..., at the record's step.
 """
 from __future__ import annotations
 
@@ -64,9 +66,12 @@ def exit_code_of(error: BaseException | None) -> int:
     return ERROR_EXIT_CODE if isinstance(error, RunError) else 1
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
 class JsonlLogger:
     def __init__(self, cfg, run_dir: Path, hparams: dict):
-        self.file = (run_dir / cfg.file).open("a")
+        self.file = (run_dir / METRICS_FILE).open("a")
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -187,7 +192,7 @@ class RunLog:
         self.loggers, error = [], None
         try:
             self.loggers = [LOGGERS[name](getattr(chosen, name), run_dir, hyperparameters(cfg))
-                            for name in LOGGERS if is_main and getattr(chosen, name) is not None]
+                            for name in LOGGERS if is_main and (name == "jsonl" or getattr(chosen, name) is not None)]
         except Exception as e:  # shared, so that no rank waits for rank 0 in the next collective
             error = f"{type(e).__name__}: {e}"
         error = broadcast_object(error)
