@@ -48,6 +48,7 @@ class DataName(str, Enum):
     tokens = "tokens"  # a flat file of token ids (nanoGPT / Megatron .bin)
     hf = "hf"  # text read with `datasets`, tokenised with a Hugging Face tokenizer
     chat = "chat"  # conversations read with `datasets`, rendered with a chat template
+    mixture = "mixture"  # several sources of the kinds above, drawn by weight (data.sources)
 
 
 class TrainOn(str, Enum):
@@ -61,6 +62,20 @@ class BadRows(str, Enum):
     """data=chat: a row that cannot be read (found while tokenising, past the rows checked before work)."""
     error = "error"  # stop, naming the file and the row
     skip = "skip"  # leave it out; the start line counts them
+
+
+class SourceKind(str, Enum):
+    """data=mixture: what one source is (the keys of data=<kind> that it takes, trainer/data/mixture.py)."""
+    text = "text"
+    tokens = "tokens"
+    hf = "hf"
+    chat = "chat"
+
+
+class Exhausted(str, Enum):
+    """data=mixture: a source whose share of an epoch is more than its documents."""
+    repeat = "repeat"  # goes through its documents again, in a fresh order
+    stop = "stop"  # gives each once: its share ends there
 
 
 class TokenDtype(str, Enum):
@@ -158,6 +173,22 @@ class PeftConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of data=mixture. Keys of another kind than its own stay null (checked by
+    trainer/data/mixture.py, which also fills in each kind's defaults)."""
+    kind: Optional[SourceKind] = None  # required
+    path: Optional[str] = None  # as data.path of data=<kind> (text: null reads the bundled corpus)
+    name: Optional[str] = None  # in metrics.jsonl; null: the file's stem
+    weight: float = 1.0  # relative: the fraction of each epoch's documents is weight / the sum of the weights
+    val_path: Optional[str] = None  # this source's held-out data (or data.val_fraction of each source)
+    text_field: Optional[str] = None  # hf (default: text)
+    dtype: Optional[TokenDtype] = None  # tokens (default: uint16)
+    tokenizer: Optional[str] = None  # hf, chat: must be the run's one tokenizer (default: data.tokenizer)
+    train_on: Optional[TrainOn] = None  # chat (default: assistant)
+    chat_template: Optional[str] = None  # chat
+
+
+@dataclass
 class DataConfig:
     name: DataName = DataName.text
     path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf: a file or folder
@@ -176,6 +207,9 @@ class DataConfig:
     val_fraction: float = 0.0  # or: hold out this fraction of `path`
     num_workers: int = 1  # background loader processes per rank (0: load in the training process)
     cache_dir: Optional[str] = None  # tokenised data (hf); None: $XDG_CACHE_HOME/trainer or ~/.cache/trainer
+    sources: List[SourceConfig] = field(default_factory=list)  # mixture: the sources and their weights
+    epoch_samples: int = 0  # mixture: documents drawn per epoch; 0: the sum of the sources' documents
+    exhausted: Exhausted = Exhausted.repeat  # mixture: a source with fewer documents than its share
 
 
 @dataclass
@@ -375,7 +409,8 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in fields(cls):
-        nested = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
+        nested = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)
+                  and typing.get_origin(hints[f.name]) is not list]  # a list (data.sources) is set whole
         out += _keys(nested[0], f"{prefix}{f.name}.") if nested else [f"{prefix}{f.name}"]
     return out
 
