@@ -227,6 +227,28 @@ def test_command(command):
         assert re.search(rf"^{re.escape(args[0])}:", makefile, re.M), f"{command.where}: no make target {args[0]!r}"
 
 
+def unquoted_brackets(line: str) -> bool:
+    """Whether a shell line has a `[` outside quotes (before its comment): zsh takes it for a file
+    pattern and stops with `no matches found`."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return False
+        elif c == "[":
+            return True
+    return False
+
+
+def test_brackets_are_quoted_for_zsh():
+    assert unquoted_brackets("trainer strategy.wrap=[ToyBlock]") and not unquoted_brackets("trainer 'a=[b]'  # c=[d]")
+    found = [f"{c.where}: {c.text}" for c in COMMANDS if unquoted_brackets(c.text)]
+    assert not found, "quote overrides with [...] ('key=[a,b]'), as zsh needs:\n" + "\n".join(sorted(set(found)))
+
+
 @pytest.mark.parametrize("line", [
     "trainer strategy=zero4",  # no such group option
     "trainer train.precision=fp8",  # outside the enum

@@ -1,0 +1,106 @@
+"""Following the docs in order, as a new user does: the shell commands of every page (found as
+tests/test_docs.py finds them), run one after another in one fresh directory that holds a clone's
+files and no outputs yet. Each must exit 0 and none may say `nothing to do` (a page that reuses
+another's output dir resumes a finished run, or refuses to convert into an existing dir).
+
+The whole sequence takes far longer than a test should (dozens of trainings), so this runs the
+first command of each shell block plus every command that reads what an earlier one wrote (it
+names a path that exists in the directory and is not a file of the clone): the chains of
+outputs between commands and pages are followed in full. What cannot run in a test at all is
+listed in NOT_RUN, with why."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import CPU_ONLY, REPO
+from tests.test_docs import shell_lines
+
+# The order a reader follows: the README, then the pages as they build on each other.
+PAGES = ["README.md", "docs/guides.md", "docs/models-and-data.md", "docs/fine-tuning.md", "docs/checkpoints.md",
+         "docs/watching.md", "docs/strategies.md", "docs/launching.md", "docs/planning.md",
+         "docs/troubleshooting.md", "docs/configuration.md", "docs/benchmarks.md"]
+# The clone's files that the commands name (the rest of the repo is the installed package).
+CLONE = ("examples", "launch", "bench", "conf")
+NOT_RUN = [
+    (r"\bNODE0\b|^sbatch |hydra/launcher=slurm|--hostfile", "needs a cluster"),
+    (r"--nproc_per_node 8|--num_gpus 8|torchrun\.sh 8", "needs eight GPUs"),
+    (r"^make |^python bench/|^bench/", "builds a venv, runs the test suites or the benchmarks"),
+    (r"^pip ", "installs packages"),
+    (r"\.\.\.|outputs/20\d\d-", "a placeholder to fill in"),
+    (r"&\s*(#.*)?$|\bkill\b|train\.max_steps=2000", "a run made to be stopped by a signal (tests/test_faults.py)"),
+    (r"hydra/sweeper=optuna", "an Optuna search: six jobs (tests/test_launchers.py)"),
+]
+
+
+def why_not_run(line: str) -> str | None:
+    return next((why for pattern, why in NOT_RUN if re.search(pattern, line.strip())), None)
+
+
+def blocks(page: Path) -> list[list[tuple[int, str]]]:
+    """A page's shell commands, (line number, line), grouped by fenced block."""
+    out, last = [], None
+    for n, line in shell_lines(page):
+        if last is None or not page_lines_between_are_code(page, last, n):
+            out.append([])
+        out[-1].append((n, line))
+        last = n
+    return out
+
+
+def page_lines_between_are_code(page: Path, a: int, b: int) -> bool:
+    lines = page.read_text().splitlines()[a:b - 1]
+    return not any(re.match(r"^\s*(```+|~~~+)", line) for line in lines)
+
+
+def reads_output(line: str, workdir: Path) -> bool:
+    """Whether the command names a path that an earlier command wrote (not a file of the clone)."""
+    try:
+        tokens = shlex.split(line, comments=True)
+    except ValueError:
+        return False
+    for token in tokens:
+        for part in token.split("=", 1)[-1:] + [token]:
+            path = part.split("/", 1)[0]
+            if path and path not in CLONE and path not in (".", "..") and (workdir / path).exists():
+                return True
+    return False
+
+
+def run(line: str, workdir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, **CPU_ONLY, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("TRAINER_RUN_DIR", None)
+    return subprocess.run(["bash", "-c", line], cwd=workdir, capture_output=True, text=True, env=env)
+
+
+@pytest.mark.slow
+def test_the_pages_commands_in_order_in_one_fresh_dir(tmp_path):
+    for name in CLONE:
+        (tmp_path / name).symlink_to(REPO / name)
+    ran, left_out, failures = [], [], []
+    for page in PAGES:
+        for block in blocks(REPO / page):
+            first = True
+            for n, line in block:
+                where = f"{page}:{n}"
+                why = why_not_run(line)
+                if why:
+                    left_out.append(f"{where}: {why}")
+                    continue
+                if not (first or reads_output(line, tmp_path)):
+                    continue
+                first = False
+                result = run(line, tmp_path)
+                ran.append(where)
+                said = result.stdout + result.stderr
+                if result.returncode != 0 or "nothing to do" in said:
+                    failures.append(f"{where}: {line.strip()}\n  exit {result.returncode}: {said.strip()[-1500:]}")
+    print(f"ran {len(ran)} commands; left out: " + "; ".join(left_out))
+    assert len(ran) >= 30, ran
+    assert not failures, "\n".join(failures)
