@@ -1,13 +1,16 @@
 """`python -m trainer.convert SRC DST --to trainer|dcp|deepspeed|hf` (DESIGN §10): checkpoints in and
 out of the trainer's format. SRC's format is detected:
 - ours: a step dir (or a checkpoint dir, for its newest);
-- torch DCP: a dir with `.metadata` (plain FSDP2 programs, torchtitan-style `{"model", "optim"}`),
-  or what `accelerate save_state` writes under FSDP2 (`pytorch_model_fsdp_0/`, `optimizer_0/`);
+- torch DCP: a dir with `.metadata` (plain FSDP2 programs' `{"model", "optim"}`; torchtitan's, the model's
+  keys flattened at the top level and a flattened `optimizer`), or what `accelerate save_state` writes
+  under FSDP2 (`pytorch_model_fsdp_0/`, `optimizer_0/`);
 - DeepSpeed: a dir with `latest` and `global_stepN/` (or one tag dir), ZeRO-1/2/3 at any world
   size, as engines, the HF Trainer and `accelerate save_state` write it; read through DeepSpeed's
   own `ds_to_universal`;
 - a DeepSpeed universal checkpoint (`zero/<param>/fp32.pt, exp_avg.pt, ...`);
-- a Hugging Face folder (safetensors weights only).
+- a Hugging Face folder (safetensors weights only);
+- `accelerate save_state` of a DDP or one-process run (`model.safetensors` + `optimizer.bin`: the
+  weights; its moments are keyed by position, not name, and are not read).
 
 In between, a checkpoint is `Portable` (trainer/checkpoint/format.py): fp32 weights and Adam
 moments by parameter name, the step, and what the source lacks; from ours also its buffers, trainer

@@ -16,7 +16,11 @@ from trainer.checkpoint.resume import latest_checkpoint
 from trainer.errors import CheckpointError
 from trainer.models.weights import safetensors_files
 
-FORMATS = ("trainer", "dcp", "deepspeed", "universal", "hf")
+FORMATS = ("trainer", "dcp", "deepspeed", "universal", "hf", "accelerate")
+# accelerate save_state of a DDP or one-process run: the model's weights, the optimizer by position
+ACCELERATE_FILES = ("model.safetensors", "optimizer.bin")
+# torchtitan's DCP entries beside the model's (flattened to the top level) in its checkpoints
+TORCHTITAN_ENTRIES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 
 
 # -- detection -----------------------------------------------------------------------------------
@@ -34,9 +38,11 @@ def detect(path: Path) -> str:
         return "deepspeed"
     if (path / "config.json").is_file() and safetensors_files(path):
         return "hf"
+    if all((path / name).is_file() for name in ACCELERATE_FILES):
+        return "accelerate"
     raise CheckpointError(f"{path}: not a checkpoint this trainer reads (ours: manifest.json; torch DCP: .metadata; "
                           "DeepSpeed: latest + global_stepN/; universal: zero/; Hugging Face: config.json + "
-                          "*.safetensors)")
+                          "*.safetensors; accelerate save_state: model.safetensors + optimizer.bin)")
 
 
 def deepspeed_tag(path: Path) -> Path | None:
@@ -92,6 +98,9 @@ def read_dcp(path: Path) -> Portable:
                 whole = torch.load(f"{tmp}/whole.pt", weights_only=False)
                 loaded.update({part: whole} if part else whole)
     model = loaded.get("model")
+    if model is None and any(isinstance(v, torch.Tensor) for v in loaded.values()):  # torchtitan: flattened
+        model = {k: v for k, v in loaded.items() if k not in TORCHTITAN_ENTRIES}
+        loaded["optim"] = unflatten_optimizer_state(loaded.get("optimizer") or {})
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: a DCP checkpoint without a `model` entry ({', '.join(loaded)})")
     optim = loaded.get("optim") or {}
@@ -103,6 +112,18 @@ def read_dcp(path: Path) -> Portable:
     portable = from_optimizer_state(weights, optim, lacks)
     portable.train = ours
     return portable
+
+
+def unflatten_optimizer_state(flat: dict) -> dict:
+    """`get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`'s form (torchtitan's
+    "optimizer": `state.<param name>.<key>` and `param_groups.<param name>.<key>`) as the nested
+    one keyed by parameter name."""
+    state: dict = {}
+    for key, value in flat.items():
+        if key.startswith("state."):
+            name, _, entry = key.removeprefix("state.").rpartition(".")
+            state.setdefault(name, {})[entry] = value
+    return {"state": state}
 
 
 def read_universal(path: Path) -> Portable:
@@ -147,8 +168,19 @@ def read_hf(path: Path) -> Portable:
     return Portable(weights, {}, 0, ["Adam moments", "a step count", "the data position", "the RNG state"])
 
 
+def read_accelerate(path: Path) -> Portable:
+    """`accelerate save_state` of a DDP or one-process run: the weights of model.safetensors. Its
+    optimizer.bin is torch's state dict, whose moments are keyed by their place in the optimizer's
+    parameter list, which only the program that made the optimizer knows: not read."""
+    from safetensors.torch import load_file
+
+    weights = {name: t.float() for name, t in load_file(str(path / ACCELERATE_FILES[0])).items()}
+    return Portable(weights, {}, 0, ["Adam moments (optimizer.bin keys them by position, not by name)", "a step count",
+                                     "the data position", "the RNG state"])
+
+
 READERS = {"trainer": read_trainer, "dcp": read_dcp, "universal": read_universal, "deepspeed": read_deepspeed,
-           "hf": read_hf}
+           "hf": read_hf, "accelerate": read_accelerate}
 
 
 # -- writing -------------------------------------------------------------------------------------
