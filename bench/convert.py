@@ -23,7 +23,7 @@ ENV = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
 MEASURE = """
 import resource, sys
 from pathlib import Path
-from trainer.checkpoint.convert import convert
+from trainer.convert import convert
 print(convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]))
 kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 print("PEAK_KB", kb)

@@ -23,10 +23,42 @@ whole tensors in one process: memory is the full model plus its two moments (the
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from trainer.checkpoint.convert import TARGETS, convert
+from trainer.checkpoint import convert as formats
+from trainer.checkpoint.convert import TARGETS
 from trainer.errors import CheckpointError
+from trainer.strategies.base import Strategy
+
+
+@contextmanager
+def zero1_holding(step_dir: Path, model: dict) -> Iterator[Strategy]:
+    """A ZeRO-1 strategy of one rank, its model built again from `model` (what the checkpoint
+    records of it), holding `step_dir`'s weights and moments: what --to deepspeed saves through
+    `Strategy.save_native`. The job composes model and strategy; the checkpoint package does not."""
+    from trainer import distributed
+    from trainer.checkpoint.manager import CheckpointManager
+    from trainer.config import to_config
+    from trainer.strategies import build_strategy
+    from trainer.training.loop import setup_model
+
+    cfg = to_config({"strategy": {"name": "zero1"}, "model": model, "train": {"micro_batch_size": 1}})
+    env = distributed.init()
+    try:
+        strategy = build_strategy(cfg, env)
+        setup_model(cfg, strategy)
+        CheckpointManager(cfg.checkpoint, strategy, "zero1").load(step_dir)
+        yield strategy
+        strategy.teardown()
+    finally:
+        distributed.shutdown()
+
+
+def convert(src: Path, dst: Path, to: str, merge: bool = False) -> str:
+    """trainer.checkpoint.convert.convert, with a ZeRO-1 engine for --to deepspeed."""
+    return formats.convert(src, dst, to, merge, holding=zero1_holding)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,7 +7,9 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -15,6 +17,14 @@ from trainer.checkpoint.format import ADAM_KEYS, LATEST, MANIFEST, Portable, rea
 from trainer.checkpoint.resume import latest_checkpoint
 from trainer.errors import CheckpointError
 from trainer.models.weights import safetensors_files
+
+if TYPE_CHECKING:
+    from trainer.strategies.base import Strategy
+
+# A strategy of one rank holding a step dir of ours, its model built again from what the checkpoint
+# records of it (the manifest's source["model"]), for as long as the block runs: composed by the
+# job (python -m trainer.convert), which may build models and strategies; this package does neither.
+Holding = Callable[[Path, dict], AbstractContextManager["Strategy"]]
 
 FORMATS = ("trainer", "dcp", "deepspeed", "universal", "hf", "accelerate")
 # accelerate save_state of a DDP or one-process run: the model's weights, the optimizer by position
@@ -211,33 +221,22 @@ def write_dcp(p: Portable, out: Path) -> Path:
     return out
 
 
-def write_deepspeed(p: Portable, out: Path) -> Path:
+def write_deepspeed(p: Portable, out: Path, holding: Holding | None) -> Path:
     """A DeepSpeed universal checkpoint (an engine resumes it with "checkpoint": {"load_universal":
-    true}), made by DeepSpeed's own code: a ZeRO-1 engine of one rank takes the weights and
-    moments (the trainer's own resume) and saves, and ds_to_universal converts that. The model is
-    built again from what the source records of it."""
-    from trainer import distributed
-    from trainer.checkpoint.manager import CheckpointManager
-    from trainer.config import to_config
-    from trainer.strategies import build_strategy
-    from trainer.training.loop import setup_model
-
+    true}), made by DeepSpeed's own code: a ZeRO-1 strategy of one rank (`holding`) takes the weights
+    and moments (the trainer's own resume) and saves its engine's checkpoint (`Strategy.save_native`),
+    and ds_to_universal converts that."""
+    if holding is None:
+        raise CheckpointError("--to deepspeed: needs a DeepSpeed engine built with the model; "
+                              "python -m trainer.convert (trainer.convert.convert) builds one")
     if "model" not in p.source:
         raise CheckpointError("--to deepspeed: the source does not record its model (a checkpoint of this trainer "
                               "does); convert it --to trainer first and resume it with your model's settings")
     tag = f"global_step{p.step}"
     with tempfile.TemporaryDirectory() as tmp:
         ours = write_step_dir(p, Path(tmp) / "ours")
-        cfg = to_config({"strategy": {"name": "zero1"}, "model": p.source["model"], "train": {"micro_batch_size": 1}})
-        env = distributed.init()
-        try:
-            strategy = build_strategy(cfg, env)
-            setup_model(cfg, strategy)
-            CheckpointManager(cfg.checkpoint, strategy, "zero1").load(ours)
-            strategy.engine.save_checkpoint(f"{tmp}/deepspeed", tag=tag)
-            strategy.teardown()
-        finally:
-            distributed.shutdown()
+        with holding(ours, p.source["model"]) as strategy:
+            strategy.save_native(Path(tmp) / "deepspeed", tag)
         done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                                f"{tmp}/deepspeed/{tag}", "--output_folder", str(out / tag), "--inject_missing_state"],
                               capture_output=True, text=True)
@@ -247,11 +246,11 @@ def write_deepspeed(p: Portable, out: Path) -> Path:
     return out
 
 
-WRITERS = {"trainer": write_step_dir, "dcp": write_dcp, "deepspeed": write_deepspeed}
-TARGETS = [*WRITERS, "hf"]  # hf: trainer.checkpoint.export's writer
+WRITERS = {"trainer": write_step_dir, "dcp": write_dcp}
+TARGETS = ["trainer", "dcp", "deepspeed", "hf"]  # deepspeed: write_deepspeed; hf: trainer.checkpoint.export's writer
 
 
-def convert(src: Path, dst: Path, to: str, merge: bool = False) -> str:
+def convert(src: Path, dst: Path, to: str, merge: bool = False, holding: Holding | None = None) -> str:
     """Convert; a line that says what came across and what the source lacks. `merge` (--to hf of a
     LoRA checkpoint): the adapters merged into the model, as `trainer.export --merge` does."""
     if merge and to != "hf":
@@ -265,6 +264,6 @@ def convert(src: Path, dst: Path, to: str, merge: bool = False) -> str:
         from trainer.checkpoint.export import write_weights
 
         return f"{kind} -> hf: {write_weights(p, dst, merge, src, f'step {p.step} of {src}')}{lacks}"
-    written = WRITERS[to](p, dst)
+    written = write_deepspeed(p, dst, holding) if to == "deepspeed" else WRITERS[to](p, dst)
     moments = f", Adam moments of {len(p.moments)}" if p.moments else ""
     return f"{kind} {src} -> {to} {written}: {len(p.weights)} weights{moments}, step {p.step}{lacks}"
