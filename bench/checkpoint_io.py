@@ -56,6 +56,7 @@ def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict
     from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config
     from trainer.strategies import build_strategy
+    from trainer.strategies.base import optimizer_step
     from trainer.training.loop import setup_model, token_loss_sum
 
     cfg = to_config({"strategy": {"name": strategy}, "model": model,
@@ -66,7 +67,7 @@ def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict
     net, _, _, _ = setup_model(cfg, s)
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1))
     s.backward(token_loss_sum(net(x[:, :-1]), x[:, 1:]) / cfg.model.seq_len)
-    s.step(1.0)
+    optimizer_step(s, 1.0)
     manager = CheckpointManager(cfg.checkpoint, s, strategy)
     state = {"step": 1, "epoch": 0, "data": {"epoch": 0, "samples_consumed": 0}}
 

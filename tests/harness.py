@@ -119,13 +119,15 @@ def full_state(strategy, model_only: bool = True) -> dict | None:
     import torch.distributed as dist
 
     from trainer.checkpoint.format import STEP_KEY, state_keys
+    from trainer.models import param_shapes
 
     pieces = {k: (p.start, p.tensor.detach().float().cpu().clone()) for k, p in strategy.state_dict(model_only).items()}
     gathered = [None] * strategy.world_size if strategy.is_main else None
     dist.gather_object(pieces, gathered, dst=0)
     if not strategy.is_main:
         return None
-    shapes = {key: shape for name, shape in strategy.param_shapes().items() for key in state_keys(name).values()}
+    shapes = {key: shape for name, shape in param_shapes(strategy.module, strategy.full_shape).items()
+              for key in state_keys(name).values()}
     shapes[STEP_KEY] = (1,)
     full: dict[str, torch.Tensor] = {}
     for rank_pieces in gathered:

@@ -9,6 +9,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.harness import case, on_ranks, records, train_cases
 from trainer.config import to_config
+from trainer.strategies.base import optimizer_step
 
 GRADIENT_COLLECTIVES = ("allreduce", "reduce_scatter", "reduce_")
 
@@ -43,7 +44,7 @@ def gradient_collectives_per_micro_step(env, strategy_name: str) -> list[int]:
                 strategy.backward(loss_of(model, x) / 4)
         counts.append(sum(n for op, n in comm.get_comm_counts().items()
                           if any(name in str(op) for name in GRADIENT_COLLECTIVES)))
-    strategy.step(1.0)
+    optimizer_step(strategy, 1.0)
     strategy.teardown()
     return counts
 
@@ -67,7 +68,7 @@ def block_forwards_per_step(env, strategy_name: str) -> dict[bool, int]:
             block.register_forward_pre_hook(lambda *_, seen=seen: seen.append(1))
         x = torch.randint(0, 256, (2, 65))
         strategy.backward(loss_of(model, x))
-        strategy.step(1.0)
+        optimizer_step(strategy, 1.0)
         strategy.teardown()
         calls[checkpointing] = len(seen)
     return calls
@@ -300,7 +301,7 @@ def trained_per_reduce_dtype(env, strategies: list[str]) -> dict:
                     with strategy.autocast():
                         loss = loss_of(model, x)
                     strategy.backward(loss)
-                strategy.step(1.0)
+                optimizer_step(strategy, 1.0)
                 losses.append(strategy.all_reduce(loss.detach().float()).item() / env.world_size)
             with torch.no_grad(), strategy.autocast():
                 logits = logits_of(model(probe)).float()

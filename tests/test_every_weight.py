@@ -29,6 +29,7 @@ from tests.harness import (
     with_overrides,
 )
 from trainer.config import to_config
+from trainer.strategies.base import optimizer_step
 
 FRESH_INIT_FAMILIES = {
     # 12 layers: GPT-2's residual projections are scaled by 1/sqrt(2 x 12) from their parent module.
@@ -539,7 +540,7 @@ def reduced_bytes(env) -> dict:
                 with strategy.autocast():
                     loss = loss_of(model, x)
                 strategy.backward(loss)
-                strategy.step(1.0)
+                optimizer_step(strategy, 1.0)
             strategy.teardown()
             out[(strategy_name, dtype)] = counter.bytes
     return out

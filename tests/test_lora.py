@@ -151,7 +151,7 @@ def dtypes_after_setup(env, cfg: dict) -> dict:
     for name, p in strategy.module.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
         out[name] = (str(local.dtype), p.requires_grad)
-    masters = strategy._masters() if hasattr(strategy, "_masters") else []  # DeepSpeed's fp32 partitions
+    masters = strategy.zero.masters() if hasattr(strategy, "zero") else []  # DeepSpeed's fp32 partitions
     out["_masters"] = sum(m.numel() for m in masters)
     strategy.teardown()
     return out

@@ -29,6 +29,7 @@ from tests.harness import (
 )
 from trainer.config import GradReduce, Precision, StrategyName, to_config
 from trainer.errors import ConfigError
+from trainer.strategies.base import optimizer_step
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 
@@ -401,7 +402,7 @@ def traffic_per_step(env) -> dict:
                 for i, part in enumerate(x.chunk(accum)):
                     with strategy.micro_step(final=i == accum - 1):
                         strategy.backward(loss_of(model, part) / accum)
-                strategy.step(1.0)
+                optimizer_step(strategy, 1.0)
         strategy.teardown()
         out[(strategy_name, accum, mode)] = counter.bytes
     return out

@@ -8,6 +8,7 @@ import math
 import shutil
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,11 @@ from trainer.config import CheckpointConfig
 from trainer.distributed import broadcast_object
 from trainer.errors import CheckpointError
 from trainer.log import log
-from trainer.models.weights import canonical_name
-from trainer.strategies.base import Strategy
+from trainer.models import param_shapes
+from trainer.models.weights import canonical_name, persistent_buffers
+
+if TYPE_CHECKING:  # the manager works through the Strategy interface; it imports no backend
+    from trainer.strategies.base import Strategy
 
 
 def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "cpu") -> torch.Tensor:
@@ -137,7 +141,8 @@ class CheckpointManager:
         try:
             pieces = {key: piece for key, piece in s.state_dict().items() if key not in self.unsaved}
             if s.is_main:
-                pieces.update({buffer_key(name): Piece(0, b.view(-1)) for name, b in s.buffers().items()})
+                pieces.update({buffer_key(name): Piece(0, b.view(-1))
+                               for name, b in persistent_buffers(s.module).items()})
             tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu() for key, p in pieces.items()}
             bad = [key for key, t in tensors.items() if not torch.isfinite(t).all()]
             if bad:  # never saved: a checkpoint must be one to go back to
@@ -151,14 +156,14 @@ class CheckpointManager:
             return {"error": f"{type(e).__name__}: {e}"}
 
     def _commit(self, tmp: Path, final: Path, step: int, trainer_state: dict, outcomes: list[dict]) -> None:
-        shapes = self.strategy.param_shapes()
+        shapes = param_shapes(self.strategy.module, self.strategy.full_shape)
         tensors: dict[str, dict] = {}
         for rank, outcome in enumerate(outcomes):
             for key, (start, numel) in outcome["pieces"].items():
                 tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), start, numel])
         key_shapes = {key: shape for name, shape in shapes.items() for key in state_keys(name).values()}
         key_shapes[STEP_KEY] = (1,)
-        buffers = self.strategy.buffers()
+        buffers = persistent_buffers(self.strategy.module)
         key_shapes.update({buffer_key(name): tuple(b.shape) for name, b in buffers.items()})
         for key, spec in tensors.items():
             spec["shape"] = list(key_shapes[key])
@@ -216,14 +221,14 @@ class CheckpointManager:
         """Load model and optimizer state into the strategy; return the trainer's state."""
         s = self.strategy
         manifest = read_manifest(path)
-        check_fingerprint(manifest, s.param_shapes(), path)
+        check_fingerprint(manifest, param_shapes(s.module, s.full_shape), path)
         check_base(manifest.get("base"), self.base_fingerprint, path)
         if self.root and path.parent.resolve() == self.root.resolve() and any(
                 newer.name > path.name for newer in self.root.glob(f"{STEP_PREFIX}*")):
             self.resumed_older = path  # not the newest: see _set_aside_newer
         layout = {key: where for key, where in s.state_layout().items() if key not in self.unsaved}
         values, rng = {}, {}
-        buffers = s.buffers()
+        buffers = persistent_buffers(s.module)
         saved_buffers = {name for name in buffers if buffer_key(name) in manifest["tensors"]}
         if s.is_main and len(saved_buffers) < len(buffers):  # a checkpoint from before buffers were saved
             log.warning(f"checkpoint: {path} holds no value for {len(buffers) - len(saved_buffers)} persistent "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,9 +37,15 @@ def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftCon
     """The model built inside `context`: the strategy's (parameters on meta, ZeRO-3's zero.Init),
     or `torch.device("meta")` to count and check; with LoRA adapters where `peft` asks for them."""
     make = builder(cfg)
-    with context:
+    with context, own_build_context(cfg):
         model = make()
         return lora.add_adapters(model, peft, cfg.vocab_size) if lora.enabled(peft) else model
+
+
+def own_build_context(cfg: ModelConfig) -> AbstractContextManager:
+    """What a family needs around its own build, whatever the strategy's context: a Hugging Face
+    model skips transformers' weight init (`hf.without_initialisation`), the values come afterwards."""
+    return hf.without_initialisation() if ModelKind(cfg.kind) is ModelKind.hf else nullcontext()
 
 
 _META_MODELS: dict[str, nn.Module] = {}

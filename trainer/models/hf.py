@@ -116,8 +116,10 @@ def small_builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
 @contextmanager
 def without_initialisation() -> Iterator[None]:
     """Models built without transformers' `initialize_weights` (ties are still made): the values come
-    from the files or InitWeights afterwards, and under ZeRO-3's zero.Init that init would index into
-    empty partitions (an embedding's `padding_idx` row: Phi-3, Gemma)."""
+    from the files or InitWeights afterwards, filled per rank by the strategy, so the init is work
+    thrown away; on the meta device it does nothing, and under ZeRO-3's zero.Init it would index into
+    empty partitions (an embedding's `padding_idx` row: Phi-3, Gemma). The family's own build context
+    (trainer.models.build_model enters it): no strategy needs to know a model family for it."""
     from trainer.patches import INITIALIZE_WEIGHTS, replaced
 
     with replaced(INITIALIZE_WEIGHTS, lambda own: lambda self: None):

@@ -1,8 +1,10 @@
-"""The Strategy interface (DESIGN §2) and the pieces DDP and FSDP2 share."""
+"""The Strategy interface (DESIGN §2, docs/architecture.md), and the small pieces backends share,
+as plain functions they call explicitly."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -12,25 +14,13 @@ from torch import nn
 from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
-from trainer.models import param_shapes
+from trainer.errors import CheckpointError
 from trainer.models.weights import WeightSource, params_on_meta, persistent_buffers, tensor_shape
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
 OptimizerFactory = Callable[[list[tuple[nn.Parameter, tuple[int, ...]]]], torch.optim.Optimizer]
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
 REDUCE_DTYPES = {r: DTYPES[Precision(r.value)] for r in ReduceDtype}  # the same names as the precisions
-
-
-@contextmanager
-def zero_lr(optimizer) -> Iterator[None]:
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    try:
-        yield
-    finally:
-        for g, lr in zip(optimizer.param_groups, lrs):
-            g["lr"] = lr
 
 
 def hold_in(model: nn.Module, dtype: torch.dtype, frozen_only: bool) -> None:
@@ -78,9 +68,6 @@ class Strategy(ABC):
         self.cfg, self.env = cfg, env
         self.precision = Precision(cfg.train.precision)
         self.reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
-        # Set by the loop on steps whose memory it reports: a backend whose gradients peak inside
-        # `backward` (DeepSpeed) measures them there.
-        self.track_memory = False
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
@@ -92,19 +79,21 @@ class Strategy(ABC):
         """Where the model is built: parameters on the meta device, materialised by `setup`."""
         return params_on_meta()
 
+    def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """A parameter's full shape, also where this rank holds a part of it (ZeRO-3 partitions
+        parameters as they are built): what the first weights and the checkpoint fingerprint use."""
+        return tensor_shape(p)
+
     @abstractmethod
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory,
               weights: WeightSource) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap/shard per block, give this rank's part of every parameter its values from
-        `weights`, then build the optimizer over the wrapped parameters (`trainable`)."""
+        `weights`, then build the optimizer over the parameters that train (`trainable`)."""
 
-    def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
-        """A parameter's full shape, also where this rank holds a part of it."""
-        return tensor_shape(p)
-
-    def trainable(self, model: nn.Module) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
-        """What the optimizer factory takes: the parameters that train, with their full shapes."""
-        return [(p, self.full_shape(p)) for p in model.parameters() if p.requires_grad]
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The model inside the backend's wrapper (DDP's, DeepSpeed's engine), after `setup`."""
 
     def start_words(self) -> list[str]:
         """This backend's own settings, as words of the run's start line."""
@@ -122,13 +111,15 @@ class Strategy(ABC):
         reduces and gradients stay sharded."""
 
     @abstractmethod
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, measure_memory: bool = False) -> None:
         """`loss` is already normalised by the loop: this micro-batch's token-loss sum x world size /
         the target tokens of the whole step (all micro-batches, all ranks), so that the backends'
-        average over ranks gives DESIGN §6's loss. Backends must not divide again."""
+        average over ranks gives DESIGN §6's loss. Backends must not divide again. `measure_memory`:
+        this step's memory is reported; a backend whose gradients peak inside `backward` (ZeRO-1)
+        measures them there, for `memory_bytes`."""
 
     # The optimizer step, in explicit parts: the loop takes the norm, decides with every rank
-    # whether to update (faults.StepGuard), then applies or skips.
+    # whether to update (training.faults.StepGuard), then applies or skips.
 
     @abstractmethod
     def grad_norm(self) -> torch.Tensor:
@@ -140,74 +131,16 @@ class Strategy(ABC):
         """Clip to `max_grad_norm` (0: don't), update, zero the gradients."""
 
     @abstractmethod
-    def _discard(self) -> None:
-        """Zero the gradients without an update; an fp16 loss scaler backs off on what it saw."""
-
     def skip(self, finite_gradients: bool) -> None:
-        """No update from this step. An fp16 loss scaler reacts to non-finite gradients only, on
-        every backend: a skip with finite gradients (a non-finite loss) leaves it as it was."""
-        kept = self.loss_scale_state() if finite_gradients else None
-        self._discard()
-        if kept is not None:
-            self.load_loss_scale_state(kept)
-
-    def step(self, max_grad_norm: float) -> torch.Tensor:
-        """A step that skips nothing (tests, benchmarks): the norm, then the update."""
-        norm = self.grad_norm()
-        self.apply(max_grad_norm)
-        return norm
+        """No update from this step: the gradients zeroed. An fp16 loss scaler backs off on
+        non-finite gradients only, on every backend (`loss_scale_kept`)."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
         """Bytes this rank holds: {"params", "grads", "optim", "peak"} (DESIGN §4)."""
 
-    @property
-    @abstractmethod
-    def module(self) -> nn.Module:
-        """The model inside the backend's wrapper (DDP's, DeepSpeed's engine), after `setup`."""
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The persistent buffers (canonical name -> tensor), whole on every rank: a checkpoint
-        keeps rank 0's, which every rank takes before its forwards (DDP's own broadcast,
-        `follow_rank0_buffers` for the others)."""
-        return persistent_buffers(self.module)
-
-    def follow_rank0_buffers(self, model: nn.Module) -> None:
-        """DDP's `broadcast_buffers` for a backend without it: every rank takes rank 0's persistent
-        buffers (running statistics) before a forward that follows a training forward. Else each
-        rank keeps statistics of its own batches, its losses differ from DDP's, and a checkpoint
-        (rank 0's) resumes into another run. Within an accumulated step DDP takes them before the
-        first micro-batch only; for statistics that a training forward does not read (BatchNorm's)
-        that is the same. Only for a model with persistent buffers."""
-        if self.world_size == 1 or not persistent_buffers(model):
-            return
-        stale = True  # DDP's first forward takes rank 0's too
-
-        @torch.no_grad()
-        def before_forward(module, args):
-            if stale:
-                buffers = list(persistent_buffers(module).values())
-                for dtype in dict.fromkeys(b.dtype for b in buffers):  # one broadcast per dtype, in one order
-                    same = [b for b in buffers if b.dtype == dtype]
-                    # on the rank's device: NCCL sends no CPU tensor (buffers offloaded with the parameters)
-                    flat = torch.cat([b.reshape(-1) for b in same]).to(self.device)
-                    dist.broadcast(flat, src=0)
-                    for b, value in zip(same, flat.split([b.numel() for b in same])):
-                        b.copy_(value.view_as(b))
-
-        def after_forward(module, args, output):
-            nonlocal stale
-            stale = torch.is_grad_enabled()  # a training forward may have updated them
-
-        model.register_forward_pre_hook(before_forward)
-        model.register_forward_hook(after_forward)
-
-    # Portable state (DESIGN §5): keys from `state_keys` and STEP_KEY, values as flat ranges,
-    # so a checkpoint is independent of how a backend splits tensors.
-
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Canonical parameter name -> full shape."""
-        return param_shapes(self.module, self.full_shape)
+    # Portable state (DESIGN §5): keys from checkpoint.format's `state_keys` and STEP_KEY, values as
+    # flat ranges, so a checkpoint is independent of how a backend splits tensors.
 
     @abstractmethod
     def state_dict(self, model_only: bool = False) -> dict[str, Piece]:
@@ -222,46 +155,6 @@ class Strategy(ABC):
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Take the fp32 ranges of `state_layout` (parameters, moments, step)."""
 
-    # Adam's state, created and stepped the same way by every backend; where it lives and how
-    # its update runs are the backend's.
-
-    @abstractmethod
-    def adam(self) -> torch.optim.Optimizer:
-        """The torch optimizer that holds Adam's state (DeepSpeed's is inside its own)."""
-
-    @abstractmethod
-    def _stepped_tensors(self) -> list[torch.Tensor]:
-        """The tensors Adam updates (the parameters, or a backend's flat master partitions)."""
-
-    def _adam_update(self) -> None:
-        self.adam().step()
-
-    def _adam_step(self) -> float:
-        return float(next(iter(self.adam().state.values()))["step"])
-
-    def _set_adam_step(self, step: float) -> None:
-        for state in self.adam().state.values():
-            if isinstance(state["step"], torch.Tensor):
-                state["step"].fill_(step)
-            else:  # DeepSpeed's CPU Adam counts in an int
-                state["step"] = int(step)
-
-    @torch.no_grad()
-    def _create_optimizer_state(self) -> None:
-        """Adam creates its moments at its first step: take one on zero gradients with lr 0 (which
-        leaves the parameters as they are), so that a checkpoint has somewhere to go. Its step
-        count stays 0: no update was made."""
-        if self.adam().state:
-            return
-        missing = [t for t in self._stepped_tensors() if t.grad is None]
-        for t in missing:
-            t.grad = torch.zeros_like(t)
-        with zero_lr(self.adam()):
-            self._adam_update()
-        for t in missing:
-            t.grad = None
-        self._set_adam_step(0)
-
     def loss_scale_state(self) -> dict | None:
         """fp16's loss scaler as {"scale", "good_steps"} (steps since it last backed off or grew),
         the same for every backend, kept in the trainer state of a checkpoint; None without one.
@@ -271,8 +164,13 @@ class Strategy(ABC):
     def load_loss_scale_state(self, state: dict) -> None:
         """Take a `loss_scale_state` (from any backend) into this backend's scaler."""
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    def save_native(self, directory: Path, tag: str) -> None:
+        """The backend's own checkpoint format, written by the backend's own code (convert --to
+        deepspeed). Only DeepSpeed has one; the others refuse in one line."""
+        raise CheckpointError(f"{self.cfg.strategy.name.value}: has no checkpoint format of its own; "
+                              "its checkpoints are the trainer's (DESIGN §5)")
 
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         dist.all_reduce(tensor, op=op)
         return tensor
 
@@ -281,6 +179,62 @@ class Strategy(ABC):
 
     def teardown(self) -> None:
         """Free backend state; the process group belongs to the caller."""
+
+
+# -- shared pieces: plain functions the backends (and tests) call explicitly -------------------------
+
+def trainable(model: nn.Module, full_shape: Callable[[torch.Tensor], tuple[int, ...]]
+              ) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
+    """What the optimizer factory takes: the parameters that train, with their full shapes."""
+    return [(p, full_shape(p)) for p in model.parameters() if p.requires_grad]
+
+
+def optimizer_step(strategy: Strategy, max_grad_norm: float) -> torch.Tensor:
+    """A step that skips nothing (tests, benchmarks): the norm, then the update."""
+    norm = strategy.grad_norm()
+    strategy.apply(max_grad_norm)
+    return norm
+
+
+@contextmanager
+def loss_scale_kept(strategy: Strategy, finite_gradients: bool) -> Iterator[None]:
+    """Around a backend's skip: an fp16 loss scaler reacts to non-finite gradients only, so a
+    skip with finite gradients (a non-finite loss) leaves it as it was, on every backend."""
+    kept = strategy.loss_scale_state() if finite_gradients else None
+    yield
+    if kept is not None:
+        strategy.load_loss_scale_state(kept)
+
+
+def follow_rank0_buffers(model: nn.Module, device: torch.device, world_size: int) -> None:
+    """DDP's `broadcast_buffers` for a backend without it: every rank takes rank 0's persistent
+    buffers (running statistics) before a forward that follows a training forward. Else each
+    rank keeps statistics of its own batches, its losses differ from DDP's, and a checkpoint
+    (rank 0's) resumes into another run. Within an accumulated step DDP takes them before the
+    first micro-batch only; for statistics that a training forward does not read (BatchNorm's)
+    that is the same. Only for a model with persistent buffers."""
+    if world_size == 1 or not persistent_buffers(model):
+        return
+    stale = True  # DDP's first forward takes rank 0's too
+
+    @torch.no_grad()
+    def before_forward(module, args):
+        if stale:
+            buffers = list(persistent_buffers(module).values())
+            for dtype in dict.fromkeys(b.dtype for b in buffers):  # one broadcast per dtype, in one order
+                same = [b for b in buffers if b.dtype == dtype]
+                # on the rank's device: NCCL sends no CPU tensor (buffers offloaded with the parameters)
+                flat = torch.cat([b.reshape(-1) for b in same]).to(device)
+                dist.broadcast(flat, src=0)
+                for b, value in zip(same, flat.split([b.numel() for b in same])):
+                    b.copy_(value.view_as(b))
+
+    def after_forward(module, args, output):
+        nonlocal stale
+        stale = torch.is_grad_enabled()  # a training forward may have updated them
+
+    model.register_forward_pre_hook(before_forward)
+    model.register_forward_hook(after_forward)
 
 
 @contextmanager

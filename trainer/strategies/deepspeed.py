@@ -7,26 +7,31 @@ one `coalesce_grad_reduction` block, so gradients are reduced once, after the fi
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import deepspeed
 import torch
 
-from trainer.config import ModelKind, Precision
+from trainer.config import Precision
 from trainer.log import chatter
 from trainer.models.weights import WeightSource, allocate, fill
 from trainer.patches import watch_op_builds
 from trainer.strategies.base import (
     DTYPES,
+    Strategy,
+    follow_rank0_buffers,
     hold_in,
+    loss_scale_kept,
     optimizer_state_tensors,
     peak_device_bytes,
     tensor_bytes,
+    trainable,
 )
 from trainer.strategies.ds_config import build_ds_config
-from trainer.strategies.ds_state import ZeroState
+from trainer.strategies.ds_state import ZeroPartitions, named_params, z3_local, z3_range
 
 
-class DeepSpeedStrategy(ZeroState):
+class DeepSpeedStrategy(Strategy):
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
         watch_op_builds()
@@ -35,30 +40,25 @@ class DeepSpeedStrategy(ZeroState):
         self.ds_config = build_ds_config(cfg, env.world_size)
         self.stage = self.ds_config["zero_optimization"]["stage"]
         self.engine = None
+        self.zero: ZeroPartitions | None = None  # the portable state of the engine's partitions, after setup
         self._coalescing = None
-        self._gradient_peak = 0  # bytes of gradients at the end of autograd's pass (track_memory)
+        self._gradient_peak = 0  # bytes of gradients at the end of autograd's pass (measure_memory)
 
     def model_init_context(self):
         if self.stage == 3:  # parameters are partitioned as each module is built
-            from trainer.models.hf import without_initialisation
-
-            stack = ExitStack()
-            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.ds_config))
-            if self.cfg.model.kind is ModelKind.hf:
-                stack.enter_context(without_initialisation())
-            return stack
+            return deepspeed.zero.Init(config_dict_or_path=self.ds_config)
         return super().model_init_context()
 
     def setup(self, model, optimizer_factory, weights):
         if self.stage == 3:  # each rank fills its own partition of every parameter
-            fill(model, weights, self._z3_local)
+            fill(model, weights, partial(z3_local, rank=self.rank))
         else:  # every rank holds the whole model, in the training dtype (the fp32 masters are DeepSpeed's
             # partitions, set below): allocated so where it trains and filled a tensor at a time, so that
             # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
             hold_in(model, DTYPES[self.precision], frozen_only=False)
             allocate(model, self.device)
             fill(model, weights)
-        optimizer = optimizer_factory(self.trainable(model))
+        optimizer = optimizer_factory(trainable(model, self.full_shape))
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -67,9 +67,10 @@ class DeepSpeedStrategy(ZeroState):
                                          weight_decay=d["weight_decay"], adamw_mode=True)
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                config=self.ds_config)
+        self.zero = ZeroPartitions(self.engine, self.stage, self.rank, self.world_size)
         if self.precision is not Precision.fp32:
             self._set_masters(weights)
-        self.follow_rank0_buffers(self.engine.module)
+        follow_rank0_buffers(self.engine.module, self.device, self.world_size)
         return self.engine, ds_optimizer
 
     @torch.no_grad()
@@ -78,11 +79,11 @@ class DeepSpeedStrategy(ZeroState):
         start from the fp32 values themselves. This rank's master ranges, read again from them."""
         from deepspeed.utils import safe_set_local_fp32_param
 
-        for name, p in self._params():
+        for name, p in named_params(self.module):
             if not p.requires_grad:
                 continue
             if self.stage == 3:
-                start, numel = self._z3_range(p)
+                start, numel = z3_range(p, self.rank)
                 if numel:
                     padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
                     padded[:numel] = weights.read(name, start, numel)
@@ -107,8 +108,8 @@ class DeepSpeedStrategy(ZeroState):
             coalescing, self._coalescing = self._coalescing, None
             coalescing.__exit__(None, None, None)
 
-    def backward(self, loss):
-        if self.track_memory and self.stage == 1 and loss.requires_grad:
+    def backward(self, loss, measure_memory=False):
+        if measure_memory and self.stage == 1 and loss.requires_grad:
             # ZeRO-1 holds every full gradient to the end of autograd's pass and reduces them into
             # partitions in DeepSpeed's backward epilogue: measured at that end, their peak.
             engine = torch.autograd.Variable._execution_engine
@@ -143,12 +144,12 @@ class DeepSpeedStrategy(ZeroState):
         # Clipping is DeepSpeed's, from "gradient_clipping" in the config (built from train.grad_clip).
         self._stepped()
 
-    def _discard(self):
+    def skip(self, finite_gradients):
         # DeepSpeed's own overflow path: no update to masters, moments or step count, gradients
         # cleared, the fp16 scale backed off. Nothing public takes it on demand (patches.py).
         from trainer.patches import deepspeed_overflow
 
-        with deepspeed_overflow(self.engine.optimizer):
+        with loss_scale_kept(self, finite_gradients), deepspeed_overflow(self.engine.optimizer):
             self._stepped()
 
     def _stepped(self) -> None:
@@ -167,18 +168,13 @@ class DeepSpeedStrategy(ZeroState):
                 unmanaged.callback(setattr, engine, "enable_backward_allreduce", own_setting)
             engine.step()
 
-    def _masters(self) -> list[torch.Tensor]:
-        """The fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently."""
-        zero = self.engine.optimizer
-        return getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
-
     def _gradient_bytes(self) -> int:
         zero = self.engine.optimizer
         # Unreduced gradients by their own size: ZeRO-2/3 place them in a reduce bucket whose
         # capacity (reduce_bucket_size) is a communication buffer, not gradients.
         unreduced = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters()
                         if p.grad is not None)
-        partitions = [m.grad for m in self._masters()]
+        partitions = [m.grad for m in self.zero.masters()]
         for buffers in ("averaged_gradients", "all_grad_tensors"):  # ZeRO-1/2: reduced, and accumulating
             partitions += [g for gs in getattr(zero, buffers, {}).values() for g in (gs or [])]
         partitions.append(getattr(zero, "grads_in_partition", None))  # ZeRO-2
@@ -186,7 +182,7 @@ class DeepSpeedStrategy(ZeroState):
         return unreduced + tensor_bytes(partitions)
 
     def memory_bytes(self):
-        masters = self._masters()
+        masters = self.zero.masters()
         return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.module.parameters()),
                 "grads": max(self._gradient_bytes(), self._gradient_peak),  # now, or at this step's peak
                 "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(self.engine.optimizer.optimizer)),
@@ -195,6 +191,18 @@ class DeepSpeedStrategy(ZeroState):
     @property
     def module(self):
         return self.engine.module
+
+    def state_dict(self, model_only=False):
+        return self.zero.state_dict(model_only, with_step=self.is_main)
+
+    def state_layout(self):
+        return self.zero.state_layout()
+
+    def load_state_dict(self, values):
+        self.zero.load_state_dict(values)
+
+    def save_native(self, directory, tag):
+        self.engine.save_checkpoint(str(directory), tag=tag)
 
     def full_shape(self, p):
         return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitions parameters as they are built

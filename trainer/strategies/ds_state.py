@@ -1,29 +1,51 @@
 """DeepSpeed's state in portable form (DESIGN §5). DeepSpeed keeps fp32 masters and Adam moments
 in flat partitions; its fragment APIs tell which range of each parameter this rank owns. ZeRO-1/2:
-the `_hp_mapping` fragment (any range, or none); ZeRO-3: partition `rank` of the flat parameter."""
+the `_hp_mapping` fragment (any range, or none); ZeRO-3: partition `rank` of the flat parameter.
+`ZeroPartitions` is built by DeepSpeedStrategy once its engine exists, with what it reads."""
 from __future__ import annotations
 
 import torch
 
 from trainer.checkpoint.format import ADAM_KEYS, STEP_KEY, Piece, replica_slice, state_keys
 from trainer.models.weights import canonical_name
-from trainer.strategies.base import Strategy
+from trainer.strategies.adam_state import AdamState
 
 
-class ZeroState(Strategy):
-    """The portable-state half of DeepSpeedStrategy, which holds `engine`, `stage` and `_masters`."""
+def z3_range(p, rank: int) -> tuple[int, int]:
+    """(start, numel) of a ZeRO-3 parameter's partition on `rank` (numel 0: padding only)."""
+    size = p.ds_tensor.numel()  # partition size, padded on the last ranks
+    start = rank * size
+    return start, max(0, min(size, p.ds_numel - start))
 
-    def _params(self):
-        return [(canonical_name(n), p) for n, p in self.module.named_parameters()]
 
-    def _z3_range(self, p) -> tuple[int, int]:
-        size = p.ds_tensor.numel()  # partition size, padded on the last ranks
-        start = self.rank * size
-        return start, max(0, min(size, p.ds_numel - start))
+def z3_local(p, rank: int) -> tuple[int, torch.Tensor]:
+    start, numel = z3_range(p, rank)
+    return start, p.ds_tensor.data.view(-1)[:numel]
 
-    def _z3_local(self, p) -> tuple[int, torch.Tensor]:
-        start, numel = self._z3_range(p)
-        return start, p.ds_tensor.data.view(-1)[:numel]
+
+def named_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(canonical_name(n), p) for n, p in module.named_parameters()]
+
+
+class ZeroPartitions:
+    """A DeepSpeed engine's masters, moments and step count, read and written as portable pieces."""
+
+    def __init__(self, engine, stage: int, rank: int, world_size: int):
+        self.engine, self.stage, self.rank, self.world_size = engine, stage, rank, world_size
+        zero = engine.optimizer
+        self.adam = AdamState(zero.optimizer, self.masters(), self._update)  # Adam inside DeepSpeed's optimizer
+
+    def masters(self) -> list[torch.Tensor]:
+        """The fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently."""
+        zero = self.engine.optimizer
+        return getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+
+    def _update(self) -> None:  # the way DeepSpeed steps its partitions
+        if self.stage == 3:
+            for i in range(len(self.masters())):
+                self.engine.optimizer._optimizer_step(i)
+        else:
+            self.engine.optimizer.optimizer.step()
 
     def _fragments(self, model_only: bool = False):
         """(name, start, numel, {"param"|moment: this rank's fp32 range}) per owned parameter."""
@@ -40,15 +62,15 @@ class ZeroState(Strategy):
             # first param group only, so with two groups the second stays unlinked.
             for group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
                 lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
-        for name, p in self._params():
+        for name, p in named_params(self.engine.module):
             if not p.requires_grad:  # frozen: no master, no moments; the parameter itself
                 if self.stage == 3:
-                    start, local = self._z3_local(p)
+                    start, local = z3_local(p, self.rank)
                 else:
                     start, local = replica_slice(0, p.detach().view(-1), self.world_size, self.rank)
                 yield name, start, local.numel(), {"param": local}
             elif self.stage == 3:
-                start, numel = self._z3_range(p)
+                start, numel = z3_range(p, self.rank)
                 local = {"param": safe_get_local_fp32_param(p)}
                 local.update({k: safe_get_local_optimizer_state(p, k) for k in moments})
                 yield name, start, numel, {k: v.view(-1)[:numel] for k, v in local.items()}
@@ -57,37 +79,37 @@ class ZeroState(Strategy):
                 local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in moments}}
                 yield name, m.lp_fragment_address.start, m.lp_fragment_address.numel, local
 
-    def state_dict(self, model_only=False):
+    def state_dict(self, model_only: bool, with_step: bool) -> dict[str, Piece]:
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
-            self._create_optimizer_state()
+            self.adam.create()
         pieces = {state_keys(name)[what]: Piece(start, t) for name, start, numel, local in self._fragments(model_only)
                   for what, t in local.items() if numel}
-        if self.is_main and not model_only:
-            pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
+        if with_step and not model_only:
+            pieces[STEP_KEY] = Piece(0, torch.tensor([self.adam.step_count()]))
         return pieces
 
-    def state_layout(self):
-        self._create_optimizer_state()
+    def state_layout(self) -> dict[str, tuple[int, int]]:
+        self.adam.create()
         layout = {state_keys(name)[what]: (start, numel) for name, start, numel, local in self._fragments()
                   for what in local if numel}
         if self.stage < 3:  # the full (low-precision) parameters live on every rank: load them whole
-            layout.update({state_keys(name)["param"]: (0, p.numel()) for name, p in self._params()})
+            layout.update({state_keys(name)["param"]: (0, p.numel()) for name, p in named_params(self.engine.module)})
         return {**layout, STEP_KEY: (0, 1)}
 
     @torch.no_grad()
-    def load_state_dict(self, values):
+    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
-        for name, p in self._params():
+        for name, p in named_params(self.engine.module):
             keys = state_keys(name)
             if keys["param"] not in values:  # frozen pretrained weights, which a checkpoint does not save
                 continue
             if self.stage == 3 and not p.requires_grad:
-                if self._z3_range(p)[1]:
-                    self._z3_local(p)[1].copy_(values[keys["param"]])
+                if z3_range(p, self.rank)[1]:
+                    z3_local(p, self.rank)[1].copy_(values[keys["param"]])
                 continue
             if self.stage == 3:
-                start, numel = self._z3_range(p)
+                start, numel = z3_range(p, self.rank)
                 if not numel:
                     continue
                 padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
@@ -107,17 +129,4 @@ class ZeroState(Strategy):
                 m.get_hp_fragment().copy_(full[start:start + numel])
                 for k in ADAM_KEYS:
                     m.get_hp_fragment(k).copy_(values[keys[k]])
-        self._set_adam_step(values[STEP_KEY].item())
-
-    def adam(self):
-        return self.engine.optimizer.optimizer  # inside DeepSpeed's ZeRO optimizer
-
-    def _stepped_tensors(self):
-        return self._masters()
-
-    def _adam_update(self):  # the way DeepSpeed steps its partitions
-        if self.stage == 3:
-            for i in range(len(self._masters())):
-                self.engine.optimizer._optimizer_step(i)
-        else:
-            self.adam().step()
+        self.adam.set_step_count(values[STEP_KEY].item())

@@ -12,7 +12,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from trainer.config import Precision, Sharding
 from trainer.models.blocks import find_blocks
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, REDUCE_DTYPES, tensor_bytes, toggled
+from trainer.strategies.base import DTYPES, REDUCE_DTYPES, follow_rank0_buffers, tensor_bytes, toggled
 from trainer.strategies.torch_native import TorchStrategy
 
 
@@ -48,7 +48,7 @@ class FSDPStrategy(TorchStrategy):
         # Built on the meta device: each rank allocates and fills only its own shards.
         allocate(model, torch.device("cpu") if s.offload_params or s.offload_optimizer else self.device)
         fill(model, weights, lambda p: self.local_range(p)[:2])
-        self.follow_rank0_buffers(model)
+        follow_rank0_buffers(model, self.device, self.world_size)
         return model
 
     @property

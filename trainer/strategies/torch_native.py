@@ -12,7 +12,17 @@ from trainer.checkpoint.format import ADAM_KEYS, STEP_KEY, Piece, replica_slice,
 from trainer.config import Config, Precision
 from trainer.distributed import DistEnv
 from trainer.models.weights import WeightSource, canonical_name
-from trainer.strategies.base import DTYPES, Strategy, hold_in, optimizer_state_tensors, peak_device_bytes, tensor_bytes
+from trainer.strategies.adam_state import AdamState
+from trainer.strategies.base import (
+    DTYPES,
+    Strategy,
+    hold_in,
+    loss_scale_kept,
+    optimizer_state_tensors,
+    peak_device_bytes,
+    tensor_bytes,
+    trainable,
+)
 
 
 class TorchStrategy(Strategy):
@@ -36,16 +46,12 @@ class TorchStrategy(Strategy):
         if self.precision is not Precision.fp32:
             hold_in(model, DTYPES[self.precision], frozen_only=True)
         self.model = self.wrap(model, weights)
-        self.optimizer = optimizer_factory(self.trainable(self.model))
+        self.optimizer = optimizer_factory(trainable(self.model, self.full_shape))
+        # a frozen parameter gets no state
+        self.adam = AdamState(self.optimizer, [p for p in self.model.parameters() if p.requires_grad])
         return self.model, self.optimizer
 
-    def adam(self):
-        return self.optimizer
-
-    def _stepped_tensors(self):
-        return [p for p in self.model.parameters() if p.requires_grad]  # a frozen parameter gets no state
-
-    def backward(self, loss):
+    def backward(self, loss, measure_memory=False):  # gradients peak after backward: measured by the loop
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def grad_norm(self):
@@ -65,10 +71,11 @@ class TorchStrategy(Strategy):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _discard(self):
-        if self.scaler:  # what it found in unscale_: an overflow backs off, as the scaler's own skip does
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+    def skip(self, finite_gradients):
+        with loss_scale_kept(self, finite_gradients):
+            if self.scaler:  # what it found in unscale_: an overflow backs off, as the scaler's own skip does
+                self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def loss_scale_state(self):
         if not self.scaler:
@@ -97,14 +104,14 @@ class TorchStrategy(Strategy):
 
     def state_dict(self, model_only=False):
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
-            self._create_optimizer_state()
+            self.adam.create()
         pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors(model_only)}
         if self.is_main and not model_only:
-            pieces[STEP_KEY] = Piece(0, torch.tensor([self._adam_step()]))
+            pieces[STEP_KEY] = Piece(0, torch.tensor([self.adam.step_count()]))
         return pieces
 
     def state_layout(self):
-        self._create_optimizer_state()
+        self.adam.create()
         layout = {key: (start, flat.numel()) for key, t in self._tensors()
                   for start, flat, _, _ in [self.local_range(t)]}
         return {**layout, STEP_KEY: (0, 1)}
@@ -114,7 +121,7 @@ class TorchStrategy(Strategy):
         for key, t in self._tensors():
             if key in values:  # not: frozen pretrained weights, which a checkpoint does not save
                 self.local_range(t)[1].copy_(values[key])
-        self._set_adam_step(values[STEP_KEY].item())
+        self.adam.set_step_count(values[STEP_KEY].item())
 
     def memory_bytes(self):
         params = list(self.model.parameters())

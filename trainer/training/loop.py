@@ -128,7 +128,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
         with strategy.micro_step(final=i == len(micro_batches) - 1):
             with strategy.autocast():
                 micro_loss = token_loss_sum(forward(model, batch), batch[1])
-            strategy.backward(micro_loss * scale)
+            strategy.backward(micro_loss * scale, measure_memory=track_memory)
         loss_sum += micro_loss.detach()
         if track_memory:  # the bytes held after each backward: gradients peak before they are reduced
             held = strategy.memory_bytes()
@@ -194,7 +194,6 @@ class Run:
         self.lr = lr_at(self.step, self.total_steps, self.cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
-        self.strategy.track_memory = log_now
         micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
         loss_sum, targets, inputs, mem = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size,
                                                      log_now)
