@@ -119,9 +119,12 @@ def test_sigterm_to_the_launcher_of_zero3_ranks_saves_and_exits_without_a_traceb
     preempted = events(run_dir)[-1]
     assert preempted["event"] == "preempted" and preempted["signal"] == "SIGTERM"
     assert (Path(preempted["checkpoint"]) / "manifest.json").is_file()
-    assert stderr.strip().splitlines()[-1] == (
-        f"trainer: stopped by a signal after step {preempted['step']}; saved {preempted['checkpoint']}: the same "
-        "command resumes from it; exit code 143")
+    # where the ranks stopped and what they saved, said once (rank 0's line); the launcher adds the exit code
+    stop = (f"SIGTERM: all ranks stopped after step {preempted['step']}; saved {preempted['checkpoint']}: the same "
+            "command resumes from it")
+    assert (stdout + stderr).count(f"after step {preempted['step']}") == 1, stdout[-3000:] + stderr[-3000:]
+    assert f"[trainer] {stop}" in stdout.splitlines(), stdout[-3000:]
+    assert stderr.strip().splitlines()[-1] == "trainer: stopped by a signal; exit code 143"
 
 
 @pytest.mark.slow

@@ -169,22 +169,18 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
             sys.exit(rank_failure(cfg, *e.get_first_failure()))
         exit_code = max(codes)
     if exit_code != ERROR_EXIT_CODE:
-        sys.stderr.write(f"trainer: stopped by a signal{stopped_at(run_dir)}; exit code {exit_code}\n")
+        sys.stderr.write(f"trainer: stopped by a signal{unsaid_stop(run_dir)}; exit code {exit_code}\n")
     sys.exit(exit_code)
 
 
-def stopped_at(run_dir: Path) -> str:
-    """Where the ranks stopped, from their `preempted` record: the step and what was saved."""
+def unsaid_stop(run_dir: Path) -> str:
+    """Where to look when the ranks did not record where they stopped: rank 0's `SIGTERM: all ranks
+    stopped after step N; saved ...` line says it once, beside their `preempted` record."""
     import json
 
     metrics = run_dir / "metrics.jsonl"
     events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    stop = next((e for e in reversed(events) if e.get("event") == "preempted"), None)
-    if stop is None:
-        return f"; see {metrics}"
-    saved = (f"saved {stop['checkpoint']}: the same command resumes from it" if stop["checkpoint"] else
-             "nothing saved (no checkpoint.dir, or the save failed)")
-    return f" after step {stop['step']}; {saved}"
+    return "" if any(e.get("event") == "preempted" for e in events) else f"; see {metrics}"
 
 
 def what_happened(rank: int, failure) -> str:

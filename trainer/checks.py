@@ -188,11 +188,43 @@ def check_sources_override(key: str, value: str) -> None:
     check_source_nodes(nodes, key)
 
 
+# The Hydra plugins behind our hydra/* config groups' options (conf/hydra/), and their extras.
+HYDRA_PLUGINS = {"hydra/sweeper": ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper", "sweep"),
+                 "hydra/launcher": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher", "launchers")}
+
+
+def check_grammar(args: list[str]) -> None:
+    """Each override of the command line in Hydra's grammar (a placeholder such as `...` left in
+    a command is not): Hydra's own message is a multi-line report and exit 1."""
+    from hydra._internal.utils import get_args_parser  # the parse of hydra.main's command line
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in get_args_parser().parse_known_args(args)[0].overrides:
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as e:
+            raise ConfigError(f"{arg!r} is not an override (KEY=VALUE in Hydra's grammar, "
+                              f"https://hydra.cc/docs/advanced/override_grammar/basic/): {str(e).splitlines()[0]}") from None
+
+
+def check_hydra_plugin(group: str, option: str) -> None:
+    import importlib.util
+
+    if group in HYDRA_PLUGINS and importlib.util.find_spec(HYDRA_PLUGINS[group][0]) is None:
+        _, package, extra = HYDRA_PLUGINS[group]
+        raise ConfigError(f"{group}={option}: needs the Hydra plugin {package}, from the {extra!r} extra: "
+                          f"pip install 'strategy-trainer[{extra}]'")
+
+
 def check_overrides(overrides: list[str]) -> None:
-    """Caught before Hydra, whose own messages are tracebacks or suggest adding a key with `+`: a
-    mistyped key (the closest valid one is named), a config group option or an enum value that
-    does not exist (the allowed ones are listed). `+model.*` stays open: a custom model's factory
-    arguments."""
+    """Caught before Hydra, whose own messages are tracebacks or suggest adding a key with `+`: an
+    override out of Hydra's grammar, a mistyped key (the closest valid one is named), a config
+    group option or an enum value that does not exist (the allowed ones are listed), a Hydra
+    plugin that is not installed (its extra is named). `+model.*` stays open: a custom model's
+    factory arguments."""
+    check_grammar(overrides)
     known = set(known_keys())
     # a config dir of the user's may add group options that ours lack
     own_groups = not any(a.startswith(("-cd", "--config-dir", "-cp", "--config-path", "hydra.searchpath"))
@@ -204,6 +236,7 @@ def check_overrides(overrides: list[str]) -> None:
         added = key.startswith("+")
         key = key.lstrip("+~")
         if key.startswith("hydra"):
+            check_hydra_plugin(key, value)
             continue  # Hydra's own settings and groups (its plugins add launchers and sweepers)
         if "." not in key and not added:  # a config group choice
             allowed = _group_options(key) if own_groups else []

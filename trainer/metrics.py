@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 RESTARTS = ("restarted", "resumed")
@@ -45,10 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.log import refuse
 
     run = parser().parse_args(argv).run
+    if not run.exists():
+        refuse(f"{run} does not exist: give a run dir that holds metrics.jsonl, or the file", "trainer.metrics")
     if not metrics_file(run).is_file():
-        refuse(f"no {metrics_file(run)}: give a run dir that holds metrics.jsonl, or the file", "trainer.metrics")
-    for record in read_records(run):
-        print(json.dumps(record))
+        refuse(f"{run} holds no metrics.jsonl: give a run dir that holds one, or the file", "trainer.metrics")
+    try:
+        for record in read_records(run):
+            print(json.dumps(record))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head` read what it wanted: that is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def summary_table(sweep_dir: Path) -> str:
             s["job"] = " ".join(o for o in s["overrides"] if o not in shared)
     width = max([len(s["job"]) for _, s in rows if s] + [4])
     lines = [f"{'#':>3}  {'job':<{width}}  {'loss':>8}  {'val loss':>8}  {'tokens/s':>9}  {'params MB':>9}  "
-             f"{'grads MB':>8}  {'optim MB':>8}  (bytes per rank)"]
+             f"{'grads MB':>8}  {'optim MB':>8}  (what rank 0 holds; 1 MB = 10^6 bytes)"]
     for num, s in rows:
         if s is None:
             lines.append(f"{num:>3}  no metrics (failed before its first logged step)")

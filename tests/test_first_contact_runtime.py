@@ -1,0 +1,72 @@
+"""Issue 31, the runtime and CLI items: refusals in one line (Hydra's grammar, a missing Hydra
+plugin), `python -m trainer.metrics` of a missing path and into a closed pipe, the sweep table's
+units."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO
+
+
+def refusal(monkeypatch, capsys, *args: str) -> str:
+    """`trainer ARGS` run in this process up to its refusal: the one line it printed (exit 2)."""
+    from trainer.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["trainer", *args])
+    with pytest.raises(SystemExit) as exit:
+        main()
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    return err.strip()
+
+
+def test_an_override_out_of_hydras_grammar_is_refused_in_one_line(monkeypatch, capsys):
+    said = refusal(monkeypatch, capsys, "model=tiny", "...")  # a placeholder left in a copied command
+    assert said.startswith("trainer: error: '...' is not an override (KEY=VALUE in Hydra's grammar"), said
+    said = refusal(monkeypatch, capsys, "-m", "strategy.wrap=[Block")
+    assert "'strategy.wrap=[Block' is not an override" in said, said
+
+
+def test_a_missing_hydra_plugin_is_refused_naming_the_extra_that_installs_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "hydra_plugins.hydra_optuna_sweeper", None)  # not installed
+    said = refusal(monkeypatch, capsys, "-m", "hydra/sweeper=optuna_lr")
+    assert said == ("trainer: error: hydra/sweeper=optuna_lr: needs the Hydra plugin hydra-optuna-sweeper, from the "
+                    "'sweep' extra: pip install 'strategy-trainer[sweep]'")
+
+
+def metrics_cli(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer.metrics", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_trainer_metrics_says_a_missing_path_is_missing_and_stops_quietly_when_its_reader_does(tmp_path):
+    missing = metrics_cli(str(tmp_path / "no-such-run"))
+    _, err = missing.communicate(timeout=60)
+    assert missing.returncode == 2
+    assert err == f"trainer.metrics: error: {tmp_path / 'no-such-run'} does not exist: give a run dir that holds " \
+                  "metrics.jsonl, or the file\n"
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(1, 50001)))
+    head = metrics_cli(str(tmp_path))  # `| head -1`: the reader goes away after one line
+    assert json.loads(head.stdout.readline()) == {"step": 1, "loss": 1.0}
+    head.stdout.close()
+    err = head.stderr.read()
+    assert head.wait(timeout=60) == 0 and "BrokenPipeError" not in err, err
+
+
+def test_the_sweep_tables_megabytes_are_the_recorded_bytes_over_a_million(tmp_path):
+    from trainer.sweep import summary_table
+
+    job = tmp_path / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.001\n")
+    step = {"step": 1, "loss": 2.0, "tokens_per_s": 100.0, "mem": {"params": 2_500_000, "grads": 1_250_000,
+                                                                    "optim": 5_000_000, "peak": None}}
+    (job / "metrics.jsonl").write_text(json.dumps(step) + "\n" + json.dumps({"event": "end", "step": 1}) + "\n")
+    header, row = summary_table(tmp_path).splitlines()
+    assert "params MB" in header and "(what rank 0 holds; 1 MB = 10^6 bytes)" in header, header
+    assert row.split()[-3:] == ["2.50", "1.25", "5.00"], row
