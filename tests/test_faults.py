@@ -406,20 +406,25 @@ FAKE_SLURM = {  # what launch/slurm.sbatch calls of SLURM, on one node: srun run
 @pytest.mark.slow
 def test_the_sbatch_script_passes_the_time_limit_warning_on_requeues_and_the_requeued_job_resumes(
         tmp_path, reference):
-    bin_dir = tmp_path / "bin"
+    """The documented command as it stands (no checkpoint.dir, the script's own run dir), submitted
+    from the job's working dir; SLURM runs a requeued job with the same job id and command line,
+    and SLURM_RESTART_COUNT=1."""
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
     bin_dir.mkdir()
+    work.mkdir()
     for name, text in FAKE_SLURM.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     job_id = next(i for i in range(1000) if port_is_free(29500 + i))  # the script's MASTER_PORT
-    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    run_dir = work / "outputs" / f"slurm-{job_id}"
     env = {**os.environ, **CPU_ONLY, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
-           "SLURM_GPUS_ON_NODE": "2", "TRAINER_RUN_DIR": str(run_dir), "REQUEUED": str(tmp_path / "requeued")}
+           "SLURM_GPUS_ON_NODE": "2", "REQUEUED": str(tmp_path / "requeued")}
+    env.pop("TRAINER_RUN_DIR", None)
 
-    def submit() -> subprocess.Popen:  # the same command line both times, as a requeued job has
-        return subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), *ARGS, f"checkpoint.dir={ckpt}"],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def submit(**slurm) -> subprocess.Popen:  # the same command line both times, as a requeued job has
+        return subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), *ARGS], cwd=work,
+                                env={**env, **slurm}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     job = submit()
     wait_for_step(run_dir, 3, job)
@@ -429,8 +434,9 @@ def test_the_sbatch_script_passes_the_time_limit_warning_on_requeues_and_the_req
     assert (tmp_path / "requeued").read_text().split() == [str(job_id)]
     stop_step = events(run_dir)[-1]["step"]
     assert events(run_dir)[-1]["event"] == "preempted" and 3 <= stop_step < STEPS
+    assert (work / events(run_dir)[-1]["checkpoint"]).parent == run_dir / "checkpoints"  # the job's own
 
-    requeued = submit()
+    requeued = submit(SLURM_RESTART_COUNT="1")
     _, stderr = requeued.communicate(timeout=600)
     assert requeued.returncode == 0, stderr[-3000:]
     assert (tmp_path / "requeued").read_text().split() == [str(job_id)]  # not again: it finished
