@@ -146,7 +146,8 @@ class ModelConfig:
     vocab_size: Optional[int] = 256  # hf and custom: from the model
     seq_len: Optional[int] = 64  # the training context; hf: min(max_position_embeddings, 2048) when null
     # hf
-    path: Optional[str] = None  # hf: the model folder (config.json, optional *.safetensors and tokenizer)
+    path: Optional[str] = None  # hf: the model folder (config.json, optional *.safetensors and tokenizer), or a Hub name
+    revision: Optional[str] = None  # hf: a Hub name's branch, tag or commit; None: main
     attn_implementation: str = "sdpa"  # hf: passed to transformers (sdpa, eager, flex_attention, flash_attention_2)
     # custom: `_target_` in the config, and every other key is an argument of the factory
     target: Optional[str] = None  # custom: the factory that builds the model, pkg.module.function
@@ -191,7 +192,8 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.text
-    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf: a file or folder
+    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf, chat: a file, folder or Hub name
+    revision: Optional[str] = None  # hf, chat: a Hub dataset name's branch, tag or commit; None: main
     num_samples: int = 2048  # synthetic only
     dtype: TokenDtype = TokenDtype.uint16  # tokens only
     text_field: str = "text"  # hf only
@@ -349,7 +351,7 @@ def profile_steps(spec: str) -> tuple[int, int] | None:
 MODEL_KEYS = {
     ModelKind.reference: ("name", "kind", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "mlp",
                           "norm", "bias", "shape_only"),
-    ModelKind.hf: ("name", "kind", "vocab_size", "seq_len", "path", "attn_implementation"),
+    ModelKind.hf: ("name", "kind", "vocab_size", "seq_len", "path", "revision", "attn_implementation"),
     ModelKind.custom: ("name", "kind", "vocab_size", "seq_len", "_target_"),
 }
 

@@ -82,8 +82,8 @@ def lora_config(settings: dict):
     """peft's LoraConfig from what a checkpoint records (`settings`)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
     targets = settings["target_modules"]  # a list of names, or (from an adapter folder) peft's regex string
+    return LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
                       target_modules=targets if isinstance(targets, str) else list(targets), bias="none")
 
 
@@ -126,7 +126,6 @@ def read_adapter_folder(path: Path) -> dict:
             "target_modules": sorted(targets) if isinstance(targets, list) else targets}
 
 
-class AdapterWeights:
 def from_init(cfg: PeftConfig) -> dict:
     """peft.init=DIR: the folder's settings, which the adapters' shapes and names follow. A peft.r,
     alpha, dropout or target_modules set to something else (not its default) would be ignored
@@ -147,6 +146,7 @@ def from_init(cfg: PeftConfig) -> dict:
     return settings
 
 
+class AdapterWeights:
     """The first values of a LoRA model: the base's from `base` (pretrained files or the model's
     own init), the adapters' as peft makes them (A: Kaiming-uniform, seeded per layer; B: zeros, so
     training starts at the base model), or from a PEFT adapter folder (`peft.init`)."""

@@ -92,8 +92,6 @@ def evaluate(model: nn.Module, strategy: Strategy, batches, device: torch.device
         batch = [t.to(device) for t in batch]
         with strategy.autocast():
             totals[0] += token_loss_sum(forward(model, batch), batch[1]).double()
-                     # peft=lora brings its own (conf/peft/lora.yaml): said, so nobody trains at a rate they did not expect
-                     f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
         totals[1] += target_count(batch[1])
     model.train()
     strategy.all_reduce(totals)
@@ -107,6 +105,8 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
     global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
     return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}",
                      f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(),
+                     # peft=lora brings its own (conf/peft/lora.yaml): said, so nobody trains at a rate they did not expect
+                     f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
                      f"offload={offload or 'none'}",
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
                      f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
@@ -155,13 +155,13 @@ class Run:
                                                          cfg.data.chat_template),
                                              self.records, base_fingerprint=weights.fingerprint)
         self.early_stop = EarlyStop(cfg.eval.early_stop_patience)
+        self.saved: Path | None = None  # the newest checkpoint this run wrote: the done line names it
         self.step, self.lr, self.val_loss, self.evaluated, self.last = 0, 0.0, None, False, {}
         state = TrainerState.from_dict(self.checkpoints.load(resume_from)) if resume_from else TrainerState()
         if resume_from:
             self.step, guard.skipped, guard.scale_skips = state.step, state.skipped, state.scale_skips
             if state.loss_scale:
                 strategy.load_loss_scale_state(state.loss_scale)
-        self.saved: Path | None = None  # the newest checkpoint this run wrote: the done line names it
             if position := data_position(state.data, cfg):  # other data start at their beginning
                 stream.load_state_dict(position)
             if state.early_stop:
@@ -293,23 +293,11 @@ class Run:
         self.records.finish(summary)
         log.info(f"done: {self.step} steps" + (f", final loss {self.last['loss']:.4f}" if self.last else "")
                  + (f", val loss {self.val_loss:.4f}" if self.val_loss is not None else "")
+                 + (f"; saved {self.saved} ({export_hint(self.cfg)})" if self.saved else "")
                  + f"; run dir: {self.run_dir}")
         return summary
 
 
-def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
-    """One run on this rank: set up, resume, step to the end (or a stop signal, or an early stop)."""
-    t = cfg.train
-    setup_logging(run_dir, env.is_main, cfg.log_level.value)
-    # On every way out, released once: the loggers, the loader's workers, the backend's state, the signal handlers.
-    with ExitStack() as cleanup:
-        guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
-        cleanup.callback(guard.close)
-                 + (f"; saved {self.saved} ({export_hint(self.cfg)})" if self.saved else "")
-        seed_everything(t.seed)
-        strategy = build_strategy(cfg, env)
-        cleanup.callback(strategy.teardown)
-        train_set, val_set = load_data(cfg, env.local_rank)
 def export_hint(cfg: Config) -> str:
     """The command that turns the run's checkpoint into weights for inference, and what it writes."""
     command = f"python -m trainer.export {cfg.checkpoint.dir}"
@@ -321,6 +309,18 @@ def export_hint(cfg: Config) -> str:
     return f"{command} OUT.safetensors writes the weights"
 
 
+def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
+    """One run on this rank: set up, resume, step to the end (or a stop signal, or an early stop)."""
+    t = cfg.train
+    setup_logging(run_dir, env.is_main, cfg.log_level.value)
+    # On every way out, released once: the loggers, the loader's workers, the backend's state, the signal handlers.
+    with ExitStack() as cleanup:
+        guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
+        cleanup.callback(guard.close)
+        seed_everything(t.seed)
+        strategy = build_strategy(cfg, env)
+        cleanup.callback(strategy.teardown)
+        train_set, val_set = load_data(cfg, env.local_rank)
         stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
                              num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
         cleanup.callback(stream.close)
