@@ -10,6 +10,9 @@ demo/chat_tokenizer/ (the same kind of tokenizer with ChatML's turn markers and 
     trainer model=hf model.path=demo/qwen2 data=chat data.path=demo/chat.jsonl \
         data.tokenizer=demo/chat_tokenizer
 
+and, for `objective=dpo`, demo/pairs.jsonl (200 preference pairs {prompt, chosen, rejected} as
+lists of messages, for the same chat tokenizer).
+
 The tests build their models and data with the same functions.
 """
 from __future__ import annotations
@@ -134,6 +137,24 @@ def conversations(texts: list[str], n: int = 300, answer_chars: tuple[int, ...] 
     return rows
 
 
+def preference_pairs(texts: list[str], n: int = 200, conversational: bool = True) -> list[dict]:
+    """{prompt, chosen, rejected} rows (TRL's preference format): a question quoting a paragraph,
+    the paragraph that follows as the chosen answer and another, further on, as the rejected one;
+    lists of messages, or plain strings (`conversational=False`)."""
+    rows = []
+    for i in range(n):
+        question = f"{QUESTIONS[i % len(QUESTIONS)]}\n\n{shorten(texts[i % len(texts)], 40)}"
+        chosen = passage(texts, i + 1, ANSWER_CHARS[i % len(ANSWER_CHARS)])
+        rejected = passage(texts, i + 7, ANSWER_CHARS[(i + 1) % len(ANSWER_CHARS)])
+        if conversational:
+            rows.append({"prompt": [{"role": "user", "content": question}],
+                         "chosen": [{"role": "assistant", "content": chosen}],
+                         "rejected": [{"role": "assistant", "content": rejected}]})
+        else:
+            rows.append({"prompt": question + "\n", "chosen": chosen, "rejected": rejected})
+    return rows
+
+
 def write_rows(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -176,10 +197,12 @@ def main(out: Path) -> None:
     np.asarray(ids, dtype=np.uint16).tofile(out / "train.bin")
     chat_tokenizer = train_chat_tokenizer(out / "chat_tokenizer", texts)
     chats = write_rows(out / "chat.jsonl", conversations(texts))
+    pairs = write_rows(out / "pairs.jsonl", preference_pairs(texts))
     print(f"{model}: a Qwen2-shaped model ({VOCAB} tokens, tied embeddings) with its weights and tokenizer "
           f"(also alone in {tokenizer})\n"
           f"{out / 'train.jsonl'}: {len(texts)} documents; {out / 'train.bin'}: {len(ids):,} uint16 token ids\n"
-          f"{chats}: 300 conversations; {chat_tokenizer}: a tokenizer with a ChatML chat template")
+          f"{chats}: 300 conversations; {chat_tokenizer}: a tokenizer with a ChatML chat template\n"
+          f"{pairs}: 200 preference pairs (prompt, chosen, rejected) for objective=dpo")
 
 
 if __name__ == "__main__":

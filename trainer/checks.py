@@ -15,6 +15,7 @@ from trainer.config import (
     Config,
     DataName,
     ModelKind,
+    ObjectiveName,
     PeftConfig,
     PeftName,
     Precision,
@@ -92,18 +93,20 @@ def validate(cfg: Config) -> None:
     _require(not (d.val_fraction and d.val_path), "data.val_fraction",
              "give data.val_path or data.val_fraction, not both")
     data_name = DataName(d.name)
-    _require(d.packing or data_name in (DataName.hf, DataName.chat, DataName.mixture), "data.packing",
-             f"data={data_name.value} has no documents to keep apart; packing=false needs data=hf or data=chat")
-    _require(not d.drop_long or data_name in (DataName.chat, DataName.mixture)
+    _require(d.packing or data_name in (DataName.hf, DataName.chat, DataName.preference, DataName.mixture),
+             "data.packing",
+             f"data={data_name.value} has no documents to keep apart; packing=false needs data=hf, chat or preference")
+    _require(not d.drop_long or data_name in (DataName.chat, DataName.preference, DataName.mixture)
              or (data_name is DataName.hf and not d.packing),
-             "data.drop_long", "only rows of whole documents drop long ones: data=chat, or data=hf with "
+             "data.drop_long", "only rows of whole documents drop long ones: data=chat, data=preference, or data=hf with "
              "data.packing=false")
-    for key, is_set in (("chat_template", d.chat_template is not None),
-                        ("train_on", TrainOn(d.train_on) is not TrainOn.assistant),
-                        ("bad_rows", BadRows(d.bad_rows) is not BadRows.error)):
-        _require(not is_set or data_name is DataName.chat or (key == "bad_rows" and data_name is DataName.mixture),
-                 f"data.{key}",
-                 f"only read by data=chat, not data={data_name.value}")
+    for key, is_set, readers in (("chat_template", d.chat_template is not None, (DataName.chat, DataName.preference)),
+                                 ("train_on", TrainOn(d.train_on) is not TrainOn.assistant, (DataName.chat,)),
+                                 ("bad_rows", BadRows(d.bad_rows) is not BadRows.error,
+                                  (DataName.chat, DataName.preference, DataName.mixture))):
+        _require(not is_set or data_name in readers, f"data.{key}",
+                 f"only read by data={' and data='.join(r.value for r in readers)}, not data={data_name.value}")
+    check_objective(cfg)
     check_mixture(cfg)
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
@@ -123,6 +126,27 @@ def validate(cfg: Config) -> None:
              f"only read by zero1/zero2/zero3, not strategy={name.value}")
     _require(Sharding(s.sharding) is Sharding.FULL_SHARD or name is StrategyName.fsdp,
              "strategy.sharding", f"only read by strategy=fsdp, not strategy={name.value}")
+
+
+def check_objective(cfg: Config) -> None:
+    """objective=dpo trains on preference pairs against a reference it can have (DESIGN §12)."""
+    o, data_name = cfg.objective, DataName(cfg.data.name)
+    dpo = ObjectiveName(o.name) is ObjectiveName.dpo
+    _require(not dpo or data_name is DataName.preference, "objective",
+             f"objective=dpo trains on preference pairs, not data={data_name.value}: use data=preference "
+             "data.path=PAIRS.jsonl (rows {prompt, chosen, rejected})")
+    _require(dpo or data_name is not DataName.preference, "data",
+             "data=preference holds pairs for objective=dpo, not for objective=lm; add objective=dpo")
+    if not dpo:
+        return
+    _require(o.beta > 0, "objective.beta", f"must be > 0, got {o.beta}")
+    lora = PeftName(cfg.peft.name) is PeftName.lora
+    # The reference without a pass before training: the base under the adapters, switched off.
+    # A starting adapter (peft.init) is not the base, and a full model has no base to switch to.
+    _require(o.precompute_ref or (lora and not cfg.peft.init), "objective.precompute_ref",
+             ("with peft.init the reference is the starting adapter, not the base under it"
+              if lora else "full fine-tuning needs the reference's log-probs") +
+             " computed before training: set objective.precompute_ref=true")
 
 
 def check_mixture(cfg: Config) -> None:

@@ -49,6 +49,7 @@ class DataName(str, Enum):
     hf = "hf"  # text read with `datasets`, tokenised with a Hugging Face tokenizer
     chat = "chat"  # conversations read with `datasets`, rendered with a chat template
     mixture = "mixture"  # several sources of the kinds above, drawn by weight (data.sources)
+    preference = "preference"  # {prompt, chosen, rejected} rows for objective=dpo, rendered like data=chat
 
 
 class TrainOn(str, Enum):
@@ -98,6 +99,17 @@ class ReduceDtype(str, Enum):
     fp32 = "fp32"  # gradients reduced (and, on ZeRO-2/3, kept) in fp32 whatever the compute dtype
     bf16 = "bf16"  # reduced in bf16, half the bytes on the wire (train.precision=bf16 only)
     fp16 = "fp16"  # reduced in fp16 (train.precision=fp16 only): DeepSpeed's own default, the ZeRO paper's K=12
+
+
+class ObjectiveName(str, Enum):
+    lm = "lm"  # next-token loss over the target tokens
+    dpo = "dpo"  # direct preference optimisation on data=preference pairs, against a frozen reference
+
+
+class DpoLoss(str, Enum):
+    """objective=dpo: the loss of a pair, as TRL 1.16's DPOTrainer defines it."""
+    sigmoid = "sigmoid"  # -log sigmoid(beta x the log-ratio margin)
+    ipo = "ipo"  # (the per-token log-ratio margin - 1 / (2 beta))^2
 
 
 class PeftName(str, Enum):
@@ -171,6 +183,14 @@ class PeftConfig:
     dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
     target_modules: Any = "all-linear"  # or a list of module names (a name matches itself and names ending in .name)
     init: Optional[str] = None  # an existing PEFT adapter folder to continue training (its r, alpha, targets)
+
+
+@dataclass
+class ObjectiveConfig:
+    name: ObjectiveName = ObjectiveName.lm
+    beta: float = 0.1  # dpo: how far the policy may move from the reference
+    loss: DpoLoss = DpoLoss.sigmoid
+    precompute_ref: bool = False  # dpo: the reference's log-probs of every pair in one pass before training
 
 
 @dataclass
@@ -315,6 +335,7 @@ class Config:
     # Open in the Hydra schema (a custom model's arguments are its keys); a ModelConfig after `to_config`.
     model: Any = field(default_factory=dict)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -13,6 +13,7 @@ from trainer.config import Config, DataName, ModelKind
 from trainer.data.chat import Conversations
 from trainer.data.mixture import check_mixture_data, load_mixture
 from trainer.data.mixture import fingerprint as sources_fingerprint
+from trainer.data.preference import PairRows, PreferencePairs, split_pairs
 from trainer.data.sources import (
     IGNORE_INDEX,
     DocumentRows,
@@ -32,7 +33,7 @@ from trainer.models.packing import check_packing
 
 __all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data"]
 
-TOKENIZED = (DataName.hf, DataName.chat)
+TOKENIZED = (DataName.hf, DataName.chat, DataName.preference)
 # How the training samples are read or held out for validation, not which they are
 NOT_THE_SAMPLES = {"num_workers", "cache_dir", "val_path"}
 
@@ -58,8 +59,9 @@ def data_fingerprint(cfg: Config) -> dict:
 
 def _tokenized(cfg: Config, path: str | None, key: str) -> TokenizedText:
     d, tokenizer = cfg.data, _tokenizer(cfg)
-    encoding = Conversations(d.train_on, d.chat_template) if DataName(d.name) is DataName.chat \
-        else TextDocuments(d.text_field)
+    name = DataName(d.name)
+    encoding = Conversations(d.train_on, d.chat_template) if name is DataName.chat \
+        else PreferencePairs(d.chat_template) if name is DataName.preference else TextDocuments(d.text_field)
     return TokenizedText(path, key, encoding, Path(tokenizer) if tokenizer else None,
                          Path(d.cache_dir) if d.cache_dir else default_cache_dir(), d.bad_rows)
 
@@ -92,7 +94,9 @@ def check_data(cfg: Config, world_size: int) -> None:
     name = DataName(cfg.data.name)
     if name is DataName.mixture:
         return check_mixture_data(cfg)
-    if name is DataName.chat and cfg.data.packing and ModelKind(cfg.model.kind) is not ModelKind.reference:
+    # preference rows always carry position ids: a pair's two sequences share a row
+    packed = (name is DataName.chat and cfg.data.packing) or name is DataName.preference
+    if packed and ModelKind(cfg.model.kind) is not ModelKind.reference:
         check_packing(cfg.model)  # the reference model keeps packed documents apart (tests/test_chat.py)
     if name in TOKENIZED:
         for key, path in _paths(cfg):
@@ -115,12 +119,16 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
             source.prepare() if local_rank == 0 else source.wait()
     train, pad_id = _tokens(cfg, d.path, "data.path")
     val = _tokens(cfg, d.val_path, "data.val_path")[0] if d.val_path else None
+    preference = DataName(d.name) is DataName.preference
     if d.val_fraction:
-        train, val = train.split(d.val_fraction)
+        train, val = split_pairs(train, d.val_fraction) if preference else train.split(d.val_fraction)
     m = cfg.model
     chat = DataName(d.name) is DataName.chat
 
     def rows(tokens: Tokens, split: str) -> Dataset:
+        if preference:
+            return report(PairRows(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long, d.packing), split,
+                          tokens.bad_rows)
         if chat and d.packing:
             return report(PackedDocuments(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split, tokens.bad_rows)
         if d.packing:
@@ -130,13 +138,14 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
     def report(rows: DocumentRows, split: str, bad_rows: int) -> Dataset:
         """One line (rank 0's) on what became of the documents: rows, those too long, those
         left without a target, rows of the source that could not be read."""
-        what, longest = "conversations" if chat else "documents", m.seq_len + 1
+        what, longest = "conversations" if chat else "pairs" if preference else "documents", m.seq_len + 1
         notes = [f"{rows.long:,} longer than model.seq_len + 1 = {longest} tokens "
                  + ("dropped (data.drop_long)" if d.drop_long else "truncated (data.drop_long=true drops them)")
                  ] if rows.long else []
         notes += [f"{rows.untargeted:,} left out: no target in their first {longest} tokens"] if rows.untargeted else []
         notes += [f"{bad_rows:,} bad rows skipped (data.bad_rows=skip)"] if bad_rows else []
-        log.info(f"{split}: {len(rows.spans):,} {what} in {len(rows):,} {'packed' if d.packing else 'padded'} rows "
-                 f"of {m.seq_len} tokens" + "".join(f"; {note}" for note in notes))
+        width, count = (2 * m.seq_len, len(rows.pairs)) if preference else (m.seq_len, len(rows.spans))
+        log.info(f"{split}: {count:,} {what} in {len(rows):,} {'packed' if d.packing else 'padded'} rows "
+                 f"of {width} tokens" + "".join(f"; {note}" for note in notes))
         return rows
     return rows(train, "data"), rows(val, "validation data") if val is not None else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -230,3 +231,21 @@ def merged(weights: dict[str, torch.Tensor], settings: dict, build: Callable[[],
 
 def adapter_shapes(model: nn.Module, shape_of: ShapeOf = tensor_shape) -> dict[str, tuple[int, ...]]:
     return {canonical_name(n): shape_of(p) for n, p in model.named_parameters() if is_adapter(canonical_name(n))}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """The model as its base: every LoRA layer's adapters switched off, then on again. peft's own
+    `enable_adapters(False)` also sets the adapters' requires_grad, which sharded strategies have
+    already planned around (FSDP2's DTensors, DeepSpeed's hooks); its `_disable_adapters` flag,
+    which each layer's forward reads, is all that is switched (peft 0.21.2)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False

@@ -5,10 +5,10 @@ import math
 import signal
 import threading
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -20,12 +20,14 @@ from trainer.config import Config, ModelKind, OptimConfig, PeftName
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
-from trainer.models import build_model, description, initial_weights, logits_of, model_facts
+from trainer.models import build_model, description, initial_weights, model_facts
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.weights import WeightSource
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
+from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
+from trainer.training.reference import build_objective
 from trainer.training.resumed import resume_notes
 from trainer.training.schedule import lr_at
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
@@ -59,16 +61,6 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     return model, optimizer, blocks, weights
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The sum (not the mean) of the token cross-entropies, in fp32; padding is no target."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
-def target_count(targets: torch.Tensor) -> torch.Tensor:
-    return (targets != IGNORE_INDEX).sum()
-
-
 def input_count(targets: torch.Tensor) -> torch.Tensor:
     """The positions the model processed that are not padding: each row up to its last target (a
     row's padding is its tail, which holds no target)."""
@@ -76,26 +68,21 @@ def input_count(targets: torch.Tensor) -> torch.Tensor:
     return torch.where(targets != IGNORE_INDEX, positions, 0).amax(dim=-1).sum()
 
 
-def forward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The logits of a micro-batch (inputs, targets[, position_ids]). Rows of packed conversations
-    carry position ids, restarting at each one: the model keeps attention within each."""
-    inputs, _, *position_ids = batch
-    return logits_of(model(inputs, position_ids=position_ids[0]) if position_ids else model(inputs))
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, strategy: Strategy, batches, device: torch.device) -> float:
-    """The mean token loss over the validation batches of all ranks."""
+def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches, device: torch.device
+             ) -> tuple[float, dict]:
+    """The mean loss over the validation batches of all ranks (per target token, or per pair), and
+    the means of the objective's statistics."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, targets
+    totals = torch.zeros(2 + len(objective.stats), dtype=torch.float64, device=device)  # loss sum, units, stats
     for batch in batches:
         batch = [t.to(device) for t in batch]
         with strategy.autocast():
-            totals[0] += token_loss_sum(forward(model, batch), batch[1]).double()
-        totals[1] += target_count(batch[1])
+            loss, stats = objective.loss_sum(model, batch)
+        totals += torch.cat([loss.double().view(1), objective.count(batch).double().view(1), stats.double()])
     model.train()
     strategy.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
+    return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
 
 
 def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) -> str:
@@ -114,26 +101,41 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
 
 
 def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
-                track_memory: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict | None]:
-    """Forward and backward of one optimizer step's micro-batches: (the summed token loss, the
-    target tokens and the input tokens of all ranks, the bytes held at the gradients' peak if
-    `track_memory`)."""
-    # The loss is the sum of token losses over the target tokens of the whole step, all
-    # micro-batches and ranks. Backends average gradients over ranks, hence x world size.
-    targets, inputs = strategy.all_reduce(torch.stack([
-        sum(target_count(batch[1]) for batch in micro_batches), sum(input_count(batch[1]) for batch in micro_batches)]))
-    scale = world_size / targets
+                track_memory: bool, objective: Objective | None = None) -> StepSums:
+    """Forward and backward of one optimizer step's micro-batches: the summed loss and statistics
+    of this rank, the step's units, target tokens and input tokens of all ranks, and the bytes
+    held at the gradients' peak if `track_memory`."""
+    # The loss is the sum of the objective's losses (per target token, or per pair) over the units
+    # of the whole step, all micro-batches and ranks. Backends average gradients over ranks, hence
+    # x world size.
+    objective = objective or NextToken()
+    units, targets, inputs = strategy.all_reduce(torch.stack([
+        sum(objective.count(batch) for batch in micro_batches), sum(target_count(batch[1]) for batch in micro_batches),
+        sum(input_count(batch[1]) for batch in micro_batches)]))
+    scale = world_size / units
     loss_sum, mem = torch.zeros((), device=targets.device), None
+    stats = torch.zeros(len(objective.stats), device=targets.device)
     for i, batch in enumerate(micro_batches):
         with strategy.micro_step(final=i == len(micro_batches) - 1):
             with strategy.autocast():
-                micro_loss = token_loss_sum(forward(model, batch), batch[1])
+                micro_loss, micro_stats = objective.loss_sum(model, batch)
             strategy.backward(micro_loss * scale, measure_memory=track_memory)
         loss_sum += micro_loss.detach()
+        stats += micro_stats
         if track_memory:  # the bytes held after each backward: gradients peak before they are reduced
             held = strategy.memory_bytes()
             mem = held if mem is None or held["grads"] > mem["grads"] else mem
-    return loss_sum, targets, inputs, mem
+    return StepSums(loss_sum, stats, units, targets, inputs, mem)
+
+
+@dataclass
+class StepSums:
+    loss: torch.Tensor  # this rank's summed loss
+    stats: torch.Tensor  # this rank's summed statistics of the objective
+    units: torch.Tensor  # of all ranks: what the loss is the mean over (target tokens, pairs)
+    targets: torch.Tensor  # target tokens of all ranks
+    inputs: torch.Tensor  # input tokens of all ranks
+    mem: dict | None
 
 
 class Run:
@@ -149,6 +151,10 @@ class Run:
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
+        # Before a checkpoint is loaded: the policy as it starts is the reference (training/reference.py)
+        self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
+                                         weights.fingerprint, resuming=resume_from is not None)
+        self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                              description(cfg.model, cfg.data.tokenizer, strategy.module,
@@ -195,8 +201,8 @@ class Run:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
-        loss_sum, targets, inputs, mem = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size,
-                                                     log_now)
+        sums = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size, log_now, self.objective)
+        loss_sum, mem = sums.loss, sums.mem
         # The norm, then every rank's verdict (a non-finite loss or norm anywhere: no update; and
         # whether a stop signal reached any rank), then the update or the skip.
         grad_norm = self.strategy.grad_norm()
@@ -207,8 +213,12 @@ class Run:
             self.strategy.skip(finite_gradients=bool(torch.isfinite(grad_norm)))
         self.step += 1
         self.guard.count(self.step)
-        self.meter.count(targets, inputs)
-        return self.strategy.all_reduce(loss_sum) / targets if log_now else None, grad_norm, mem
+        self.meter.count(sums.targets, sums.inputs)
+        if not log_now:
+            return None, grad_norm, mem
+        totals = self.strategy.all_reduce(torch.cat([loss_sum.view(1), sums.stats]))
+        self.stats = record(self.objective.stats, totals[1:], sums.units)
+        return totals[0] / sums.units, grad_norm, mem
 
     def compiled(self) -> None:
         """After the first step under train.compile, which compiles: its time, kept out of step times."""
@@ -225,23 +235,26 @@ class Run:
             return False
         t, env = self.cfg.train, self.env
         batches = eval_batches(self.val_set, t.micro_batch_size, env.rank, env.world_size, self.cfg.eval.max_batches)
-        self.val_loss = evaluate(self.model, self.strategy, batches, env.device)
+        self.val_loss, stats = evaluate(self.model, self.strategy, self.objective.evaluation("val"), batches,
+                                        env.device)
+        # a perplexity where the loss is per token (objective=lm), the objective's statistics else
         self.records.log({"step": self.step, "split": "val", "loss": self.val_loss,
-                          "ppl": math.exp(min(self.val_loss, 700)), **self.source_losses()})
+                          **(stats or {"ppl": math.exp(min(self.val_loss, 700))}), **self.source_losses()})
         return self.early_stop.update(self.step, self.val_loss)
 
     def source_losses(self) -> dict:
         """data=mixture: the val loss of each source's held-out rows apart, as `loss/<name>`."""
         t, env = self.cfg.train, self.env
-        return {f"loss/{name}": evaluate(self.model, self.strategy, eval_batches(rows, t.micro_batch_size, env.rank,
-                                                                                 env.world_size,
-                                                                                 self.cfg.eval.max_batches), env.device)
+        return {f"loss/{name}": evaluate(self.model, self.strategy, self.objective.evaluation("val"),
+                                         eval_batches(rows, t.micro_batch_size, env.rank, env.world_size,
+                                                      self.cfg.eval.max_batches), env.device)[0]
                 for name, rows in getattr(self.val_set, "by_source", {}).items()}
 
     def log_line(self, mean_loss: torch.Tensor, grad_norm, mem: dict | None) -> dict:
         """Record the step's numbers; what the progress bar shows of them."""
         self.last = {"step": self.step, "epoch": self.stream.epoch, "loss": mean_loss.item(), "lr": self.lr,
-                     "grad_norm": float(grad_norm), "skipped": self.guard.skipped, **self.meter.read(), "mem": mem}
+                     "grad_norm": float(grad_norm), "skipped": self.guard.skipped, **self.meter.read(), "mem": mem,
+                     **self.stats}
         if (scaler := self.strategy.loss_scale_state()) is not None:  # fp16: the scaler's own skips, apart
             self.last.update(scale_skips=self.guard.scale_skips, loss_scale=scaler["scale"])
         self.last.update(self.stream.counts())  # data=mixture: samples_by_source, tokens_by_source

@@ -1,0 +1,159 @@
+"""What a micro-batch's loss is (`objective=lm|dpo`), and the units a step's loss is the mean over.
+
+The loop sums an objective's losses over a step's micro-batches and divides by the step's units
+of all ranks (target tokens for lm, pairs for dpo), counted from the batches before any forward:
+the same mean at any world size and accumulation (DESIGN §6; for DPO, trl#2615 is what goes
+wrong otherwise). Each objective also sums its own statistics (DPO's rewards), reduced and
+divided the same way where a step is logged.
+
+DPO (TRL 1.16's DPOTrainer): a response's log-probability is the sum over its own target tokens;
+with the reference's, the log-ratios r_c = logp_c - ref_c and r_r = logp_r - ref_r give
+sigmoid: -log sigmoid(beta (r_c - r_r)); ipo: ((r_c / n_c - r_r / n_r) - 1 / (2 beta))^2, n the
+response's tokens. Rewards are beta r_c and beta r_r; accuracy is reward_c > reward_r.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import DpoLoss, ObjectiveConfig
+from trainer.data.sources import IGNORE_INDEX
+from trainer.models import logits_of
+
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The sum (not the mean) of the token cross-entropies, in fp32; padding is no target."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def target_count(targets: torch.Tensor) -> torch.Tensor:
+    return (targets != IGNORE_INDEX).sum()
+
+
+def forward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The logits of a micro-batch (inputs, targets[, position_ids, ...]). Rows of packed
+    conversations carry position ids, restarting at each one: the model keeps attention within each."""
+    inputs, _, *position_ids = batch
+    return logits_of(model(inputs, position_ids=position_ids[0]) if position_ids else model(inputs))
+
+
+class Objective(Protocol):
+    stats: tuple[str, ...]  # the names of the statistics `loss_sum` sums (step-record fields)
+
+    def count(self, batch) -> torch.Tensor:
+        """The units of a micro-batch that its loss is summed over (before any forward)."""
+
+    def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the summed loss of a micro-batch, with gradients; its summed statistics, without)."""
+
+    def evaluation(self, split: str) -> Objective:
+        """The objective of another split's rows (validation)."""
+
+
+class NextToken:
+    """objective=lm: the summed token loss over the target tokens."""
+    stats: tuple[str, ...] = ()
+
+    def count(self, batch) -> torch.Tensor:
+        return target_count(batch[1])
+
+    def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_loss_sum(forward(model, batch), batch[1]), torch.zeros(0, device=batch[1].device)
+
+    def evaluation(self, split: str) -> NextToken:
+        return self
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the summed log-probability of each sequence's targets, its number of targets, its number),
+    for the sequences of the micro-batch that have targets, in the order of their numbers: a pair's
+    chosen (2 p) then its rejected (2 p + 1). Positions without a target count for nothing (a
+    validation slot that repeats a row without targets, too)."""
+    token_logps = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="none")
+    targeted = targets.flatten() != IGNORE_INDEX
+    numbers, which = torch.unique(sequence.flatten()[targeted], return_inverse=True)
+    logps = torch.zeros(len(numbers), dtype=token_logps.dtype, device=logits.device)
+    logps = logps.index_add(0, which, token_logps[targeted])
+    return logps, torch.bincount(which, minlength=len(numbers)), numbers
+
+
+def pair_count(batch) -> torch.Tensor:
+    """The pairs of a micro-batch: its sequences with targets, two a pair (data/preference.py keeps
+    only pairs whose responses both have one)."""
+    targets, sequence = batch[1], batch[3]
+    return torch.unique(sequence[targets != IGNORE_INDEX]).numel() // 2
+
+
+def adapters_off(model: nn.Module):
+    """The model's LoRA adapters switched off for a block (peft's own switch on each adapted layer)."""
+    from trainer.models.lora import adapters_disabled
+
+    return adapters_disabled(model)
+
+
+class Reference:
+    """The reference's log-probabilities of a micro-batch's sequences, by sequence number: the
+    policy's own model with its LoRA adapters off (`adapters=True`), or a table computed before
+    training (`table`, by sequence number of the split). Always in eval mode, never with gradients."""
+
+    def __init__(self, table: torch.Tensor | None = None, autocast=nullcontext):
+        self.table, self.autocast = table, autocast
+
+    @torch.no_grad()
+    def logps(self, model: nn.Module, batch, numbers: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table.to(numbers.device)[numbers].float()
+        was_training = model.training
+        model.eval()  # no dropout in the reference (trl#1652)
+        try:
+            with adapters_off(model), self.autocast():
+                logps, _, ref_numbers = sequence_logps(forward(model, batch), batch[1], batch[3])
+        finally:
+            model.train(was_training)
+        assert torch.equal(ref_numbers, numbers)
+        return logps
+
+
+class DirectPreference:
+    """objective=dpo: the summed pair losses of a micro-batch, and its summed rewards (REWARDS)."""
+    stats = REWARDS
+
+    def __init__(self, cfg: ObjectiveConfig, reference: Reference, splits: dict | None = None):
+        self.cfg, self.beta, self.loss = cfg, cfg.beta, DpoLoss(cfg.loss)
+        self.reference = reference
+        self.splits = splits or {}  # split name -> its own table (validation pairs are numbered apart)
+
+    def count(self, batch) -> torch.Tensor:
+        return torch.tensor(pair_count(batch), device=batch[1].device)
+
+    def evaluation(self, split: str) -> DirectPreference:
+        """The same loss against another split's reference (a table of its own, where precomputed)."""
+        return DirectPreference(self.cfg, self.splits.get(split, self.reference), self.splits)
+
+    def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, lengths, numbers = sequence_logps(forward(model, batch), batch[1], batch[3])
+        ref = self.reference.logps(model, batch, numbers)
+        ratios = (logps - ref).view(-1, 2)  # [pair, chosen | rejected]
+        if self.loss is DpoLoss.sigmoid:
+            losses = -F.logsigmoid(self.beta * (ratios[:, 0] - ratios[:, 1]))
+        else:  # ipo: per-token log-ratios (TRL normalises by the response's tokens)
+            per_token = ratios / lengths.view(-1, 2).clamp(min=1)
+            losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * self.beta)) ** 2
+        rewards = self.beta * ratios.detach()
+        stats = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] > rewards[:, 1]).float().sum(),
+                             (rewards[:, 0] - rewards[:, 1]).sum()])
+        return losses.sum(), stats
+
+
+def record(stats: tuple[str, ...], sums: torch.Tensor, units: torch.Tensor) -> dict:
+    """An objective's statistics as step-record fields: their means over the units of all ranks."""
+    return {name: (value / units).item() for name, value in zip(stats, sums)}

@@ -1,0 +1,104 @@
+"""objective=dpo's reference (DESIGN §12), made once the policy is set up and before a checkpoint
+is loaded into it, when the policy is still the reference:
+- LoRA without `peft.init`: the policy's own model with its adapters off, in eval mode, per
+  micro-batch (no extra memory);
+- `objective.precompute_ref=true` (and the only way for full fine-tuning and for `peft.init`,
+  whose reference is the starting adapter): one pass of the policy as it starts, in eval mode
+  and without gradients, over every pair of the training and validation rows (each rank its
+  share; the table summed over ranks), kept as one table of log-probabilities by sequence number.
+  The table is written to the token cache under a key of everything the reference's values
+  follow from (the model and where its weights come from, the tokenised data, the precision), so
+  a resume, whose policy is no longer the reference, reads it back instead of recomputing it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.config import Config, ObjectiveName, PeftName
+from trainer.data import data_fingerprint, eval_batches
+from trainer.data.tokenized import default_cache_dir
+from trainer.errors import ConfigError
+from trainer.log import log
+from trainer.models import description
+from trainer.strategies import Strategy
+from trainer.training.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
+
+
+def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
+    """What the reference's log-probabilities follow from: the model (its settings and where its
+    weights come from: pretrained files by fingerprint, else the seed that initialises it), a
+    starting adapter by its files, the tokenised pairs and how they are cut, the precision."""
+    p = cfg.peft
+    start = None
+    if PeftName(p.name) is PeftName.lora and p.init:
+        h = hashlib.sha256()
+        for f in sorted(Path(p.init).iterdir()):
+            if f.is_file():
+                h.update(f.name.encode() + f.read_bytes())
+        start = h.hexdigest()
+    settings = {"model": description(cfg.model, cfg.data.tokenizer), "weights": weights_fingerprint,
+                "seed": cfg.train.seed if weights_fingerprint is None else None, "adapter": start,
+                "data": data_fingerprint(cfg), "precision": cfg.train.precision.value}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size: int) -> torch.Tensor:
+    """The log-probability of every sequence of `rows` (PairRows) under the model as it is, by
+    sequence number: each rank its share of the rows, summed over ranks (a sequence is in one row)."""
+    table = torch.zeros(2 * rows.n_pairs, dtype=torch.float64, device=strategy.device)
+    was_training = model.training
+    model.eval()
+    for batch in eval_batches(rows, micro_batch_size, strategy.rank, strategy.world_size):
+        batch = [t.to(strategy.device) for t in batch]
+        with strategy.autocast():
+            logps, _, numbers = sequence_logps(forward(model, batch), batch[1], batch[3])
+        table[numbers] = logps.double()
+    model.train(was_training)
+    return strategy.all_reduce(table).cpu()
+
+
+def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict, weights_fingerprint: str | None,
+                resuming: bool) -> dict[str, torch.Tensor]:
+    """{split: table} for the splits' rows, read from the cache or computed now (and cached by rank 0)."""
+    root = (Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()) / "reference"
+    entry = root / reference_key(cfg, weights_fingerprint)
+    tables = {}
+    for split, rows in splits.items():
+        file = entry / f"{split}.pt"
+        if file.is_file():
+            tables[split] = torch.load(file)
+            continue
+        if resuming:
+            raise ConfigError(f"objective.precompute_ref: the reference's log-probs of this run ({file}) are not in "
+                              "the cache, and a resumed policy is no longer the reference; resume where the cache "
+                              "is (data.cache_dir), or start the run again")
+        log.info(f"objective.precompute_ref: the reference's log-probs of {rows.n_pairs:,} {split} pairs, once")
+        tables[split] = reference_logps(model, strategy, rows, cfg.train.micro_batch_size)
+        if strategy.is_main:
+            entry.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_suffix(f".tmp{os.getpid()}")
+            torch.save(tables[split], tmp)
+            tmp.rename(file)  # whole or absent
+    strategy.barrier()
+    return tables
+
+
+def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_rows, val_rows,
+                    weights_fingerprint: str | None, resuming: bool):
+    """The run's objective; for dpo, with its reference (see the top)."""
+    o = cfg.objective
+    if ObjectiveName(o.name) is ObjectiveName.lm:
+        return NextToken()
+    if not o.precompute_ref:
+        return DirectPreference(o, Reference(autocast=strategy.autocast))
+    splits = {"train": train_rows, **({"val": val_rows} if val_rows is not None else {})}
+    tables = precomputed(cfg, model, strategy, splits, weights_fingerprint, resuming)
+    return DirectPreference(o, Reference(tables["train"]),
+                            {split: Reference(table) for split, table in tables.items()})
