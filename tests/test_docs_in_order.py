@@ -36,6 +36,8 @@ NOT_RUN = [
     (r"\.\.\.|outputs/20\d\d-", "a placeholder to fill in"),
     (r"&\s*(#.*)?$|\bkill\b|train\.max_steps=2000", "a run made to be stopped by a signal (tests/test_faults.py)"),
     (r"hydra/sweeper=optuna", "an Optuna search: six jobs (tests/test_launchers.py)"),
+    (r"model\.path=Qwen/|data\.path=HuggingFaceH4/", "downloads from the Hugging Face Hub (tests/test_first_contact.py "
+                                                       "trains from a Hub cache, offline)"),
 ]
 
 

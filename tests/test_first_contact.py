@@ -235,6 +235,9 @@ def test_hub_names_resolve_to_the_cache_and_a_missing_one_is_one_line(hf_assets,
                                      "revision": None}})
     resolve_names(cfg)
     assert (cfg.model.path, cfg.data.path) == (str(model), str(data))
+    from trainer.data.tokenized import data_files
+
+    assert data_files(data, "data.path")[1] == [data / "train.jsonl"]  # the train split, as load_dataset reads it
     local = OmegaConf.create({"model": {"kind": "hf", "path": str(model)}, "data": {"name": "hf", "path": "x/y.jsonl"}})
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "y.jsonl").write_text("{}\n")
@@ -266,9 +269,6 @@ def test_a_model_and_data_by_hub_names_train_from_the_cache_offline(hf_assets, t
         "data/test-00000-of-00001.jsonl": json.dumps({"text": "held out " * 400}) + "\n"})
     # HF_HUB_CACHE, where the caller's environment sets it, would win over HF_HOME: pointed at the same place
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HUB_OFFLINE": "1"}
-    from trainer.data.tokenized import data_files
-
-    assert data_files(snapshot, "data.path")[1] == [snapshot / "data/train-00000-of-00001.jsonl"]  # not the test split
     ckpt = tmp_path / "ckpt"
     result = run_cli("model=hf", "model.path=tiny-org/qwen2", "data=hf", "data.path=tiny-org/licenses",
                      "peft=lora", "train.max_steps=3", "model.seq_len=32", "train.micro_batch_size=4",
@@ -276,7 +276,7 @@ def test_a_model_and_data_by_hub_names_train_from_the_cache_offline(hf_assets, t
                      f"hydra.run.dir={tmp_path / 'run'}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "model.path: tiny-org/qwen2 is " in out and "data.path: tiny-org/licenses is " in out
+    assert "model.path: tiny-org/qwen2 is " in out and f"data.path: tiny-org/licenses is {snapshot}" in out
     assert "lr=0.0001 weight_decay=0 " in out
     done = next(line for line in out.splitlines() if "] done: 3 steps" in line)
     assert (f"; saved {ckpt / 'step_00000003'} (python -m trainer.export {ckpt} OUT_DIR writes the LoRA adapters "
