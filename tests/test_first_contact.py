@@ -5,6 +5,7 @@ the export command, and models and data by their Hugging Face Hub names."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -259,29 +260,41 @@ def test_hub_names_resolve_to_the_cache_and_a_missing_one_is_one_line(hf_assets,
 @pytest.mark.slow
 def test_a_model_and_data_by_hub_names_train_from_the_cache_offline(hf_assets, tmp_path):
     """model.path=org/name and data.path=org/name with HF_HUB_OFFLINE=1, from a cache filled in the
-    Hub's layout: the run trains LoRA from them (at LoRA's learning rate, said on the start line),
-    ends naming its checkpoint and the export command; a name the cache lacks is one line, exit 2."""
-    model = hf_assets.pretrained["qwen2"]
-    hub_cache(tmp_path / "hf", "tiny-org/qwen2", "model", {p.name: p for p in model.iterdir()})
-    lines = [json.dumps({"text": doc}) for doc in hf_assets.docs[:300]]
-    snapshot = hub_cache(tmp_path / "hf", "tiny-org/licenses", "dataset", {
-        "data/train-00000-of-00001.jsonl": "\n".join(lines) + "\n", "README.md": "---\nlicense: other\n---\n",
-        "data/test-00000-of-00001.jsonl": json.dumps({"text": "held out " * 400}) + "\n"})
+    Hub's layout: the run trains LoRA on chat data from them (at LoRA's learning rate, said on the
+    start line) with its own data.chat_template, ends naming its checkpoint and the export command,
+    whose adapter folder holds the tokenizer with that template; a name the cache lacks is one line."""
+    from transformers import AutoTokenizer
+
+    from examples.tiny_hf import CHAT_TEMPLATE as CHATML
+    from examples.tiny_hf import conversations, make_model_dir, train_chat_tokenizer, write_rows
+
+    tokenizer = train_chat_tokenizer(tmp_path / "chat_tokenizer", hf_assets.docs)
+    model = make_model_dir(tmp_path / "qwen2", "qwen2", weights=True, tokenizer=tokenizer)
+    hub_cache(tmp_path / "hf", "tiny-org/qwen2-chat", "model", {p.name: p for p in model.iterdir()})
+    rows = write_rows(tmp_path / "rows.jsonl", conversations(hf_assets.docs, n=120))
+    snapshot = hub_cache(tmp_path / "hf", "tiny-org/chats", "dataset", {
+        "data/train-00000-of-00001.jsonl": rows, "README.md": "---\nlicense: other\n---\n",
+        "data/test-00000-of-00001.jsonl": json.dumps({"messages": [{"role": "user"}]}) + "\n"})  # unreadable
+    template = tmp_path / "chatml.jinja"
+    template.write_text("{#- the run's own copy of ChatML -#}" + CHATML)
     # HF_HUB_CACHE, where the caller's environment sets it, would win over HF_HOME: pointed at the same place
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HUB_OFFLINE": "1"}
     ckpt = tmp_path / "ckpt"
-    result = run_cli("model=hf", "model.path=tiny-org/qwen2", "data=hf", "data.path=tiny-org/licenses",
-                     "peft=lora", "train.max_steps=3", "model.seq_len=32", "train.micro_batch_size=4",
-                     f"data.cache_dir={tmp_path / 'tokens'}", f"checkpoint.dir={ckpt}",
+    result = run_cli("model=hf", "model.path=tiny-org/qwen2-chat", "data=chat", "data.path=tiny-org/chats",
+                     f"data.chat_template={template}", "peft=lora", "train.max_steps=3", "model.seq_len=64",
+                     "train.micro_batch_size=4", f"data.cache_dir={tmp_path / 'tokens'}", f"checkpoint.dir={ckpt}",
                      f"hydra.run.dir={tmp_path / 'run'}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "model.path: tiny-org/qwen2 is " in out and f"data.path: tiny-org/licenses is {snapshot}" in out
+    assert "model.path: tiny-org/qwen2-chat is " in out and f"data.path: tiny-org/chats is {snapshot}" in out
     assert "lr=0.0001 weight_decay=0 " in out
     done = next(line for line in out.splitlines() if "] done: 3 steps" in line)
     assert (f"; saved {ckpt / 'step_00000003'} (python -m trainer.export {ckpt} OUT_DIR writes the LoRA adapters "
             "as a PEFT folder; with --merge, the merged model)") in done
     assert len([r for r in records(tmp_path / "run") if "loss" in r and "split" not in r]) == 1  # log_every=10: the last
+    exported = run_cli(str(ckpt), str(tmp_path / "adapters"), launcher=[sys.executable, "-m", "trainer.export"])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "adapters")).chat_template == template.read_text()
     missing = run_cli("model=hf", "model.path=tiny-org/absent", f"hydra.run.dir={tmp_path / 'run2'}", env=env)
     assert_refused(missing, "model.path: tiny-org/absent is not a local path", "has no copy of it",
                    "HF_HUB_OFFLINE=1 forbids a download")
