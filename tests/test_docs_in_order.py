@@ -3,7 +3,8 @@ tests/test_docs.py finds them), run one after another in one fresh directory tha
 files and no outputs yet. Each must exit 0 and none may say `nothing to do` (a page that reuses
 another's output dir resumes a finished run, or refuses to convert into an existing dir).
 
-The whole sequence takes far longer than a test should (dozens of trainings), so this runs the
+A page is a test, run in reading order in the same directory. The whole sequence takes far
+longer than a test should (dozens of trainings), so each page runs the
 first command of each shell block plus every command that reads what an earlier one wrote (it
 names a path that exists in the directory and is not a file of the clone): the chains of
 outputs between commands and pages are followed in full. What cannot run in a test at all is
@@ -15,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,28 +83,36 @@ def run(line: str, workdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", line], cwd=workdir, capture_output=True, text=True, env=env)
 
 
-@pytest.mark.slow
-def test_the_pages_commands_in_order_in_one_fresh_dir(tmp_path):
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """One fresh directory for every page, in order: a clone's files and no outputs yet."""
+    workdir = tmp_path_factory.mktemp("clone")
     for name in CLONE:
-        (tmp_path / name).symlink_to(REPO / name)
+        (workdir / name).symlink_to(REPO / name)
+    return workdir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PAGES)  # in this order, in the same directory (a page a test: each its own time)
+def test_a_pages_commands_after_the_pages_before_it(page, clone):
     ran, left_out, failures = [], [], []
-    for page in PAGES:
-        for block in blocks(REPO / page):
-            first = True
-            for n, line in block:
-                where = f"{page}:{n}"
-                why = why_not_run(line)
-                if why:
-                    left_out.append(f"{where}: {why}")
-                    continue
-                if not (first or reads_output(line, tmp_path)):
-                    continue
-                first = False
-                result = run(line, tmp_path)
-                ran.append(where)
-                said = result.stdout + result.stderr
-                if result.returncode != 0 or "nothing to do" in said:
-                    failures.append(f"{where}: {line.strip()}\n  exit {result.returncode}: {said.strip()[-1500:]}")
-    print(f"ran {len(ran)} commands; left out: " + "; ".join(left_out))
-    assert len(ran) >= 30, ran
+    for block in blocks(REPO / page):
+        first = True
+        for n, line in block:
+            where = f"{page}:{n}"
+            why = why_not_run(line)
+            if why:
+                left_out.append(f"{where}: {why}")
+                continue
+            if not (first or reads_output(line, clone)):
+                continue
+            first = False
+            started = time.monotonic()
+            result = run(line, clone)
+            ran.append(f"{where} ({time.monotonic() - started:.0f} s)")
+            said = result.stdout + result.stderr
+            if result.returncode != 0 or "nothing to do" in said:
+                failures.append(f"{where}: {line.strip()}\n  exit {result.returncode}: {said.strip()[-1500:]}")
+    print(f"\n{page}: ran {', '.join(ran) or 'nothing'}; left out: {'; '.join(left_out) or 'nothing'}", flush=True)
+    assert ran or page == "docs/benchmarks.md", f"{page}: no command ran"
     assert not failures, "\n".join(failures)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from trainer import settings
 from trainer.config import known_keys
 
@@ -23,13 +25,17 @@ def table_rows(text: str) -> dict[str, list[str]]:
     return out
 
 
-def test_the_page_is_the_generated_one():
-    generated = settings.page()
+@pytest.fixture(scope="module")
+def generated() -> str:
+    return settings.page()
+
+
+def test_the_page_is_the_generated_one(generated):
     assert PAGE.read_text() == generated, f"docs/settings.md is stale: {REGENERATE}"
 
 
-def test_every_setting_has_a_row_with_type_default_and_meaning():
-    rows = table_rows(settings.page())
+def test_every_setting_has_a_row_with_type_default_and_meaning(generated):
+    rows = table_rows(generated)
     keys = [k for k in known_keys() if not k.startswith("model.") or k.removeprefix("model.") != "args"]
     missing = [k for k in keys if k not in rows]
     assert not missing, f"settings with no row: {missing}"
@@ -39,10 +45,10 @@ def test_every_setting_has_a_row_with_type_default_and_meaning():
                              f"then {REGENERATE}: {unexplained}")
 
 
-def test_enum_values_and_group_defaults_are_read_from_the_code():
-    rows = table_rows(settings.page())
+def test_enum_values_and_group_defaults_are_read_from_the_code(generated):
+    rows = table_rows(generated)
     assert rows["train.precision"][1] == "one of `bf16`, `fp16`, `fp32`"
     assert rows["model.seq_len"][2] == "`64`"  # model=tiny's, the default preset, not the schema's
     assert rows["data.packing"][2] == "`true`"
     assert "`wsd`: warmup-stable-decay" in rows["optim.schedule"][3]  # the enum value's comment
-    assert "| `strategy=ddp` (default) |" in settings.page()
+    assert "| `strategy=ddp` (default) |" in generated
