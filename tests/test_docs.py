@@ -146,6 +146,9 @@ def override_sets(args: list[str]) -> list[list[str]]:
             skip = False
         elif a in HYDRA_FLAGS_WITH_VALUE:
             skip = True
+        elif a in ("--config-dir", "-cd"):  # the user's config groups: searched as Hydra does
+            overrides.append(f"hydra.searchpath=[file://{REPO / args[args.index(a) + 1]}]")
+            skip = True
         elif a in HYDRA_FLAGS or a == "...":
             continue
         elif a.startswith("-"):

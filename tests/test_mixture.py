@@ -3,6 +3,7 @@ the same at any world size and continues exactly on resume; counts per source in
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -166,13 +167,14 @@ def test_the_data_fingerprint_covers_the_sources_and_weights():
     from trainer.config import to_config
     from trainer.data import data_fingerprint
 
-    def cfg(weights):
+    def cfg(weights, val_path=None):
         return to_config(with_overrides(case("ddp"), data__name="mixture", data__sources=[
-            {"kind": "tokens", "path": "a.bin", "weight": weights[0]}, {"kind": "tokens", "path": "b.bin",
-                                                                         "weight": weights[1]}]))
+            {"kind": "tokens", "path": "a.bin", "weight": weights[0], "val_path": val_path},
+            {"kind": "tokens", "path": "b.bin", "weight": weights[1]}]))
 
-    saved = {"fingerprint": data_fingerprint(cfg((0.7, 0.3)))}
+    saved = {"fingerprint": json.loads(json.dumps(data_fingerprint(cfg((0.7, 0.3)))))}  # as a checkpoint holds it
     assert data_changes(saved, cfg((0.7, 0.3))) == []
+    assert data_changes(saved, cfg((0.7, 0.3), val_path="a_val.bin")) == []  # held-out data are not the samples
     assert data_changes(saved, cfg((0.5, 0.5)))[0].startswith("data.sources=")
 
 
@@ -232,14 +234,14 @@ def chat_and_text(tmp_path_factory):
 
 
 def mixture_case(data, strategy: str, **overrides) -> dict:
-    """Text and chat packed together, 0.7/0.3, 150 documents an epoch (about 4 steps of global batch
-    16), validation per source every 4 steps."""
+    """Text and chat packed together into rows of 128 tokens, 0.7/0.3, 80 documents an epoch (4 steps
+    of global batch 16), validation per source every 4 steps."""
     from examples.tiny_hf import VOCAB
 
     return with_overrides(case(strategy), **{
         "model__vocab_size": VOCAB, "data__name": "mixture", "data__tokenizer": str(data.tokenizer),
-        "data__cache_dir": str(data.cache), "data__epoch_samples": 150, "data__val_fraction": 0.05,
-        "eval__every_steps": 4, "eval__max_batches": 2, "train__micro_batch_size": 8,
+        "data__cache_dir": str(data.cache), "data__epoch_samples": 80, "data__val_fraction": 0.05,
+        "model__seq_len": 128, "eval__every_steps": 4, "train__micro_batch_size": 8,
         "data__sources": [{"kind": "hf", "path": str(data.text), "weight": 0.7},
                           {"kind": "chat", "path": str(data.chat), "weight": 0.3}], **overrides})
 
