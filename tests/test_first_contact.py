@@ -218,7 +218,7 @@ def hub_cache(home: Path, repo: str, kind: str, files: dict[str, Path | str]) ->
     return snapshot
 
 
-def test_hub_names_resolve_to_the_cache_and_a_missing_one_is_one_line(hf_assets, tmp_path, monkeypatch):
+def test_hub_names_resolve_to_the_cache_and_a_missing_one_is_one_line(hf_assets, tmp_path, monkeypatch, capsys):
     """In this process, with huggingface_hub's settings as HF_HOME and HF_HUB_OFFLINE=1 make them."""
     from huggingface_hub import constants
     from omegaconf import OmegaConf
@@ -255,6 +255,18 @@ def test_hub_names_resolve_to_the_cache_and_a_missing_one_is_one_line(hf_assets,
     cfg.model.path, cfg.model.revision = "tiny-org/qwen2", "v2"  # a revision the cache does not hold
     with pytest.raises(ConfigError, match="^model.path: tiny-org/qwen2@v2 is not a local path"):
         resolve_names(cfg)
+    # the planner reads the model's config from the cache, and no data (a name the cache lacks is no matter)
+    from trainer.plan import main as plan
+
+    capsys.readouterr()
+    plan(["model=hf", "model.path=tiny-org/qwen2", "data=chat", "data.path=tiny-org/absent", "plan.world_size=2"])
+    assert capsys.readouterr().out.startswith(f"{sum(p.numel() for p in model_parameters(model)):,} parameters")
+
+
+def model_parameters(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return list(AutoModelForCausalLM.from_pretrained(str(folder)).parameters())
 
 
 @pytest.mark.slow

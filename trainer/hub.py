@@ -74,10 +74,11 @@ def local_folder(name: str, key: str, repo_type: str = "model", revision: str | 
                               f"{' '.join(str(e).split())}") from None
 
 
-def resolve_names(cfg) -> None:
+def resolve_names(cfg, data_too: bool = True) -> None:
     """Replace the Hub names among the settings that name folders (model.path, data.path,
     data.val_path, data.tokenizer) with their snapshot folders, in `cfg` (Hydra's, which the ranks
-    get): everything after reads local files. `model.revision` / `data.revision` pick the revision."""
+    get): everything after reads local files. `model.revision` / `data.revision` pick the revision.
+    `data_too=False`: the model alone (the planner reads no data)."""
     model, data = cfg.model, cfg.data
     if model.get("kind") == "hf" and is_hub_name(model.get("path")):
         name = model.path
@@ -86,11 +87,9 @@ def resolve_names(cfg) -> None:
             raise ConfigError(f"model.path: the Hugging Face Hub repository {name} has no *.safetensors weights; "
                               "the trainer reads safetensors only")
         log.info(f"model.path: {name} is {model.path}")
-        if is_hub_name(data.get("tokenizer")):
-            data.tokenizer = local_folder(data.tokenizer, "data.tokenizer", "model")
-    elif is_hub_name(data.get("tokenizer")):
+    if data_too and is_hub_name(data.get("tokenizer")):  # a tokenizer's repository is a model repository
         data.tokenizer = local_folder(data.tokenizer, "data.tokenizer", "model")
-    if data.get("name") in ("hf", "chat"):
+    if data_too and data.get("name") in ("hf", "chat"):
         for key in ("path", "val_path"):
             if is_hub_name(data.get(key)):
                 name = data[key]

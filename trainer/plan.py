@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         check_overrides(overrides)
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
             composed = compose(config_name="config", overrides=overrides)
-        resolve_names(composed)  # model.path=org/name: its config from the Hugging Face cache (trainer/hub.py)
+        resolve_names(composed, data_too=False)  # model.path=org/name: its config from the HF cache (trainer/hub.py)
         cfg = to_config(composed)
         world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
         cfg.model = resolve_model(cfg.model)
