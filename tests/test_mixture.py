@@ -184,6 +184,8 @@ def token_files(tmp_path_factory):
     np.arange(2000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(root / "a.bin")
     np.arange(3000, dtype=np.uint16).__mod__(200).astype(np.uint16).tofile(root / "b.bin")
     np.zeros(10, dtype=np.uint16).tofile(root / "tiny.bin")
+    (root / "conf" / "data").mkdir(parents=True)
+    (root / "conf" / "data" / "mine.yaml").write_text("name: mixture\nsources:\n  - {kind: tokens, paht: a.bin}\n")
     return root
 
 
@@ -204,6 +206,8 @@ BAD_MIXTURES = {
                      "with no documents"),
     "mixed tokenizers": (["data=mixture", "data.sources=[{kind:text},{kind:hf,path:a.jsonl}]"],
                          "data.sources: mixed tokenizers"),
+    "a key in your own yaml": (["--config-dir", "{root}/conf", "data=mine"],
+                               "{root}/conf/data/mine.yaml: data.sources[0].paht: not a key of a source"),
     "sources elsewhere": (["data.sources=[{kind:text}]"], "data.sources: only read by data=mixture, not data=text"),
     "a path of its own": (["data=mixture", "data.path=a.bin", "data.sources=[{kind:text}]"],
                           "data.path: data=mixture reads each source's own"),

@@ -8,6 +8,7 @@ import dataclasses
 import typing
 from enum import Enum
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from trainer.config import (
@@ -242,6 +243,20 @@ def check_hydra_plugin(group: str, option: str) -> None:
                           f"pip install 'strategy-trainer[{extra}]'")
 
 
+def check_own_data_file(args: list[str], name: str) -> None:
+    """data=NAME from the user's --config-dir: its data.sources, which Hydra would refuse in several lines."""
+    import yaml
+
+    from trainer.data.mixture import check_source_nodes  # trainer.data imports this module
+
+    dirs = [a.split("=", 1)[1] for a in args if a.startswith(("--config-dir=", "-cd="))]
+    dirs += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config-dir", "-cd")]
+    for file in (Path(d) / "data" / f"{name}.yaml" for d in dirs):
+        node = yaml.safe_load(file.read_text()) if file.is_file() else None
+        if isinstance(node, dict) and "sources" in node:
+            check_source_nodes(node["sources"], f"{file}: data.sources")
+
+
 def check_overrides(overrides: list[str]) -> None:
     """Caught before Hydra, whose own messages are tracebacks or suggest adding a key with `+`: an
     override out of Hydra's grammar, a mistyped key (the closest valid one is named), a config
@@ -264,6 +279,8 @@ def check_overrides(overrides: list[str]) -> None:
             continue  # Hydra's own settings and groups (its plugins add launchers and sweepers)
         if "." not in key and not added:  # a config group choice
             allowed = _group_options(key) if own_groups else []
+            if key == "data" and not own_groups:
+                check_own_data_file(overrides, value)
         elif key == "data.sources":  # its elements, whose errors Hydra says in several lines
             check_sources_override(key, value)
             continue
