@@ -153,7 +153,7 @@ class Run:
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
         # Before a checkpoint is loaded: the policy as it starts is the reference (training/reference.py)
         self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
-                                         weights.fingerprint, resuming=resume_from is not None)
+                                         weights.fingerprint)
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,

@@ -8,7 +8,8 @@ is loaded into it, when the policy is still the reference:
   share; the table summed over ranks), kept as one table of log-probabilities by sequence number.
   The table is written to the token cache under a key of everything the reference's values
   follow from (the model and where its weights come from, the tokenised data, the precision), so
-  a resume, whose policy is no longer the reference, reads it back instead of recomputing it.
+  a resume reads it back instead of recomputing it; without the cache the pass runs again, on
+  the starting weights, which the model holds until the checkpoint is loaded after it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from torch import nn
 from trainer.config import Config, ObjectiveName, PeftName
 from trainer.data import data_fingerprint, eval_batches
 from trainer.data.tokenized import default_cache_dir
-from trainer.errors import ConfigError
 from trainer.log import log
 from trainer.models import description
 from trainer.strategies import Strategy
@@ -64,8 +64,8 @@ def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size
     return strategy.all_reduce(table).cpu()
 
 
-def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict, weights_fingerprint: str | None,
-                resuming: bool) -> dict[str, torch.Tensor]:
+def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict,
+                weights_fingerprint: str | None) -> dict[str, torch.Tensor]:
     """{split: table} for the splits' rows, read from the cache or computed now (and cached by rank 0)."""
     root = (Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()) / "reference"
     entry = root / reference_key(cfg, weights_fingerprint)
@@ -75,10 +75,6 @@ def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict,
         if file.is_file():
             tables[split] = torch.load(file)
             continue
-        if resuming:
-            raise ConfigError(f"objective.precompute_ref: the reference's log-probs of this run ({file}) are not in "
-                              "the cache, and a resumed policy is no longer the reference; resume where the cache "
-                              "is (data.cache_dir), or start the run again")
         log.info(f"objective.precompute_ref: the reference's log-probs of {rows.n_pairs:,} {split} pairs, once")
         tables[split] = reference_logps(model, strategy, rows, cfg.train.micro_batch_size)
         if strategy.is_main:
@@ -91,14 +87,15 @@ def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict,
 
 
 def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_rows, val_rows,
-                    weights_fingerprint: str | None, resuming: bool):
-    """The run's objective; for dpo, with its reference (see the top)."""
+                    weights_fingerprint: str | None):
+    """The run's objective; for dpo, with its reference (see the top). Called with the model as it
+    starts, before a checkpoint is loaded into it."""
     o = cfg.objective
     if ObjectiveName(o.name) is ObjectiveName.lm:
         return NextToken()
     if not o.precompute_ref:
         return DirectPreference(o, Reference(autocast=strategy.autocast))
     splits = {"train": train_rows, **({"val": val_rows} if val_rows is not None else {})}
-    tables = precomputed(cfg, model, strategy, splits, weights_fingerprint, resuming)
+    tables = precomputed(cfg, model, strategy, splits, weights_fingerprint)
     return DirectPreference(o, Reference(tables["train"]),
                             {split: Reference(table) for split, table in tables.items()})
