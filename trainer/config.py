@@ -219,12 +219,15 @@ class DataConfig:
     text_field: str = "text"  # hf only
     tokenizer: Optional[str] = None  # hf, chat: a tokenizer folder; None: model.path
     # hf: documents joined with EOS into seq_len windows; chat: whole conversations joined into rows
-    # of seq_len, attention kept within each. false: one padded row per document (hf, chat)
+    # of seq_len, attention kept within each; preference: whole pairs joined into rows of 2 x seq_len.
+    # false: one padded row per document (hf, chat), one pair per row (preference)
     packing: bool = True
-    chat_template: Optional[str] = None  # chat: a Jinja file; None: the tokenizer's own template
+    chat_template: Optional[str] = None  # chat, preference: a Jinja file; None: the tokenizer's own template
     train_on: TrainOn = TrainOn.assistant  # chat: the tokens that are targets
-    drop_long: bool = False  # chat, or hf unpacked: drop documents longer than seq_len + 1 tokens (else truncated)
-    bad_rows: BadRows = BadRows.error  # chat: a row that cannot be read stops the run, or is skipped and counted
+    # chat, preference, or hf unpacked: drop documents (pairs) longer than seq_len + 1 tokens (else truncated)
+    drop_long: bool = False
+    # chat, preference: a row that cannot be read stops the run, or is skipped and counted
+    bad_rows: BadRows = BadRows.error
     val_path: Optional[str] = None  # held-out data of the same kind as `path`
     val_fraction: float = 0.0  # or: hold out this fraction of `path`
     num_workers: int = 1  # background loader processes per rank (0: load in the training process)
