@@ -98,6 +98,9 @@ def test_each_sources_share_of_an_epoch_is_its_weight():
     for doc in docs:
         read[doc[0]] += len(doc)
     assert counts["tokens_by_source"] == {name: read[marker] for name, marker in MARKERS.items()}
+    # Packed across the mixture: rows hold whole documents of several sources.
+    mixed = [len({doc[0] for doc in documents_in([t[None] for t in rows[0, r]])}) > 1 for r in range(100)]
+    assert sum(mixed) > 50, sum(mixed)
     # The long source's documents are 100-128 tokens, 15x the short one's: its share of the tokens is far from 0.1.
     tokens = counts["tokens_by_source"]
     assert tokens["long"] / sum(tokens.values()) > 0.3
@@ -298,3 +301,17 @@ def test_a_resume_at_another_strategy_and_world_size_continues_exactly(mixture_r
     assert_resumes(resumed, saved, at=6, rtol=LOSS_RTOL)
     for key in ("samples_by_source", "tokens_by_source", "epoch"):
         assert [r[key] for r in resumed if "split" not in r] == [r[key] for r in saved if "split" not in r][6:], key
+
+
+def test_a_sources_own_validation_data_counts_as_validation_data():
+    from trainer.checks import validate
+    from trainer.config import to_config
+    from trainer.errors import ConfigError
+
+    def early_stop(val_path):
+        return to_config(with_overrides(case("ddp"), data__name="mixture", eval__early_stop_patience=2, data__sources=[
+            {"kind": "tokens", "path": "a.bin", "val_path": val_path}, {"kind": "tokens", "path": "b.bin"}]))
+
+    validate(early_stop("a_val.bin"))
+    with pytest.raises(ConfigError, match="there is no validation data"):
+        validate(early_stop(None))

@@ -116,7 +116,7 @@ def validate(cfg: Config) -> None:
              f"must be >= 0 (0: never stop early), got {cfg.eval.early_stop_patience}")
     _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
     for key, is_set in (("eval.early_stop_patience", cfg.eval.early_stop_patience), ("checkpoint.keep_best", c.keep_best)):
-        _require(not is_set or bool(d.val_path or d.val_fraction), key,
+        _require(not is_set or bool(d.val_path or d.val_fraction or any(s.val_path for s in d.sources)), key,
                  "compares validation losses, and there is no validation data: set data.val_fraction or data.val_path")
     _require(not (s.offload_params and name not in (StrategyName.fsdp, StrategyName.zero3)),
              "strategy.offload_params", f"only fsdp and zero3 shard parameters; strategy={name.value} "
