@@ -151,6 +151,7 @@ LORA = {"name": "lora", "r": 4, "alpha": 8.0}
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 # fp32 at 2 ranks against 1 with the same global batch (the bound)
 DPO_RTOL = 1e-6
+TRL_REWARD_ATOL = 2e-6
 REWARD_ATOL = 1e-5  # beta x the fp32 resolution of a log-prob summed over ~100 tokens
 
 
@@ -283,6 +284,9 @@ def test_dpo_agrees_with_trl_on_the_first_three_steps(pairs, tmp_path, loss):
     theirs = trl_records(pairs, rows, tmp_path / "trl", 3, lr, loss)
     assert len(ours) == len(theirs) == 3
     assert theirs[-1]["rewards/margins"] > 1e-3, "the policy must move for the comparison to mean anything"
-    for step, (mine, trl) in enumerate(zip(ours, theirs), 1):
-        for key in ("loss", *REWARDS):
-            assert math.isclose(mine[key], trl[key], rel_tol=1e-5, abs_tol=1e-7), (step, key, mine[key], trl[key])
+    # Rewards are beta x differences of log-probs summed over ~60 tokens in fp32, which packed rows
+    # and TRL's padded batch compute in other shapes: they agree to ~6e-7 (1e-5 of their size).
+    apart = [(step, key, mine[key], trl[key]) for step, (mine, trl) in enumerate(zip(ours, theirs), 1)
+             for key, rtol, atol in (("loss", 1e-5, 0.0), *((k, 1e-5, TRL_REWARD_ATOL) for k in REWARDS))
+             if not math.isclose(mine[key], trl[key], rel_tol=rtol, abs_tol=atol)]
+    assert not apart, apart
