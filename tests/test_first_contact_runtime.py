@@ -70,3 +70,61 @@ def test_the_sweep_tables_megabytes_are_the_recorded_bytes_over_a_million(tmp_pa
     header, row = summary_table(tmp_path).splitlines()
     assert "params MB" in header and "(what rank 0 holds; 1 MB = 10^6 bytes)" in header, header
     assert row.split()[-3:] == ["2.50", "1.25", "5.00"], row
+
+
+def test_builds_run_the_environments_own_ninja_whatever_path_says():
+    import os
+    import sysconfig
+    from pathlib import Path
+
+    from trainer.distributed import environment_ninja_first
+
+    scripts = sysconfig.get_path("scripts")
+    if not (Path(scripts) / "ninja").is_file():
+        pytest.skip("no ninja in this environment (DeepSpeed installs one)")
+    env = {"PATH": os.pathsep.join(["/usr/bin", "/bin"])}  # the venv's python run by path: its bin/ not on PATH
+    environment_ninja_first(env)
+    assert env["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"]
+    environment_ninja_first(env)  # once
+    assert env["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"]
+
+
+SETUP_BUILD = ("import trainer.distributed; from deepspeed.accelerator import get_accelerator; "
+               "get_accelerator().create_op_builder('ShareMemCommBuilder').load(verbose=False)")  # Makefile's CPU_OPS
+
+
+@pytest.mark.slow
+def test_the_setups_build_of_deepspeeds_op_is_the_one_a_run_in_the_activated_environment_uses(tmp_path):
+    """`make test`'s setup builds with the venv's python (its bin/ not on PATH); a later run in the
+    activated venv must find nothing to do: one ninja for both."""
+    import os
+    import sysconfig
+    from pathlib import Path
+
+    scripts = sysconfig.get_path("scripts")
+    if not (Path(scripts) / "ninja").is_file():
+        pytest.skip("no ninja in this environment (DeepSpeed installs one)")
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != scripts)
+    setup = subprocess.run([sys.executable, "-c", SETUP_BUILD], cwd=REPO, capture_output=True, text=True,
+                           env={**os.environ, "PATH": path, "DS_ACCELERATOR": "cpu",
+                                "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert setup.returncode == 0, setup.stderr[-3000:]
+    activated = subprocess.run(["ninja", "-n", "-d", "explain", "-C", str(tmp_path / "deepspeed_shm_comm")],
+                               capture_output=True, text=True, env={**os.environ, "PATH": scripts + os.pathsep + path})
+    assert "no work to do" in activated.stdout, activated.stdout + activated.stderr
+
+
+def test_a_profile_range_holds_both_of_its_ends_and_nothing_else(tmp_path):
+    """train.profile=2:3: steps 2 and 3, inclusive (docs/watching.md)."""
+    import torch
+
+    from trainer.training.steps import StepProfiler
+
+    profiler, x = StepProfiler("2:3", tmp_path, 0, torch.device("cpu")), torch.ones(8, 8)
+    for step in range(1, 5):
+        profiler.before(step)
+        x = x @ x / 8
+        profiler.after(step)
+    trace = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}

@@ -6,6 +6,7 @@ import random
 import re
 import socket
 import sys
+import sysconfig
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -24,6 +25,21 @@ if not torch.cuda.is_available():
 # DeepSpeed JIT-builds its ops into torch's extension cache, shared by every environment of a user
 # by default: two venvs rebuild each other's builds (a minute each). One cache per environment.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+
+def environment_ninja_first(environ) -> None:
+    """One ninja per environment too. torch runs the first `ninja` on PATH, and ninja versions keep
+    .ninja_log in formats the others do not take (1.11, a system's, writes v5; 1.13, the pip package
+    DeepSpeed installs, v7): 1.13 starts a v5 log over, 1.11 finds a v7 log's commands changed, and
+    either rebuilds the other's build whole (45 s for DeepSpeed's shared-memory op). `make test`'s
+    setup (the venv's python, its bin/ not on PATH) and a run in the activated venv used one each.
+    The environment's own ninja, where it has one, for every build."""
+    scripts = sysconfig.get_path("scripts")
+    if os.path.isfile(os.path.join(scripts, "ninja")) and environ.get("PATH", "").split(os.pathsep)[0] != scripts:
+        environ["PATH"] = scripts + os.pathsep + environ.get("PATH", "")
+
+
+environment_ninja_first(os.environ)
 DEVICE_VARIABLE = "TRAINER_DEVICE"  # the run's device type, set once and inherited by its ranks
 _own_variables: dict[str, str] = {}  # rank variables `init` set for a process alone
 
