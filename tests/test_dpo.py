@@ -204,16 +204,20 @@ def test_dpo_starts_at_ln2_and_two_ranks_equal_one_on_every_strategy(parity):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, first, then", [("lora", ("zero3", 2), ("ddp", 1)),
-                                               ("full", ("fsdp", 2), ("zero2", 1))])
-def test_dpo_resumes_under_another_strategy_and_world_size(pairs, tmp_path, kind, first, then):
-    """The reference is rebuilt (adapters off) or read back (precomputed): the uninterrupted run's losses."""
+@pytest.mark.parametrize("kind, first, then, cache", [("lora", ("zero3", 2), ("ddp", 1), "same"),
+                                                      ("full", ("fsdp", 2), ("zero2", 1), "same"),
+                                                      ("full", ("zero3", 2), ("fsdp", 1), "fresh")])
+def test_dpo_resumes_under_another_strategy_and_world_size(pairs, tmp_path, kind, first, then, cache):
+    """The reference is rebuilt (adapters off), read back (precomputed, in the cache), or computed
+    again without the cache, on the starting weights: the uninterrupted run's losses."""
     from tests.harness import assert_resumes, on_ranks, records, resuming, saving, train_cases
 
     (s1, w1), (s2, w2) = first, then
     ckpt = tmp_path / "ckpt"
     on_ranks(w1, train_cases, {"straight": saving(kind_case(pairs, kind, s1, w1, steps=4), ckpt, 2)}, str(tmp_path))
-    on_ranks(w2, train_cases, {"resumed": resuming(kind_case(pairs, kind, s2, w2, steps=4), ckpt, 2)}, str(tmp_path))
+    fresh = {"data__cache_dir": str(tmp_path / "fresh_cache")} if cache == "fresh" else {}
+    on_ranks(w2, train_cases, {"resumed": resuming(kind_case(pairs, kind, s2, w2, steps=4, **fresh), ckpt, 2)},
+             str(tmp_path))
     assert_resumes(records(tmp_path / "resumed"), records(tmp_path / "straight"), 2, kind, rtol=DPO_RTOL)
 
 
