@@ -36,7 +36,7 @@ def reset_peak_rss() -> None:
 
 def without_checksums() -> None:
     """The files written and read as with checksums, less the hashing and the verification."""
-    from trainer import checkpoint_format
+    from trainer.checkpoint import format as checkpoint_format
 
     class NoHash:
         def update(self, data) -> None:

@@ -303,7 +303,7 @@ def test_a_lora_checkpoint_on_a_base_with_other_values_is_refused_at_resume_and_
 
 def test_a_base_fingerprint_recorded_before_values_passes_on_the_same_layout_with_a_warning(phi3, tmp_path,
                                                                                              monkeypatch):
-    from trainer import checkpoint_format
+    from trainer.checkpoint import format as checkpoint_format
     from trainer.errors import CheckpointError
 
     said = []
