@@ -18,6 +18,7 @@ from examples.tiny_hf import (
     write_rows,
 )
 from tests.harness import case, refusal, with_overrides
+from tests.toys import Toy
 from trainer.data.preference import PairRows, PreferencePairs
 from trainer.data.sources import IGNORE_INDEX, Tokens
 
@@ -227,14 +228,54 @@ BAD = {
     "no chosen": (["objective=dpo", "objective.precompute_ref=true", "data=preference",
                    "data.path={root}/no_chosen.jsonl"],
                   ["data.path", "`chosen`", "prompt, chosen, rejected"]),
-    "full without precompute": (["objective=dpo", "data=preference", "data.path={root}/pairs.jsonl"],
-                                ["objective.precompute_ref", "full fine-tuning"]),
     "peft.init without precompute": (["objective=dpo", "data=preference", "data.path={root}/pairs.jsonl",
                                       "peft=lora", "peft.init={root}"], ["objective.precompute_ref", "peft.init"]),
     "beta": (["objective=dpo", "objective.beta=0", "data=preference", "data.path={root}/pairs.jsonl",
               "objective.precompute_ref=true"], ["objective.beta", "> 0"]),
     "loss": (["objective=dpo", "objective.loss=hinge"], ["objective.loss", "sigmoid", "ipo"]),
 }
+
+
+@pytest.fixture(scope="module")
+def frozen_copy_runs(pairs):
+    """Full fine-tuning against the frozen copy (no precompute_ref), at 1 rank (ddp) and on every
+    strategy at 2, beside the precomputed-reference run of the same settings at 1 rank."""
+    from tests.harness import on_ranks, train_cases
+
+    out = pairs.root / "frozen_copy"
+    copy = {"optim__lr": 1e-3}
+    on_ranks(1, train_cases, {"copy@1": dpo_case_of(pairs, "ddp", 1, **copy),
+                              "precomputed@1": kind_case(pairs, "full", "ddp", 1)}, str(out))
+    on_ranks(2, train_cases, {f"copy:{s}@2": dpo_case_of(pairs, s, 2, **copy) for s in STRATEGIES}, str(out))
+    return out
+
+
+def dpo_case_of(pairs, strategy: str, world: int, **overrides) -> dict:
+    """kind_case's settings (global batch 8, a quarter held out, 3 steps), without a peft or a reference choice."""
+    return dpo_case(pairs, strategy, steps=3, train__micro_batch_size=4 // world, train__grad_accum_steps=2,
+                    data__val_fraction=0.25, **overrides)
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_against_the_frozen_copy_gives_the_precomputed_runs_losses(frozen_copy_runs):
+    """ln 2 at step 1 with rewards 0, 2 ranks = 1 rank on every strategy, and the precomputed
+    reference's losses and rewards (the same starting model, held instead of tabled)."""
+    from tests.harness import records
+
+    base = records(frozen_copy_runs / "precomputed@1")
+    steps = [r for r in base if "split" not in r]
+    assert len(steps) == 3 and abs(steps[-1]["loss"] - math.log(2)) > 1e-4, "the policy must move"
+    runs = sorted(frozen_copy_runs.glob("copy*"))
+    assert len(runs) == 1 + len(STRATEGIES)
+    for run in runs:
+        rows = records(run)
+        assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and all(abs(rows[0][k]) < 1e-6 for k in REWARDS), \
+            (run.name, rows[0])
+        assert [r.get("split") for r in rows] == [r.get("split") for r in base], run.name
+        for mine, theirs in zip(rows, base):
+            assert math.isclose(mine["loss"], theirs["loss"], rel_tol=DPO_RTOL), (run.name, mine, theirs)
+            for key in REWARDS:
+                assert math.isclose(mine[key], theirs[key], abs_tol=REWARD_ATOL), (run.name, key, mine, theirs)
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -294,3 +335,98 @@ def test_dpo_agrees_with_trl_on_the_first_three_steps(pairs, tmp_path, loss):
              for key, rtol, atol in (("loss", 1e-5, 0.0), *((k, 1e-5, TRL_REWARD_ATOL) for k in REWARDS))
              if not math.isclose(mine[key], trl[key], rel_tol=rtol, abs_tol=atol)]
     assert not apart, apart
+
+
+class DroppingLM(Toy):
+    """The toy model with dropout at 0.5 on its embeddings, taking the position ids a forward passes."""
+
+    def forward(self, ids, position_ids=None):
+        return super().forward(ids)
+
+
+def dropping_lm(vocab: int = 64) -> DroppingLM:
+    return DroppingLM(vocab, 16, 2, 0.5, False, False, "SIGTERM", 0, False)
+
+
+def frozen_reference_facts(env) -> dict:
+    """Full fine-tuning's frozen reference on one rank: its log-probs on two calls, the policy's in
+    eval mode and in train mode, whether any of its parameters trains or is in the optimizer."""
+    from trainer.config import to_config
+    from trainer.distributed import seed_everything
+    from trainer.strategies import build_strategy
+    from trainer.training.loop import setup_model
+    from trainer.training.objectives import Reference, forward, sequence_logps
+    from trainer.training.reference import frozen_copy
+
+    model = {"name": "custom", "kind": "custom", "_target_": "tests.test_dpo.dropping_lm", "seq_len": 16,
+             "vocab_size": 64}
+    cfg = to_config({**with_overrides(case("ddp"), strategy__wrap=["ToyBlock"]), "model": model})
+    seed_everything(0)
+    strategy = build_strategy(cfg, env)
+    policy, optimizer, _, _ = setup_model(cfg, strategy)
+    frozen = frozen_copy(cfg, strategy)
+    ids = torch.arange(32).view(2, 16)
+    targets = ids.roll(-1, 1)
+    batch = (ids, targets, torch.arange(16).repeat(2, 1), torch.tensor([0, 1]).repeat_interleave(16).view(2, 16))
+    reference = Reference(frozen=frozen)
+    numbers = torch.tensor([0, 1])
+    policy.train()
+    twice = [reference.logps(policy, batch, numbers) for _ in range(2)]
+    with torch.no_grad():
+        in_train = [sequence_logps(forward(policy, batch), targets, batch[3])[0] for _ in range(2)]
+        policy.eval()
+        in_eval = sequence_logps(forward(policy, batch), targets, batch[3])[0]
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    facts = {"twice": twice, "in_train": in_train, "in_eval": in_eval, "training": frozen.training,
+             "trains": [n for n, p in frozen.named_parameters() if p.requires_grad],
+             "in_optimizer": [n for n, p in frozen.named_parameters() if id(p) in optimized]}
+    strategy.teardown()
+    return facts
+
+
+def test_the_frozen_reference_is_the_start_in_eval_mode_and_outside_the_optimizer():
+    """A model with dropout: the reference's log-probs are the same on two calls, and are the
+    starting policy's in eval mode (the policy's in train mode differ: the dropout is real)."""
+    from tests.harness import on_ranks
+
+    facts = on_ranks(1, frozen_reference_facts)[0]
+    assert not torch.equal(*facts["in_train"]), "dropout must change the policy's train-mode log-probs"
+    assert torch.equal(*facts["twice"]) and torch.equal(facts["twice"][0], facts["in_eval"]), facts
+    assert facts["training"] is False and facts["trains"] == [] and facts["in_optimizer"] == []
+
+
+def test_the_plan_counts_the_frozen_copy_and_rows_of_two_sequences():
+    """objective=dpo: activations of rows 2 x seq_len wide; full fine-tuning without precompute_ref
+    adds one model's parameters in the training dtype, sharded where the policy's are (fsdp, zero3);
+    precomputed log-probs and LoRA's adapters-off reference add none."""
+    from trainer.config import to_config
+    from trainer.memory import DTYPE_BYTES, activation_bytes
+    from trainer.models import model_facts
+    from trainer.plan import make_plan
+
+    base = {"train": {"precision": "bf16", "micro_batch_size": 2}}
+    dpo = {"objective": {"name": "dpo"}}
+    world = 4
+
+    def options(settings: dict) -> dict:
+        plan = make_plan(to_config(settings), world, 10 ** 12)
+        # parameters where they are held: on the device, or offloaded to the host
+        return plan, {(o.name, o.activation_checkpointing, o.offload):
+                      {**o.per_gpu_bytes, "params": o.per_gpu_bytes["params"] + o.host_bytes} for o in plan.options}
+
+    plan, lm = options(base)
+    _, copy = options({**base, **dpo})
+    _, precomputed = options({**base, "objective": {"name": "dpo", "precompute_ref": True}})
+    _, lora = options({**base, **dpo, "peft": {"name": "lora"}})
+    _, lora_lm = options({**base, "peft": {"name": "lora"}})
+    cfg = to_config(base)
+    facts = model_facts(cfg.model, cfg.strategy.wrap)
+    reference = DTYPE_BYTES[cfg.train.precision] * plan.params  # bf16: 2 bytes a parameter
+    for key, gpu in lm.items():
+        name, checkpointing, offload = key
+        sharded = name in ("fsdp", "zero3")
+        assert copy[key]["params"] - precomputed[key]["params"] == reference // (world if sharded else 1), key
+        assert precomputed[key]["params"] == gpu["params"] and lora[key]["params"] == lora_lm[key]["params"], key
+        two_rows = activation_bytes(2 * cfg.model.seq_len, facts.d_model, facts.n_layers, cfg.model.vocab_size, 2,
+                                    cfg.train.precision, checkpointing)
+        assert precomputed[key]["activations"] == two_rows > gpu["activations"], key

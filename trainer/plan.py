@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.config import Config, GradReduce, Precision, ReduceDtype, StrategyName
+from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
 from trainer.memory import DTYPE_BYTES, SHARDED, activation_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
@@ -132,7 +132,13 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
     trainable = n_params - frozen
     plan = Plan(n_params, trainable, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights,
                 cfg.plan.flops_per_s, cfg.plan.link_gbps, cfg.plan.pcie_gbps, memory_source=memory_source)
-    tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * m.seq_len
+    # objective=dpo: a row holds a pair's two sequences (2 x seq_len wide); full fine-tuning without
+    # precompute_ref holds a frozen copy of the model, its parameters in the training dtype, sharded
+    # where the policy's are (LoRA's reference is the base with the adapters off: nothing more)
+    dpo = ObjectiveName(cfg.objective.name) is ObjectiveName.dpo
+    row_len = m.seq_len * (2 if dpo else 1)
+    reference = n_params if dpo and not cfg.objective.precompute_ref and PeftName(cfg.peft.name) is PeftName.none else 0
+    tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * row_len
     # The decision order: cheaper in speed first; offload last of all.
     for offload in (False, True):
         for stage in STAGES:
@@ -141,12 +147,13 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
             for checkpointing in (False, True):
                 held = per_rank_bytes(stage, trainable, world_size, precision, master_weights=cfg.plan.master_weights,
                                       reduce_dtype=cfg.strategy.reduce_dtype)
-                held["params"] += DTYPE_BYTES[precision] * frozen // (world_size if "params" in SHARDED[stage] else 1)
+                held["params"] += DTYPE_BYTES[precision] * (frozen + reference) // (
+                    world_size if "params" in SHARDED[stage] else 1)
                 held["grads"] = peak_gradient_bytes(stage, held["grads"], trainable, t.grad_accum_steps,
                                                     cfg.strategy.grad_reduce, precision)
                 moved = OFFLOADED[stage] if offload else ()
                 gpu = {k: 0 if k in moved else v for k, v in held.items()}
-                gpu["activations"] = activation_bytes(m.seq_len, facts.d_model, facts.n_layers, m.vocab_size,
+                gpu["activations"] = activation_bytes(row_len, facts.d_model, facts.n_layers, m.vocab_size,
                                                       t.micro_batch_size, precision, checkpointing)
                 gpu["total"] = sum(gpu.values())
                 whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole

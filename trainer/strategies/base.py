@@ -15,7 +15,7 @@ from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError
-from trainer.models.weights import WeightSource, params_on_meta, persistent_buffers, tensor_shape
+from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
 OptimizerFactory = Callable[[list[tuple[nn.Parameter, tuple[int, ...]]]], torch.optim.Optimizer]
@@ -89,6 +89,16 @@ class Strategy(ABC):
               weights: WeightSource) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap/shard per block, give this rank's part of every parameter its values from
         `weights`, then build the optimizer over the parameters that train (`trainable`)."""
+
+    def setup_frozen(self, model: nn.Module, weights: WeightSource) -> nn.Module:
+        """A model that never trains (objective=dpo's reference under full fine-tuning), built in
+        `model_init_context` like the policy: frozen, held in the training dtype, filled from
+        `weights`, in eval mode, in no optimizer. Here replicated on every rank (ddp, zero1/2)."""
+        model.requires_grad_(False)
+        hold_in(model, DTYPES[self.precision], frozen_only=True)
+        allocate(model, self.device)
+        fill(model, weights)
+        return model.to(self.device).eval()  # .to: the buffers
 
     @property
     @abstractmethod

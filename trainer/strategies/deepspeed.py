@@ -40,6 +40,7 @@ class DeepSpeedStrategy(Strategy):
         self.ds_config = build_ds_config(cfg, env.world_size)
         self.stage = self.ds_config["zero_optimization"]["stage"]
         self.engine = None
+        self.frozen_engines = []  # setup_frozen's, destroyed with the policy's
         self.zero: ZeroPartitions | None = None  # the portable state of the engine's partitions, after setup
         self._coalescing = None
         self._gradient_peak = 0  # bytes of gradients at the end of autograd's pass (measure_memory)
@@ -72,6 +73,19 @@ class DeepSpeedStrategy(Strategy):
             self._set_masters(weights)
         follow_rank0_buffers(self.engine.module, self.device, self.world_size)
         return self.engine, ds_optimizer
+
+    def setup_frozen(self, model, weights):
+        if self.stage != 3:
+            return super().setup_frozen(model, weights)
+        # Partitioned by zero.Init as it was built, like the policy; each rank fills its partition.
+        # Its forward gathers each module's parameters: DeepSpeed's engine without an optimizer
+        # holds a ZeRO-3 model in DeepSpeedZeRoOffload, the hooks that do that (engine.py's
+        # _configure_zero_optimizer(None), DeepSpeed 0.19.8; TRL's reference under ZeRO-3 too).
+        model.requires_grad_(False)
+        fill(model, weights, partial(z3_local, rank=self.rank))
+        engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
+        self.frozen_engines.append(engine)
+        return engine.eval()
 
     @torch.no_grad()
     def _set_masters(self, weights: WeightSource) -> None:
@@ -230,6 +244,9 @@ class DeepSpeedStrategy(Strategy):
             scaler.cur_hysteresis = state.get("hysteresis", scaler.delayed_shift)  # from torch's: a fresh one
 
     def teardown(self):
+        for engine in self.frozen_engines:
+            engine.destroy()
+        self.frozen_engines = []
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None

@@ -12,7 +12,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from trainer.config import Precision, Sharding
 from trainer.models.blocks import find_blocks
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, REDUCE_DTYPES, follow_rank0_buffers, tensor_bytes, toggled
+from trainer.strategies.base import DTYPES, REDUCE_DTYPES, follow_rank0_buffers, hold_in, tensor_bytes, toggled
 from trainer.strategies.torch_native import TorchStrategy
 
 
@@ -50,6 +50,13 @@ class FSDPStrategy(TorchStrategy):
         fill(model, weights, lambda p: self.local_range(p)[:2])
         follow_rank0_buffers(model, self.device, self.world_size)
         return model
+
+    def setup_frozen(self, model, weights):
+        # sharded per block like the policy (its shards held in the training dtype), gathered per
+        # block in its forward
+        model.requires_grad_(False)
+        hold_in(model, DTYPES[self.precision], frozen_only=True)
+        return self.wrap(model, weights).eval()
 
     @property
     def module(self):

@@ -102,20 +102,22 @@ def adapters_off(model: nn.Module):
 
 class Reference:
     """The reference's log-probabilities of a micro-batch's sequences, by sequence number: the
-    policy's own model with its LoRA adapters off (`adapters=True`), or a table computed before
-    training (`table`, by sequence number of the split). Always in eval mode, never with gradients."""
+    policy's own model with its LoRA adapters off (neither `table` nor `frozen`), a table computed
+    before training (`table`, by sequence number of the split), or a frozen copy of the starting
+    model (`frozen`, from Strategy.setup_frozen). Always in eval mode, never with gradients."""
 
-    def __init__(self, table: torch.Tensor | None = None, autocast=nullcontext):
-        self.table, self.autocast = table, autocast
+    def __init__(self, table: torch.Tensor | None = None, autocast=nullcontext, frozen: nn.Module | None = None):
+        self.table, self.autocast, self.frozen = table, autocast, frozen
 
     @torch.no_grad()
     def logps(self, model: nn.Module, batch, numbers: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table.to(numbers.device)[numbers].float()
+        model, switch = (self.frozen, nullcontext()) if self.frozen is not None else (model, adapters_off(model))
         was_training = model.training
         model.eval()  # no dropout in the reference (trl#1652)
         try:
-            with adapters_off(model), self.autocast():
+            with switch, self.autocast():
                 logps, _, ref_numbers = sequence_logps(forward(model, batch), batch[1], batch[3])
         finally:
             model.train(was_training)

@@ -2,8 +2,11 @@
 is loaded into it, when the policy is still the reference:
 - LoRA without `peft.init`: the policy's own model with its adapters off, in eval mode, per
   micro-batch (no extra memory);
-- `objective.precompute_ref=true` (and the only way for full fine-tuning and for `peft.init`,
-  whose reference is the starting adapter): one pass of the policy as it starts, in eval mode
+- full fine-tuning: a frozen copy of the starting model (`frozen_copy`), held by the strategy as
+  it holds the policy's parameters (one more model's parameters in the training dtype, sharded
+  where the policy's are), forwarded per micro-batch;
+- `objective.precompute_ref=true` (and the only way for `peft.init`, whose reference is the
+  starting adapter): one pass of the policy as it starts, in eval mode
   and without gradients, over every pair of the training and validation rows (each rank its
   share; the table summed over ranks), kept as one table of log-probabilities by sequence number.
   The table is written to the token cache under a key of everything the reference's values
@@ -25,7 +28,7 @@ from trainer.config import Config, ObjectiveName, PeftName
 from trainer.data import data_fingerprint, eval_batches
 from trainer.data.tokenized import default_cache_dir
 from trainer.log import log
-from trainer.models import description
+from trainer.models import build_model, description, initial_weights
 from trainer.strategies import Strategy
 from trainer.training.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
 
@@ -86,6 +89,14 @@ def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict,
     return tables
 
 
+def frozen_copy(cfg: Config, strategy: Strategy) -> nn.Module:
+    """Full fine-tuning's reference: the starting model built again, from the same weights by the
+    same loader (model.path's files, or the seeded init), held as the strategy holds a model that
+    never trains (Strategy.setup_frozen: replicated, or sharded like the policy)."""
+    model = build_model(cfg.model, strategy.model_init_context())
+    return strategy.setup_frozen(model, initial_weights(cfg.model, model, cfg.train.seed, shape_of=strategy.full_shape))
+
+
 def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_rows, val_rows,
                     weights_fingerprint: str | None):
     """The run's objective; for dpo, with its reference (see the top). Called with the model as it
@@ -93,8 +104,10 @@ def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_row
     o = cfg.objective
     if ObjectiveName(o.name) is ObjectiveName.lm:
         return NextToken()
-    if not o.precompute_ref:
+    if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
         return DirectPreference(o, Reference(autocast=strategy.autocast))
+    if not o.precompute_ref:
+        return DirectPreference(o, Reference(autocast=strategy.autocast, frozen=frozen_copy(cfg, strategy)))
     splits = {"train": train_rows, **({"val": val_rows} if val_rows is not None else {})}
     tables = precomputed(cfg, model, strategy, splits, weights_fingerprint)
     return DirectPreference(o, Reference(tables["train"]),
