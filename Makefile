@@ -10,7 +10,8 @@ ARGS ?=
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
 # the test setup instead, where there is no CUDA (the build lands in the venv's torch_extensions/,
-# where trainer.distributed points DeepSpeed); a training run builds them at first use.
+# where trainer.distributed points DeepSpeed, built with the venv's ninja as a run's are); a
+# training run builds them at first use.
 CPU_OPS := import trainer.distributed, torch; from deepspeed.accelerator import get_accelerator; torch.cuda.is_available() or [get_accelerator().create_op_builder(name).load(verbose=False) for name in ("ShareMemCommBuilder", "CPUAdamBuilder")]
 
 setup: $(VENV)/.dev

@@ -22,6 +22,14 @@ def assert_trained(run_dir, strategy: str, stdout: str) -> None:
     assert [r["step"] for r in records(run_dir)] == [2, 4]
 
 
+def assert_no_compiler_probes(run_dir, *outputs: str) -> None:
+    """DeepSpeed's probe for libaio (`deepspeed.init_distributed` compiles and links a test
+    program) is logged by setuptools' compiler at INFO: kept off the console and trainer.log under
+    every launcher, as under nproc."""
+    for text in (*outputs, (Path(run_dir) / "trainer.log").read_text()):
+        assert "compilers.C" not in text and "a.out" not in text, text[-3000:]
+
+
 @pytest.mark.slow
 def test_torchrun_two_nodes_on_one_machine(tmp_path):
     port = str(distributed.free_port())
@@ -34,6 +42,7 @@ def test_torchrun_two_nodes_on_one_machine(tmp_path):
     outputs = [node.communicate(timeout=600) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert_trained(tmp_path, "zero3", outputs[0][0])
+    assert_no_compiler_probes(tmp_path, *outputs[0], *outputs[1])
 
 
 @pytest.mark.slow
@@ -53,6 +62,7 @@ def test_accelerate_deepspeed_config_chooses_the_strategy_unless_told_otherwise(
     result = run_cli(*SHORT, f"hydra.run.dir={tmp_path / 'follows'}", launcher=launcher)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_trained(tmp_path / "follows", "zero3", result.stdout)
+    assert_no_compiler_probes(tmp_path / "follows", result.stdout, result.stderr)
     conflict = run_cli("strategy=fsdp", *SHORT, f"hydra.run.dir={tmp_path / 'conflict'}", launcher=launcher)
     assert conflict.returncode != 0  # each rank exits 2; accelerate launch itself exits 1
     assert "strategy=fsdp" in conflict.stderr and "accelerate config says zero3" in conflict.stderr
@@ -81,6 +91,7 @@ def test_deepspeed_launcher_local_rank_argument(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--local_rank=0" in result.stdout + result.stderr  # the launcher did append it
     assert_trained(tmp_path, "zero2", result.stdout)
+    assert_no_compiler_probes(tmp_path, result.stdout, result.stderr)
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@ The trainer's own lines (`[trainer] ...`) come from rank 0, on its console and i
 (Hydra's job log, which the launching process writes too). Other ranks print warnings only.
 Third-party chatter is held to `log_level` (default warning): each Python warning is shown
 once per run, by rank 0; DeepSpeed's, torch's and the Hugging Face libraries' loggers log at
-that level; DeepSpeed's bare prints are dropped below info.
+that level; DeepSpeed's bare prints are dropped below info. So is setuptools' compiler logger
+(`compilers`), which logs each command of DeepSpeed's probe for libaio (`deepspeed.init_distributed`
+compiles and links a test program) at INFO: under an external launcher every rank runs Hydra,
+whose logging setup shows INFO (under nproc the ranks do not, which is why they were quiet).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Iterator, NoReturn
 from trainer.errors import ERROR_EXIT_CODE
 
 log = logging.getLogger("trainer")
-THIRD_PARTY = ("DeepSpeed", "torch", "transformers", "datasets", "accelerate")
+THIRD_PARTY = ("DeepSpeed", "torch", "transformers", "datasets", "accelerate", "compilers")
 _chatter_level = logging.WARNING
 _show_warning = warnings.showwarning
 _warnings_shown: set[tuple[type, str]] = set()
