@@ -85,7 +85,8 @@ class DeepSpeedStrategy(Strategy):
         fill(model, weights, partial(z3_local, rank=self.rank))
         engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
         self.frozen_engines.append(engine)
-        return engine.eval()
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
 
     @torch.no_grad()
     def _set_masters(self, weights: WeightSource) -> None:
