@@ -431,3 +431,14 @@ def test_the_plan_counts_the_frozen_copy_and_rows_of_two_sequences():
         two_rows = activation_bytes(2 * cfg.model.seq_len, facts.d_model, facts.n_layers, cfg.model.vocab_size, 2,
                                     cfg.train.precision, checkpointing)
         assert precomputed[key]["activations"] == two_rows > gpu["activations"], key
+
+
+def test_a_reference_with_no_adapters_to_switch_off_is_an_error_not_the_policy():
+    # Neither a table nor a frozen copy, and no LoRA layers: "adapters off" would be the policy
+    # itself, and the loss would stay at ln 2 without a word (as zero3's copy once did).
+    from torch import nn
+
+    from trainer.training.objectives import Reference
+
+    with pytest.raises(RuntimeError, match="no LoRA layers"):
+        Reference().logps(nn.Linear(2, 2), (torch.zeros(1, 2, dtype=torch.long),) * 4, torch.zeros(1))

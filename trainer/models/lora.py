@@ -242,6 +242,8 @@ def adapters_disabled(model: nn.Module):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:  # the reference would silently be the policy itself (the loss stays at ln 2)
+        raise RuntimeError("the reference with adapters off: this model has no LoRA layers")
     for layer in layers:
         layer._disable_adapters = True
     try:
