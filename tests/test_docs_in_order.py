@@ -44,7 +44,8 @@ NOT_RUN = [
 
 
 def why_not_run(line: str) -> str | None:
-    return next((why for pattern, why in NOT_RUN if re.search(pattern, line.strip())), None)
+    command = re.split(r"\s#", line.strip(), maxsplit=1)[0]  # a comment's `...` is no placeholder
+    return next((why for pattern, why in NOT_RUN if re.search(pattern, command)), None)
 
 
 def blocks(page: Path) -> list[list[tuple[int, str]]]:
