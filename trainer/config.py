@@ -278,7 +278,7 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # where step dirs go (multi-node: on storage every node sees); None: no saves
-    every_steps: int = 0  # 0: only after the last step (when there is validation data)
+    every_steps: int = 0  # save every N steps; 0: the last step only (always saved when dir is set)
     keep_last: int = 2  # step dirs kept, newest first; 0: keep all
     keep_best: int = 0  # also keep the N checkpoints with the lowest val loss (saved at evaluation steps)
     resume: str = "auto"  # auto | none | PATH
