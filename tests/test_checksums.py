@@ -37,6 +37,7 @@ def verify_cli(path: Path, capsys) -> tuple[int, str]:
     return e.value.code, out.out + out.err
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_a_flipped_byte_is_found_skipped_by_auto_and_refused_everywhere_else(tmp_path, capsys):
     ckpt, step6 = tmp_path / "ckpt", tmp_path / "ckpt" / "step_00000006"
     result = run_cli(*FLAGS, f"checkpoint.dir={ckpt}", "train.max_steps=6", f"hydra.run.dir={tmp_path / 'straight'}")

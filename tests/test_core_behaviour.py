@@ -49,7 +49,8 @@ def gradient_collectives_per_micro_step(env, strategy_name: str) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero1", marks=pytest.mark.slow), "zero2",
+                                      pytest.param("zero3", marks=pytest.mark.slow)])  # the quick suite: one DeepSpeed stage
 def test_micro_steps_issue_no_gradient_collective_before_the_final_micro_step(strategy):
     counts = on_ranks(2, gradient_collectives_per_micro_step, strategy)
     for rank, per_step in counts.items():
@@ -74,7 +75,7 @@ def block_forwards_per_step(env, strategy_name: str) -> dict[bool, int]:
     return calls
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_activation_checkpointing_recomputes_every_block(strategy):
     calls = on_ranks(2, block_forwards_per_step, strategy)[0]
     assert calls[False] == 2  # tiny: 2 blocks, one forward each

@@ -385,6 +385,7 @@ def frozen_reference_facts(env) -> dict:
     return facts
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_the_frozen_reference_is_the_start_in_eval_mode_and_outside_the_optimizer():
     """A model with dropout: the reference's log-probs are the same on two calls, and are the
     starting policy's in eval mode (the policy's in train mode differ: the dropout is real)."""

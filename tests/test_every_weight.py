@@ -163,6 +163,7 @@ def start_values():
     return model
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_frozen_parameters_save_resume_anywhere_and_never_change(toy_runs):
     from trainer.checkpoint.format import PieceReader, read_manifest
 
@@ -189,6 +190,7 @@ def buffers_at(path) -> dict[str, torch.Tensor]:
     return {name: PieceReader(path, manifest).read_full(f"buffer.{name}") for name in manifest["buffers"]}
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_persistent_buffers_are_saved_restored_under_another_strategy_and_exported(toy_runs, tmp_path):
     from safetensors.torch import load_file
 
@@ -220,6 +222,7 @@ def dropout_case(**overrides) -> dict:
     return cfg
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_a_model_with_dropout_resumes_bit_exact(tmp_path):
     # A resume makes a new loader iterator, which must not draw from the RNG dropout draws from.
     straight, resumed = train_and_resume(1, dropout_case(), tmp_path, at=3)

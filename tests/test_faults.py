@@ -151,6 +151,7 @@ def faulty_case(strategy: str, nan_steps: list[int], **overrides) -> dict:
     return cfg
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank_and_never_saved(tmp_path):
     configs = {name: faulty_case(name, [3], checkpoint__dir=str(tmp_path / name / "ckpt"))
                for name in ("fsdp", "zero2", "zero3")}

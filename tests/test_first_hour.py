@@ -79,6 +79,7 @@ def test_the_log_is_the_programs_and_the_start_line_says_what_runs(tmp_path):
     assert all(line.startswith("[trainer]") for line in result.stdout.splitlines() if line.strip())
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_a_context_longer_than_learned_positions_is_refused_and_warned_for_computed_ones(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -80,6 +80,7 @@ def core(phi3, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_lora_at_two_ranks_matches_one_rank(core):
     base = losses(core / "ddp@1")
     assert base[-1] < base[0] - 0.01, f"the adapters must learn: {base}"
@@ -87,6 +88,7 @@ def test_lora_at_two_ranks_matches_one_rank(core):
         assert_close(losses(core / strategy), base, strategy)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_anywhere(core, phi3):
     path = core / "ckpt_zero3" / "step_00000004"
     manifest = read_manifest(path)
@@ -101,6 +103,7 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_anywhere(core, p
         assert_resumes(records(core / resumed), records(core / "zero3"), at=4, what=resumed, rtol=LOSS_RTOL)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_only_the_adapters_have_gradients_and_optimizer_state_and_the_plan_counts_them(core, phi3):
     """bf16 at 2 ranks: the frozen base is held in bf16 with no gradient and no optimizer state,
     the adapters in fp32 (DDP, FSDP2) or bf16 with an fp32 master (ZeRO); the plan's bytes match."""
@@ -157,6 +160,7 @@ def dtypes_after_setup(env, cfg: dict) -> dict:
     return out
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_under_bf16_the_base_is_bf16_and_the_adapters_keep_fp32(phi3, strategy):
     cfg = lora_case(phi3, strategy, 2, train__precision="bf16")
@@ -201,6 +205,7 @@ def trainer_logits(env, step: str, cfg: dict, ids):
     return logits
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_export_gives_a_peft_folder_and_a_merged_model_with_the_trained_logits(exported, phi3):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -219,6 +224,7 @@ def test_export_gives_a_peft_folder_and_a_merged_model_with_the_trained_logits(e
         assert not torch.allclose(plain(ids).logits, expected, atol=1e-3)  # the adapters changed the model
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_peft_init_continues_an_adapter_folder(exported, phi3, tmp_path):
     """A run from the exported adapters at lr 0 saves exactly those adapters again."""
     from safetensors.torch import load_file
@@ -236,6 +242,7 @@ def test_peft_init_continues_an_adapter_folder(exported, phi3, tmp_path):
     assert any(v.abs().sum() > 0 for k, v in first.items() if ".lora_B." in k)  # trained, not a fresh start
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_bad_lora_settings_are_refused_before_any_rank_starts(phi3, core, tmp_path):
     model = [f"model.path={phi3}", "model=hf", "peft=lora", "data=synthetic", f"model.seq_len={SEQ}"]
     message = refusal(tmp_path / "run", *model, "peft.target_modules=[q_proj]")
@@ -281,6 +288,7 @@ def layout_fingerprint(path: Path) -> str:
                                      sort_keys=True).encode()).hexdigest()[:16]
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_a_lora_checkpoint_on_a_base_with_other_values_is_refused_at_resume_and_merge(core, phi3, tmp_path):
     """A fine-tuned variant of the base: the same names, shapes, dtypes and file sizes, other values."""
     from tests.harness import assert_refused

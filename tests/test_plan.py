@@ -123,6 +123,7 @@ def test_runtime_bytes_agree_with_the_plan(runtime_bytes, strategy):
         print(f"{strategy}@{RUNTIME_WORLD} {key}: runtime/plan = {got[key] / expected[key]:.4f}")
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_strategy_auto_plans_logs_and_trains_with_its_choice(tmp_path):
     result = run_cli("strategy=auto", "plan.gpu_memory_gb=0.005", "nproc=2", "train.max_steps=2", "train.log_every=1",
                      f"hydra.run.dir={tmp_path}")

@@ -70,6 +70,7 @@ def logged(tmp_path_factory):
     return run, steps, vals, rows[-1]
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_tensorboard_has_the_records_the_config_and_the_summary(logged):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -86,6 +87,7 @@ def test_tensorboard_has_the_records_the_config_and_the_summary(logged):
     assert hparams.PluginTagToContent("hparams")
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_mlflow_has_the_records_the_params_and_the_summary(logged):
     run, steps, vals, end = logged
     client, [found] = mlflow_runs(run)
@@ -97,6 +99,7 @@ def test_mlflow_has_the_records_the_params_and_the_summary(logged):
     assert found.info.status == "FINISHED"
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_wandb_offline_files_have_the_records_the_config_and_the_summary(logged):
     run, steps, vals, end = logged
     [run_file] = run.glob("wandb/offline-run-*/run-*.wandb")
@@ -126,6 +129,7 @@ def wandb_exit_code(run_file: Path) -> int:
     return exit_record.exit_code
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_a_run_stopped_by_too_many_bad_steps_closes_every_logger_as_failed(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -146,6 +150,7 @@ def test_a_run_stopped_by_too_many_bad_steps_closes_every_logger_as_failed(tmp_p
     assert wandb_exit_code(run_file) == 2  # the run's own exit code
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_jsonl_ends_with_the_summary(logged):
     _, steps, vals, end = logged
     assert end == {"event": "end", "step": 6, "loss": steps[6]["loss"], "tokens": steps[6]["tokens"],
@@ -213,6 +218,7 @@ def counted_training_flops_per_token(overrides: dict | None = None) -> float:
 MFU_FLOPS_RTOL = 0.02
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_mfu_follows_the_flops_and_the_peak(tmp_path):
     result = run_cli("nproc=2", "train.max_steps=4", "train.log_every=2", "train.peak_flops=1e12",
                      f"hydra.run.dir={tmp_path}")
@@ -234,6 +240,7 @@ LORA_FLOPS_RTOL = 0.06
 LORA = {"name": "lora", "r": 4, "alpha": 8.0}
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_lora_mfu_leaves_out_the_frozen_bases_weight_gradients(tmp_path):
     counted = counted_training_flops_per_token({"peft": LORA})
     assert counted < 0.8 * counted_training_flops_per_token()

@@ -15,6 +15,7 @@ def schema():
     register_configs()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the jobs' combinations are checked in the quick suite
 def test_a_sweep_whose_second_job_is_invalid_starts_no_job(tmp_path):
     """fsdp offloads its optimizer, ddp cannot: refused before the fsdp job trains."""
     result = run_cli("-m", "strategy=fsdp,ddp", "strategy.offload_optimizer=true", f"hydra.sweep.dir={tmp_path / 'sweep'}",

@@ -150,6 +150,7 @@ def normalisation(hf_assets, tmp_path_factory):
     return out, cfgs
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 @pytest.mark.parametrize("run", ["4x2", "2 ranks x4"])
 def test_loss_over_the_steps_target_tokens_is_the_same_at_any_split(normalisation, run):
     out, _ = normalisation
@@ -162,6 +163,7 @@ def test_loss_over_the_steps_target_tokens_is_the_same_at_any_split(normalisatio
     assert norms[run] == pytest.approx(norms["1x8"], rel=1e-5)
 
 
+@pytest.mark.slow  # with the parity above, whose runs it reads
 def test_a_mean_per_micro_batch_would_be_measurably_different(normalisation):
     """On the same first step, the 2024 accumulation bug (mean per micro-batch, then averaged)
     gives another loss than the trainer logs; the parity above can therefore fail."""

@@ -255,6 +255,7 @@ def test_pretrained_weights_give_the_models_own_first_loss_and_survive_lr_0(from
         assert torch.equal(exported[key], value), key
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
 def test_the_planner_counts_hf_and_custom_models_on_meta(hf_assets):
     from transformers import AutoModelForCausalLM
 
