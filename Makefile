@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup train test test-all lint bench soak clean
+.PHONY: setup train test test-all test-docs lint bench soak clean
 
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
@@ -31,10 +31,13 @@ train: $(VENV)/.core
 	$(PY) -m trainer $(ARGS)
 
 test: setup  # every unit test, one multi-process run of each strategy, parity and resume (minutes)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not docs_in_order"
 
 test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults); what CI runs
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not docs_in_order"
+
+test-docs: setup  # the docs' commands in reading order in one fresh dir, as a new user runs them (tests/test_docs_in_order.py)
+	$(PY) -m pytest -q -p no:cacheprovider -m docs_in_order
 
 lint: setup  # pyflakes, bugbear, import order ([tool.ruff] in pyproject.toml); CI runs it first
 	$(VENV)/bin/ruff check trainer tests bench examples

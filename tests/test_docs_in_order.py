@@ -96,7 +96,7 @@ def clone(tmp_path_factory) -> Path:
 BLOCKS = [(page, block) for page in PAGES for block in blocks(REPO / page)]
 
 
-@pytest.mark.slow
+@pytest.mark.docs_in_order
 @pytest.mark.parametrize("page,block", BLOCKS, ids=[f"{page}:{block[0][0]}" for page, block in BLOCKS])
 def test_a_blocks_commands_after_those_before_it(page, block, clone):
     """The blocks in reading order, in the same directory: a block a test, each its own time."""
