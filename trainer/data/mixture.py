@@ -47,6 +47,7 @@ from trainer.data.sources import (
     TokenWindows,
     as_long,
     document_spans,
+    packed_row_starts,
     text_tokens,
     token_file,
 )
@@ -382,14 +383,7 @@ class MixtureRows(Dataset):
         for i, s in enumerate(self.sources):
             mine = source == i
             widths[mine] = s.spans[document[mine], 1] - s.spans[document[mine], 0] - 1
-        row_starts, used = [0], 0
-        for k, width in enumerate(widths.tolist()):
-            if used + width > self.seq_len:
-                row_starts.append(k)
-                used = 0
-            used += width
-        row_starts.append(len(widths))
-        return EpochPlan(source, document, np.asarray(row_starts, dtype=np.int64))
+        return EpochPlan(source, document, np.asarray(packed_row_starts(widths.tolist(), self.seq_len), dtype=np.int64))
 
     def rows_in(self, epoch: int) -> int:
         return len(self.plan(epoch).row_starts) - 1

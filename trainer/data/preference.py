@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from trainer.data.chat import Conversations
-from trainer.data.sources import DocumentRows, Tokens
+from trainer.data.sources import DocumentRows, Tokens, packed_row_starts
 from trainer.data.tokenized import BadRow, Document
 from trainer.errors import ConfigError
 
@@ -124,13 +124,7 @@ class PairRows(DocumentRows):
         self.spans = np.stack([starts, ends], axis=1).reshape(-1, 2, 2)  # [pair, chosen|rejected, start|end]
         self.long, self.untargeted = int(pair_long.sum()), int((~pair_targeted).sum())
         widths = (ends - starts - 1).reshape(-1, 2).sum(1)[self.pairs]  # the positions a pair fills
-        self.row_starts, used = [0], 0
-        for i, width in enumerate(widths):
-            if i and (not packing or used + width > 2 * seq_len):
-                self.row_starts.append(i)
-                used = 0
-            used += width
-        self.row_starts.append(len(widths))
+        self.row_starts = packed_row_starts(widths.tolist(), 2 * seq_len) if packing else list(range(len(widths) + 1))
 
     def __len__(self) -> int:
         return len(self.row_starts) - 1

@@ -158,6 +158,19 @@ class Documents(DocumentRows):
         return x, y
 
 
+def packed_row_starts(widths: list[int], capacity: int) -> list[int]:
+    """Padding-free packing, in order: the first item of each row (a new row where the next item's
+    width no longer fits in `capacity` positions), then len(widths), one more than the rows."""
+    starts, used = [0], 0
+    for i, width in enumerate(widths):
+        if i and used + width > capacity:
+            starts.append(i)
+            used = 0
+        used += width
+    starts.append(len(widths))
+    return starts
+
+
 class PackedDocuments(DocumentRows):
     """Padding-free: whole documents (each cut to `seq_len + 1` tokens) joined in order into rows
     of `seq_len`, a new row when the next one does not fit; only a row's tail is padding. The
@@ -167,14 +180,7 @@ class PackedDocuments(DocumentRows):
     def __init__(self, tokens: Tokens, seq_len: int, vocab_size: int, pad_id: int, drop_long: bool = False):
         super().__init__(tokens, seq_len, vocab_size, pad_id, drop_long)
         # A document of n tokens fills n - 1 positions (inputs; targets are the next tokens).
-        widths = self.spans[:, 1] - self.spans[:, 0] - 1
-        self.row_starts, used = [0], 0  # the first document of each row
-        for i, width in enumerate(widths):
-            if used + width > seq_len:
-                self.row_starts.append(i)
-                used = 0
-            used += width
-        self.row_starts.append(len(widths))
+        self.row_starts = packed_row_starts((self.spans[:, 1] - self.spans[:, 0] - 1).tolist(), seq_len)
 
     def __len__(self) -> int:
         return len(self.row_starts) - 1
