@@ -147,6 +147,7 @@ class StrategyConfig:
     deepspeed_config: Optional[str] = None  # a ds_config.json merged under ours (zero1/2/3)
     grad_reduce: GradReduce = GradReduce.step  # with grad_accum_steps > 1: when gradients are reduced
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # the dtype gradients are reduced in, on every backend
+    sp: int = 1  # sequence parallelism: ranks that split each sequence (Ulysses attention); the world is dp x sp
 
 
 @dataclass
@@ -270,6 +271,7 @@ class TrainConfig:
     log_every: int = 10  # a step record (metrics.jsonl, the loggers, the bar) every N steps
     device: Device = Device.auto
     compile: bool = False  # torch.compile each block (regional), before sharding
+    fused_loss: bool = False  # the output layer and cross-entropy in chunks: no [tokens, vocab] logits are held
     peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16/fp16 peak, else (fp32) no mfu
     profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
     max_bad_steps: int = 10  # steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run

@@ -1,0 +1,106 @@
+"""Ulysses sequence parallelism (`strategy.sp=N`): the attention of one sequence split over N ranks.
+
+Each rank of a sequence-parallel group holds `seq_len / N` consecutive tokens of the same samples
+(consecutive ranks form a group: DeepSpeed's layout). Everything but attention is per token and
+runs on the local tokens alone. Attention needs the whole sequence: before it, an all-to-all
+trades the sequence for heads (each rank gets every token of `heads / N` heads), attention runs
+on the whole sequence of those heads, and a second all-to-all trades back. Both are autograd
+all-to-alls, so each rank's gradients are those of its own tokens' loss and the backends'
+average over all ranks (dp x sp) gives the gradient of the global mean: no backend is told.
+
+Who calls what:
+- the loop enters `sharded(group, position_ids)` around a micro-batch's forward, with the whole
+  rows' position ids (None: plain causal rows);
+- a model's attention calls `attention(q, k, v)` where it would call SDPA: the built-in model,
+  Hugging Face models through the attention function registered in transformers (models/hf.py),
+  and a custom model through the same call (its documented hook);
+- `active()` says whether a sharded forward is running (None outside one, or at sp=1).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_to_all_single
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """This rank's sequence-parallel group: `size` ranks, this one `rank` among them."""
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's consecutive share of a whole-sequence tensor along `dim`."""
+        return tensor.chunk(self.size, dim=dim)[self.rank]
+
+
+@dataclass(frozen=True)
+class Sharded:
+    group: SequenceGroup
+    position_ids: torch.Tensor | None  # [b, s] of the whole rows; None: causal rows
+
+
+_active: Sharded | None = None
+
+
+def active() -> Sharded | None:
+    return _active
+
+
+@contextmanager
+def sharded(group: SequenceGroup, position_ids: torch.Tensor | None) -> Iterator[None]:
+    """The forward inside runs on this rank's share of the rows; `position_ids` are the whole rows'
+    (packed documents restart at 0), from which attention's document mask is built."""
+    global _active
+    previous, _active = _active, Sharded(group, position_ids) if group.size > 1 else None
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-causal [b, 1, t, t] (True: may attend): a position attends to the positions before it
+    in its own document, documents starting where `position_ids` is 0."""
+    document = (position_ids == 0).cumsum(-1)
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+
+def heads_to_sequence(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    """[b, h, s/N, d] of every head -> [b, h/N, s, d]: this rank's heads over the whole sequence."""
+    b, h, s, d = x.shape
+    chunks = x.reshape(b, group.size, h // group.size, s, d).transpose(0, 1).contiguous()  # [N: heads, ...]
+    received = all_to_all_single(torch.empty_like(chunks), chunks, group=group.group)  # [N: sequence, ...]
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // group.size, group.size * s, d)
+
+
+def sequence_to_heads(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    """The inverse: [b, h/N, s, d] -> [b, h, s/N, d]."""
+    b, h, s, d = x.shape
+    chunks = x.reshape(b, h, group.size, s // group.size, d).permute(2, 0, 1, 3, 4).contiguous()  # [N: sequence, ...]
+    received = all_to_all_single(torch.empty_like(chunks), chunks, group=group.group)  # [N: heads, ...]
+    return received.transpose(0, 1).reshape(b, h * group.size, s // group.size, d)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's tokens, SDPA's layout ([b, heads, tokens, head_dim]; key
+    and value heads as many as the queries'); in a sharded forward, over the whole sequence, within
+    each packed document. Outside one: plain causal SDPA."""
+    shard = _active
+    if shard is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    group = shard.group
+    q, k, v = (heads_to_sequence(x, group) for x in (q, k, v))
+    if shard.position_ids is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(shard.position_ids), scale=scale)
+    return sequence_to_heads(y, group)
