@@ -30,8 +30,9 @@ from trainer.config import to_config
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 # (source strategy, source world size) -> (target strategy, target world size)
-CROSS = [("fsdp", 2, "zero3", 2), ("zero3", 2, "fsdp", 1), ("zero2", 2, "ddp", 1), ("ddp", 1, "zero3", 2),
-         ("zero1", 2, "fsdp", 2), ("fsdp", 2, "zero1", 2)]
+# The quick suite moves into and out of DeepSpeed once each way; make test-all also from fsdp into ZeRO-1/3.
+CROSS = [pytest.param("fsdp", 2, "zero3", 2, marks=pytest.mark.slow), ("zero3", 2, "fsdp", 1), ("zero2", 2, "ddp", 1),
+         ("ddp", 1, "zero3", 2), ("zero1", 2, "fsdp", 2), pytest.param("fsdp", 2, "zero1", 2, marks=pytest.mark.slow)]
 
 
 def at_world(cfg: dict, world: int) -> dict:
@@ -241,6 +242,7 @@ def full_weights(env, step: str):
     return weights
 
 
+@pytest.mark.slow  # the quick suite checks export against the plain model (above)
 def test_the_ranks_pieces_joined_are_the_exported_weights(runs):
     from safetensors.torch import load_file
 

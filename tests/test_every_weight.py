@@ -262,6 +262,7 @@ def test_mfu_divides_by_the_peak_of_the_precision_that_runs(monkeypatch):
     assert peak_flops(torch.device("cpu"), "bf16") is None
 
 
+@pytest.mark.slow
 def test_persistent_buffers_are_read_from_a_pretrained_folder(tmp_path):
     """Gemma4's `layer_scalar` (a persistent buffer that scales each layer's output), saved with
     values other than its start value: the model the trainer builds gives transformers' logits."""
@@ -379,6 +380,7 @@ def slow_tokenising_rank_0_under_a_1_s_collective_timeout(env, cfg):
     return len(train)
 
 
+@pytest.mark.slow
 def test_ranks_wait_for_tokenising_outside_the_collective_timeout(hf_assets, tmp_path):
     lengths = on_ranks(2, slow_tokenising_rank_0_under_a_1_s_collective_timeout,
                        hf_data_config(hf_assets, tmp_path / "cache"))
