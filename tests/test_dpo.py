@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,9 +163,13 @@ KINDS = {"lora": {"peft": LORA}, "lora_pre": {"peft": LORA, "objective__precompu
          "full": {"objective__precompute_ref": True, "optim__lr": 1e-3}}
 
 
+# full fine-tuning against the frozen copy of model.path (no precompute_ref), at the same rate
+COPY = {"copy": {"optim__lr": 1e-3}}
+
+
 def kind_case(pairs, kind: str, strategy: str, world: int, steps: int = 3, **overrides) -> dict:
     """A quarter of the pairs held out; global batch 8 rows (2 accumulated micro-batches)."""
-    spec = dict(KINDS[kind])
+    spec = dict({**KINDS, **COPY}[kind])
     return dpo_case(pairs, strategy, steps=steps, peft=spec.pop("peft", None), train__micro_batch_size=4 // world,
                     train__grad_accum_steps=2, data__val_fraction=0.25, **spec, **overrides)
 
@@ -207,10 +212,12 @@ def test_dpo_starts_at_ln2_and_two_ranks_equal_one_on_every_strategy(parity):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, first, then, cache", [("lora", ("zero3", 2), ("ddp", 1), "same"),
                                                       ("full", ("fsdp", 2), ("zero2", 1), "same"),
-                                                      ("full", ("zero3", 2), ("fsdp", 1), "fresh")])
+                                                      ("full", ("zero3", 2), ("fsdp", 1), "fresh"),
+                                                      ("copy", ("zero3", 2), ("ddp", 1), "same")])
 def test_dpo_resumes_under_another_strategy_and_world_size(pairs, tmp_path, kind, first, then, cache):
-    """The reference is rebuilt (adapters off), read back (precomputed, in the cache), or computed
-    again without the cache, on the starting weights: the uninterrupted run's losses."""
+    """The reference is rebuilt (adapters off; the frozen copy from model.path, not from the
+    checkpoint's trained weights), read back (precomputed, in the cache), or computed again without
+    the cache, on the starting weights: the uninterrupted run's losses."""
     from tests.harness import assert_resumes, on_ranks, records, resuming, saving, train_cases
 
     (s1, w1), (s2, w2) = first, then
@@ -228,8 +235,6 @@ BAD = {
     "no chosen": (["objective=dpo", "objective.precompute_ref=true", "data=preference",
                    "data.path={root}/no_chosen.jsonl"],
                   ["data.path", "`chosen`", "prompt, chosen, rejected"]),
-    "peft.init without precompute": (["objective=dpo", "data=preference", "data.path={root}/pairs.jsonl",
-                                      "peft=lora", "peft.init={root}"], ["objective.precompute_ref", "peft.init"]),
     "beta": (["objective=dpo", "objective.beta=0", "data=preference", "data.path={root}/pairs.jsonl",
               "objective.precompute_ref=true"], ["objective.beta", "> 0"]),
     "loss": (["objective=dpo", "objective.loss=hinge"], ["objective.loss", "sigmoid", "ipo"]),
@@ -443,3 +448,144 @@ def test_a_reference_with_no_adapters_to_switch_off_is_an_error_not_the_policy()
 
     with pytest.raises(RuntimeError, match="no LoRA layers"):
         Reference().logps(nn.Linear(2, 2), (torch.zeros(1, 2, dtype=torch.long),) * 4, torch.zeros(1))
+
+
+def starting_adapter(pairs) -> Path:
+    """A PEFT adapter folder for the Qwen2 model (r 4, alpha 8, every linear layer) far from zero,
+    as an SFT run would leave one: continuing from it, the reference is this adapter, not the bare
+    base (LLaMA-Factory#8459: loss 0 against the bare base)."""
+    from trainer.config import PeftConfig, to_config
+    from trainer.models import lora, meta_model
+
+    out = pairs.root / "adapter"
+    if not out.is_dir():
+        cfg = to_config(dpo_case(pairs, "ddp"))
+        model = meta_model(cfg.model, PeftConfig(name="lora", r=4, alpha=8.0))
+        generator = torch.Generator().manual_seed(0)
+        adapters = {lora.canonical_name(n): 0.3 * torch.randn(tuple(p.shape), generator=generator)
+                    for n, p in model.named_parameters() if lora.is_adapter(n)}
+        lora.write_adapter_folder(adapters, model.lora_settings, str(pairs.qwen2), out)
+    return out
+
+
+def test_the_starting_adapter_as_reference_gives_the_policys_logits_at_the_start(pairs):
+    """peft.init's reference (models.lora.StartingAdapters): with the adapter the policy starts
+    from, the model's logits are the policy's own, bitwise; the bare base's (adapters off) differ;
+    a LoRA layer the reference's adapter did not reach is an error, not silently the base."""
+    from trainer.config import to_config
+    from trainer.models import build_model, initial_weights
+    from trainer.models.lora import StartingAdapters, adapters_disabled
+    from trainer.models.weights import allocate, fill, params_on_meta
+
+    cfg = to_config(dpo_case(pairs, "ddp", peft={"name": "lora", "init": str(starting_adapter(pairs))}))
+    model = build_model(cfg.model, params_on_meta(), cfg.peft)
+    allocate(model, torch.device("cpu"))
+    fill(model, initial_weights(cfg.model, model, 0, cfg.peft))
+    model.eval()
+    reference = StartingAdapters(model, starting_adapter(pairs), torch.float32, torch.device("cpu"))
+    ids = torch.arange(1, 33).view(2, 16)
+    with torch.no_grad():
+        policy = model(ids).logits
+        with reference.applied(model):
+            started = model(ids).logits
+        with adapters_disabled(model):
+            base = model(ids).logits
+    assert torch.equal(started, policy)
+    assert (base - policy).abs().max() > 1e-2, "the adapter must change the model for the test to mean anything"
+    assert sum(p.numel() for p in reference.parameters()) == sum(p.numel() for n, p in model.named_parameters()
+                                                                   if p.requires_grad)
+    layer = next(iter(reference.layers.values()))
+    layer._forward_hooks.clear()  # one layer without the reference's adapter
+    with pytest.raises(RuntimeError, match="not applied to 1 LoRA layers"), torch.no_grad():
+        with reference.applied(model):
+            model(ids)
+
+
+@pytest.fixture(scope="module")
+def starting_adapter_runs(pairs):
+    """LoRA continuing from a starting adapter (peft.init), its reference that adapter, held whole
+    beside the policy: at 1 rank (ddp) and on every strategy at 2 ranks (global batch 8)."""
+    from tests.harness import on_ranks, train_cases
+
+    out = pairs.root / "starting_adapter"
+    peft = {"name": "lora", "init": str(starting_adapter(pairs))}
+    on_ranks(1, train_cases, {"init@1": dpo_case_of(pairs, "ddp", 1, peft=peft)}, str(out))
+    on_ranks(2, train_cases, {f"init:{s}@2": dpo_case_of(pairs, s, 2, peft=peft) for s in STRATEGIES}, str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_continuing_from_an_adapter_starts_at_ln2_against_it_on_every_strategy(starting_adapter_runs):
+    """The reference is the starting adapter, frozen: ln 2 at step 1 with rewards 0 (against the
+    bare base it would not be: the adapter moves the log-probs), and 2 ranks = 1 rank everywhere."""
+    from tests.harness import records
+
+    one = records(starting_adapter_runs / "init@1")
+    steps = [r for r in one if "split" not in r]
+    assert len(steps) == 3 and abs(steps[-1]["loss"] - math.log(2)) > 1e-4, "the policy must move"
+    runs = sorted(starting_adapter_runs.glob("init*"))
+    assert len(runs) == 1 + len(STRATEGIES)
+    for run in runs:
+        rows = records(run)
+        assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and all(abs(rows[0][k]) < 1e-6 for k in REWARDS), \
+            (run.name, rows[0])
+        assert [r.get("split") for r in rows] == [r.get("split") for r in one], run.name
+        for mine, base in zip(rows, one):
+            assert math.isclose(mine["loss"], base["loss"], rel_tol=DPO_RTOL), (run.name, mine, base)
+            for key in REWARDS:
+                assert math.isclose(mine[key], base[key], abs_tol=REWARD_ATOL), (run.name, key, mine, base)
+
+
+def test_the_plan_counts_the_starting_adapter_whole_on_every_rank(tmp_path):
+    """peft.init without precompute_ref: the reference's adapter, the trainable parameters again in
+    the training dtype, unsharded, on every option; nothing more with precompute_ref."""
+    from trainer.config import PeftConfig, Precision, to_config
+    from trainer.memory import DTYPE_BYTES
+    from trainer.models import lora, meta_model
+    from trainer.plan import make_plan
+
+    base = {"train": {"precision": "bf16"}, "objective": {"name": "dpo"}}
+    model = meta_model(to_config(base).model, PeftConfig(name="lora", r=4, alpha=8.0))
+    lora.write_adapter_folder({lora.canonical_name(n): torch.zeros(tuple(p.shape)) for n, p in model.named_parameters()
+                               if lora.is_adapter(n)}, model.lora_settings, None, tmp_path / "adapter")
+
+    def params(peft: dict, precompute: bool = False) -> tuple:
+        cfg = to_config({**base, "peft": {"name": "lora", **peft}, "objective": {"name": "dpo", "precompute_ref": precompute}})
+        plan = make_plan(cfg, 4, 10 ** 12)
+        return plan, [o.per_gpu_bytes["params"] + o.host_bytes for o in plan.options]
+
+    plan, fresh = params({"r": 4, "alpha": 8.0})
+    _, started = params({"init": str(tmp_path / "adapter")})
+    _, precomputed = params({"init": str(tmp_path / "adapter")}, precompute=True)
+    assert plan.trainable > 0 and precomputed == fresh
+    assert [s - f for s, f in zip(started, fresh)] == [DTYPE_BYTES[Precision.bf16] * plan.trainable] * len(fresh)
+
+
+# Full fine-tuning against the frozen copy in other precisions, with the optimizer offloaded: the
+# copy is held in the training dtype, as the policy computes
+PRECISIONS = {"bf16:fsdp": ("fsdp", {"train__precision": "bf16"}),
+              "bf16:fsdp:pre": ("fsdp", {"train__precision": "bf16", "objective__precompute_ref": True}),
+              "bf16:zero3:offload": ("zero3", {"train__precision": "bf16", "strategy__offload_optimizer": True}),
+              "fp16:zero2": ("zero2", {"train__precision": "fp16"}),
+              "fp32:fsdp:offload": ("fsdp", {"strategy__offload_optimizer": True})}
+
+
+@pytest.mark.slow
+def test_the_frozen_copy_in_bf16_fp16_and_with_the_optimizer_offloaded(pairs):
+    """Each at 2 ranks: ln 2 and rewards 0 at step 1 (the copy computes as the policy does), a
+    loss that moves and stays finite; bf16 FSDP's copy holds half the bytes of the policy's fp32
+    shards (measured in mem.params against the same run with precomputed log-probs)."""
+    from tests.harness import on_ranks, records, train_cases
+
+    out = pairs.root / "precisions"
+    on_ranks(2, train_cases, {name: dpo_case_of(pairs, strategy, 2, optim__lr=1e-3, **settings)
+                              for name, (strategy, settings) in PRECISIONS.items()}, str(out))
+    for name in PRECISIONS:
+        steps = [r for r in records(out / name) if "split" not in r]
+        assert len(steps) == 3, name
+        assert abs(steps[0]["loss"] - math.log(2)) < 1e-6 and all(abs(steps[0][k]) < 1e-6 for k in REWARDS), \
+            (name, steps[0])
+        assert all(math.isfinite(r["loss"]) for r in steps) and abs(steps[-1]["loss"] - math.log(2)) > 1e-4, \
+            (name, steps)
+    copy, precomputed = (records(out / name)[0]["mem"]["params"] for name in ("bf16:fsdp", "bf16:fsdp:pre"))
+    assert copy - precomputed == precomputed // 2, (copy, precomputed)

@@ -141,11 +141,6 @@ def check_objective(cfg: Config) -> None:
     if not dpo:
         return
     _require(o.beta > 0, "objective.beta", f"must be > 0, got {o.beta}")
-    # The reference without a pass before training: the base under the adapters, switched off, or
-    # (full fine-tuning) a frozen copy. A starting adapter (peft.init) is not the base.
-    _require(o.precompute_ref or not cfg.peft.init, "objective.precompute_ref",
-             "with peft.init the reference is the starting adapter, not the base under it,"
-             " computed before training: set objective.precompute_ref=true")
 
 
 def check_mixture(cfg: Config) -> None:

@@ -134,10 +134,13 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
                 cfg.plan.flops_per_s, cfg.plan.link_gbps, cfg.plan.pcie_gbps, memory_source=memory_source)
     # objective=dpo: a row holds a pair's two sequences (2 x seq_len wide); full fine-tuning without
     # precompute_ref holds a frozen copy of the model, its parameters in the training dtype, sharded
-    # where the policy's are (LoRA's reference is the base with the adapters off: nothing more)
+    # where the policy's are (LoRA's reference is the base with the adapters off: nothing more; with
+    # peft.init, the starting adapter: the adapters' parameters again, whole on every rank)
     dpo = ObjectiveName(cfg.objective.name) is ObjectiveName.dpo
     row_len = m.seq_len * (2 if dpo else 1)
     reference = n_params if dpo and not cfg.objective.precompute_ref and PeftName(cfg.peft.name) is PeftName.none else 0
+    starting_adapter = trainable if dpo and not cfg.objective.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora \
+        and cfg.peft.init else 0
     tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * row_len
     # The decision order: cheaper in speed first; offload last of all.
     for offload in (False, True):
@@ -148,7 +151,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
                 held = per_rank_bytes(stage, trainable, world_size, precision, master_weights=cfg.plan.master_weights,
                                       reduce_dtype=cfg.strategy.reduce_dtype)
                 held["params"] += DTYPE_BYTES[precision] * (frozen + reference) // (
-                    world_size if "params" in SHARDED[stage] else 1)
+                    world_size if "params" in SHARDED[stage] else 1) + DTYPE_BYTES[precision] * starting_adapter
                 held["grads"] = peak_gradient_bytes(stage, held["grads"], trainable, t.grad_accum_steps,
                                                     cfg.strategy.grad_reduce, precision)
                 moved = OFFLOADED[stage] if offload else ()

@@ -251,3 +251,56 @@ def adapters_disabled(model: nn.Module):
     finally:
         for layer in layers:
             layer._disable_adapters = False
+
+
+class StartingAdapters(nn.Module):
+    """objective=dpo's reference when training continues from an adapter (`peft.init`): the
+    adapters the run started from, frozen, held whole on every rank in the training dtype (an
+    adapter's few parameters need no sharding, so no strategy has to gather them), outside the
+    policy's parameters (its checkpoints and exports are unchanged). Inside `applied(model)`, every
+    LoRA layer's own adapter is off and a forward hook adds these instead, as peft adds its adapter:
+    base(x) + B(A(x)) x scaling (no dropout: the reference runs in eval mode). The hooks are on the
+    layers from the start, switched by a flag, so a compiled block traces them with the flag guarded.
+    Not the bare base, which gives loss 0 once the starting adapter is good (LLaMA-Factory#8459)."""
+
+    def __init__(self, model: nn.Module, folder: Path, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        from peft.tuners.lora import LoraLayer
+        from safetensors import safe_open
+
+        self.weights = nn.ParameterList()  # [A, B] of each layer, for the memory they take
+        self.on, self.applied_to = False, set()
+        self.layers = {canonical_name(name): m for name, m in model.named_modules()
+                       if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+        if not self.layers:
+            raise RuntimeError("the starting adapters as the reference: this model has no LoRA layers")
+        with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
+            for name, layer in self.layers.items():
+                a, b = (nn.Parameter(f.get_tensor(peft_key(f"{name}.{part}.{ADAPTER}.weight")).to(device, dtype),
+                                     requires_grad=False) for part in ("lora_A", "lora_B"))
+                self.weights.extend([a, b])
+                layer.register_forward_hook(self._hook(name, a, b, layer.scaling[ADAPTER]))
+
+    def _hook(self, name: str, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        def add_starting_adapter(layer, args, output):
+            if not self.on:
+                return output
+            self.applied_to.add(name)
+            x = args[0].to(a.dtype)  # as peft casts the input to its adapter's dtype
+            return (output + nn.functional.linear(nn.functional.linear(x, a), b) * scaling).to(output.dtype)
+        return add_starting_adapter
+
+    @contextmanager
+    def applied(self, model: nn.Module):
+        """The model with its LoRA layers as they started, for a forward; every layer must have
+        taken them (a layer that did not would silently be the bare base)."""
+        self.applied_to = set()
+        with adapters_disabled(model):
+            self.on = True
+            try:
+                yield model
+            finally:
+                self.on = False
+        missed = sorted(set(self.layers) - self.applied_to)
+        if missed:
+            raise RuntimeError(f"the starting adapters were not applied to {len(missed)} LoRA layers, e.g. {missed[0]}")

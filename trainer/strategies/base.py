@@ -66,6 +66,7 @@ class Strategy(ABC):
 
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
+        self.held: list[nn.Module] = []  # models held outside the policy (`holds`)
         self.precision = Precision(cfg.train.precision)
         self.reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
 
@@ -99,6 +100,15 @@ class Strategy(ABC):
         allocate(model, self.device)
         fill(model, weights)
         return model.to(self.device).eval()  # .to: the buffers
+
+    def holds(self, model: nn.Module) -> None:
+        """`model`, held on this rank outside the policy (objective=dpo's reference: a frozen copy,
+        a starting adapter), counts in `memory_bytes`' params from now on."""
+        self.held.append(model)
+
+    def held_bytes(self) -> int:
+        """Bytes of the parameters of the models `holds` counts, as this rank holds them."""
+        return tensor_bytes(p for model in self.held for p in model.parameters())
 
     @property
     @abstractmethod

@@ -198,10 +198,14 @@ class DeepSpeedStrategy(Strategy):
 
     def memory_bytes(self):
         masters = self.zero.masters()
-        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.module.parameters()),
+        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.module.parameters()) + self.held_bytes(),
                 "grads": max(self._gradient_bytes(), self._gradient_peak),  # now, or at this step's peak
                 "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(self.engine.optimizer.optimizer)),
                 "peak": peak_device_bytes(self.device)}
+
+    def held_bytes(self):
+        # ZeRO-3's frozen copy holds this rank's partition of each parameter (ds_tensor)
+        return tensor_bytes(getattr(p, "ds_tensor", p) for model in self.held for p in model.parameters())
 
     @property
     def module(self):

@@ -125,5 +125,5 @@ class TorchStrategy(Strategy):
 
     def memory_bytes(self):
         params = list(self.model.parameters())
-        return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+        return {"params": tensor_bytes(params) + self.held_bytes(), "grads": tensor_bytes(p.grad for p in params),
                 "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.device)}

@@ -102,18 +102,24 @@ def adapters_off(model: nn.Module):
 
 class Reference:
     """The reference's log-probabilities of a micro-batch's sequences, by sequence number: the
-    policy's own model with its LoRA adapters off (neither `table` nor `frozen`), a table computed
-    before training (`table`, by sequence number of the split), or a frozen copy of the starting
-    model (`frozen`, from Strategy.setup_frozen). Always in eval mode, never with gradients."""
+    policy's own model with its LoRA adapters off (none of `table`, `frozen`, `adapters`), a table
+    computed before training (`table`, by sequence number of the split), a frozen copy of the
+    starting model (`frozen`, from Strategy.setup_frozen), or the policy's model with the adapters
+    it started from in place of its own (`adapters`: models.lora.StartingAdapters, peft.init).
+    Always in eval mode, never with gradients."""
 
-    def __init__(self, table: torch.Tensor | None = None, autocast=nullcontext, frozen: nn.Module | None = None):
-        self.table, self.autocast, self.frozen = table, autocast, frozen
+    def __init__(self, table: torch.Tensor | None = None, autocast=nullcontext, frozen: nn.Module | None = None,
+                 adapters=None):
+        self.table, self.autocast, self.frozen, self.adapters = table, autocast, frozen, adapters
 
     @torch.no_grad()
     def logps(self, model: nn.Module, batch, numbers: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table.to(numbers.device)[numbers].float()
-        model, switch = (self.frozen, nullcontext()) if self.frozen is not None else (model, adapters_off(model))
+        if self.frozen is not None:
+            model, switch = self.frozen, nullcontext()
+        else:
+            switch = self.adapters.applied(model) if self.adapters is not None else adapters_off(model)
         was_training = model.training
         model.eval()  # no dropout in the reference (trl#1652)
         try:

@@ -2,11 +2,12 @@
 is loaded into it, when the policy is still the reference:
 - LoRA without `peft.init`: the policy's own model with its adapters off, in eval mode, per
   micro-batch (no extra memory);
+- LoRA with `peft.init`: the policy's own model with the adapters it started from in place of
+  its own (`starting_adapters`: one adapter's parameters more, whole on every rank);
 - full fine-tuning: a frozen copy of the starting model (`frozen_copy`), held by the strategy as
   it holds the policy's parameters (one more model's parameters in the training dtype, sharded
   where the policy's are), forwarded per micro-batch;
-- `objective.precompute_ref=true` (and the only way for `peft.init`, whose reference is the
-  starting adapter): one pass of the policy as it starts, in eval mode
+- `objective.precompute_ref=true`: one pass of the policy as it starts, in eval mode
   and without gradients, over every pair of the training and validation rows (each rank its
   share; the table summed over ranks), kept as one table of log-probabilities by sequence number.
   The table is written to the token cache under a key of everything the reference's values
@@ -30,6 +31,7 @@ from trainer.data.tokenized import default_cache_dir
 from trainer.log import log
 from trainer.models import build_model, description, initial_weights
 from trainer.strategies import Strategy
+from trainer.strategies.base import DTYPES
 from trainer.training.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
 
 
@@ -94,7 +96,19 @@ def frozen_copy(cfg: Config, strategy: Strategy) -> nn.Module:
     same loader (model.path's files, or the seeded init), held as the strategy holds a model that
     never trains (Strategy.setup_frozen: replicated, or sharded like the policy)."""
     model = build_model(cfg.model, strategy.model_init_context())
-    return strategy.setup_frozen(model, initial_weights(cfg.model, model, cfg.train.seed, shape_of=strategy.full_shape))
+    frozen = strategy.setup_frozen(model, initial_weights(cfg.model, model, cfg.train.seed, shape_of=strategy.full_shape))
+    strategy.holds(frozen)
+    return frozen
+
+
+def starting_adapters(cfg: Config, strategy: Strategy) -> nn.Module:
+    """peft.init's reference: the starting adapter's values, read again from its folder and held
+    whole, in the training dtype, beside the policy's LoRA layers (models.lora.StartingAdapters)."""
+    from trainer.models.lora import StartingAdapters
+
+    adapters = StartingAdapters(strategy.module, Path(cfg.peft.init), DTYPES[strategy.precision], strategy.device)
+    strategy.holds(adapters)
+    return adapters
 
 
 def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_rows, val_rows,
@@ -105,7 +119,8 @@ def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_row
     if ObjectiveName(o.name) is ObjectiveName.lm:
         return NextToken()
     if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
-        return DirectPreference(o, Reference(autocast=strategy.autocast))
+        adapters = starting_adapters(cfg, strategy) if cfg.peft.init else None
+        return DirectPreference(o, Reference(autocast=strategy.autocast, adapters=adapters))
     if not o.precompute_ref:
         return DirectPreference(o, Reference(autocast=strategy.autocast, frozen=frozen_copy(cfg, strategy)))
     splits = {"train": train_rows, **({"val": val_rows} if val_rows is not None else {})}
