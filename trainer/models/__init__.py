@@ -23,20 +23,23 @@ from trainer.models.reference import Transformer, shape_of
 from trainer.models.weights import InitWeights, ShapeOf, WeightSource, canonical_name, tensor_shape
 
 
-def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
-    """A function that builds the model; everything it imports is imported now."""
+def builder(cfg: ModelConfig, sp: int = 1) -> Callable[[], nn.Module]:
+    """A function that builds the model (for `sp` ranks per sequence: strategy.sp); everything it
+    imports is imported now."""
     kind = ModelKind(cfg.kind)
     if kind is ModelKind.hf:
-        return hf.builder(cfg)
+        return hf.builder(cfg, sp)
     if kind is ModelKind.custom:
         return custom.builder(cfg)
     return lambda: Transformer(shape_of(cfg))
 
 
-def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftConfig | None = None) -> nn.Module:
+def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftConfig | None = None,
+                sp: int = 1) -> nn.Module:
     """The model built inside `context`: the strategy's (parameters on meta, ZeRO-3's zero.Init),
-    or `torch.device("meta")` to count and check; with LoRA adapters where `peft` asks for them."""
-    make = builder(cfg)
+    or `torch.device("meta")` to count and check; with LoRA adapters where `peft` asks for them;
+    its attention split over `sp` ranks per sequence (strategy.sp; a Hugging Face model's differs)."""
+    make = builder(cfg, sp)
     with context, own_build_context(cfg):
         model = make()
         return lora.add_adapters(model, peft, cfg.vocab_size) if lora.enabled(peft) else model

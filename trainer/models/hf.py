@@ -21,7 +21,9 @@ DEFAULT_MAX_SEQ_LEN = 2048
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
-def read_config(cfg: ModelConfig):
+def read_config(cfg: ModelConfig, attention: str | None = None):
+    """The model's config; `attention`: the attention function to build it with, in place of
+    model.attn_implementation (a name registered in transformers' AttentionInterface)."""
     require_hf("model=hf")
     from transformers import AutoConfig
 
@@ -34,7 +36,7 @@ def read_config(cfg: ModelConfig):
         raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(str(path))
     config.use_cache = False  # training: no key/value cache in the outputs
-    config._attn_implementation = cfg.attn_implementation
+    config._attn_implementation = attention or cfg.attn_implementation
     return config
 
 
@@ -83,8 +85,11 @@ def check_longer_context(cfg: ModelConfig, config, positions: int) -> None:
                 "quality past them is not what it was trained for")
 
 
-def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
-    config = read_config(cfg)
+def builder(cfg: ModelConfig, sp: int = 1) -> Callable[[], nn.Module]:
+    """At strategy.sp > 1, with Ulysses attention (hf_sequence): each rank holds its share of the tokens."""
+    from trainer.models import hf_sequence
+
+    config = read_config(cfg, hf_sequence.register() if sp > 1 else None)
     cls = model_class(config)
     return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters
 
@@ -92,11 +97,11 @@ def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
 PROBE_VOCAB, PROBE_WIDTH = 128, 64
 
 
-def small_builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
+def small_builder(cfg: ModelConfig, attention: str | None = None) -> Callable[[], nn.Module]:
     """The model cut to one layer, a vocabulary of PROBE_VOCAB and MLPs (experts too) PROBE_WIDTH
     wide: the same attention (its kind, heads, positions and implementation) in a fraction of the
-    memory, for a check that runs it (a 7B Llama: 69 M parameters)."""
-    config = read_config(cfg)
+    memory, for a check that runs it (a 7B Llama: 69 M parameters); `attention` as read_config's."""
+    config = read_config(cfg, attention)
     text = config.get_text_config()
     layers = getattr(text, "num_hidden_layers", None)
     for key, value in text.to_dict().items():
