@@ -407,9 +407,8 @@ def test_the_plan_counts_the_frozen_copy_and_rows_of_two_sequences():
     adds one model's parameters in the training dtype, sharded where the policy's are (fsdp, zero3);
     precomputed log-probs and LoRA's adapters-off reference add none."""
     from trainer.config import to_config
-    from trainer.memory import DTYPE_BYTES, activation_bytes
-    from trainer.models import model_facts
-    from trainer.plan import make_plan
+    from trainer.memory import DTYPE_BYTES
+    from trainer.plan import activation_need, make_plan
 
     base = {"train": {"precision": "bf16", "micro_batch_size": 2}}
     dpo = {"objective": {"name": "dpo"}}
@@ -427,15 +426,13 @@ def test_the_plan_counts_the_frozen_copy_and_rows_of_two_sequences():
     _, lora = options({**base, **dpo, "peft": {"name": "lora"}})
     _, lora_lm = options({**base, "peft": {"name": "lora"}})
     cfg = to_config(base)
-    facts = model_facts(cfg.model, cfg.strategy.wrap)
     reference = DTYPE_BYTES[cfg.train.precision] * plan.params  # bf16: 2 bytes a parameter
     for key, gpu in lm.items():
         name, checkpointing, offload = key
         sharded = name in ("fsdp", "zero3")
         assert copy[key]["params"] - precomputed[key]["params"] == reference // (world if sharded else 1), key
         assert precomputed[key]["params"] == gpu["params"] and lora[key]["params"] == lora_lm[key]["params"], key
-        two_rows = activation_bytes(2 * cfg.model.seq_len, facts.d_model, facts.n_layers, cfg.model.vocab_size, 2,
-                                    cfg.train.precision, checkpointing)
+        two_rows = activation_need(cfg, checkpointing, False).bytes(2 * cfg.model.seq_len, 2)
         assert precomputed[key]["activations"] == two_rows > gpu["activations"], key
 
 

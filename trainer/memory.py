@@ -18,9 +18,6 @@ from trainer.config import GradReduce, Precision, ReduceDtype, Sharding, Strateg
 DTYPE_BYTES = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4
-# Activation elements a transformer layer saves per token and hidden unit for backward, with
-# fused (flash / memory-efficient) attention: 34 bytes at 16 bits (Korthikanti et al. 2022).
-ACTIVATION_ELEMENTS_PER_LAYER = 17
 
 
 def fsdp_shard_count(sharding: Sharding, world_size: int, local_world_size: int) -> int:
@@ -76,14 +73,3 @@ def peak_gradient_bytes(strategy: StrategyName, sharded_grads: int, n_params: in
         return sharded_grads
     full = n_params * (4 if strategy is StrategyName.fsdp else DTYPE_BYTES[precision])
     return full + sharded_grads if strategy is StrategyName.zero3 else full
-
-
-def activation_bytes(seq_len: int, d_model: int, n_layers: int, vocab_size: int, micro_batch_size: int,
-                     precision: Precision, checkpointing: bool) -> int:
-    """Estimated activation memory of one micro-batch: saved layer activations (only block
-    inputs plus one block being recomputed with checkpointing) and the logits (+ fp32 copy for the loss)."""
-    act = DTYPE_BYTES[precision]
-    tokens = seq_len * micro_batch_size
-    one_layer = tokens * d_model * ACTIVATION_ELEMENTS_PER_LAYER * act
-    layers = n_layers * tokens * d_model * act + one_layer if checkpointing else n_layers * one_layer
-    return layers + tokens * vocab_size * (act + 4)

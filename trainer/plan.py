@@ -13,6 +13,7 @@ moves its gradients too.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.activations import ActivationCount, planned
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
-from trainer.memory import DTYPE_BYTES, SHARDED, activation_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
+from trainer.memory import DTYPE_BYTES, SHARDED, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
 GB = 1e9
@@ -42,6 +44,7 @@ class Option:
     step_s: float = 0.0  # estimated: compute + communication + offload copies, not overlapped
     fits: bool = False
     chosen: bool = False
+    longest_seq_len: int = 0  # the longest model.seq_len whose activations fit beside the rest (0: none)
 
 
 @dataclass
@@ -57,6 +60,10 @@ class Plan:
     pcie_gbps: float
     options: list[Option] = field(default_factory=list)
     memory_source: str = ""  # where gpu_memory_bytes came from (memory_budget)
+    activations: ActivationCount | None = None  # per micro-batch, without checkpointing, as configured
+    # the longest seq_len per (sp, fused_loss, activation checkpointing), on the strategy of `room_for`
+    long_context: list[tuple[int, bool, bool, int]] = field(default_factory=list)
+    room_for: str = ""
 
     @property
     def choice(self) -> Option | None:
@@ -156,8 +163,8 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
                                                     cfg.strategy.grad_reduce, precision)
                 moved = OFFLOADED[stage] if offload else ()
                 gpu = {k: 0 if k in moved else v for k, v in held.items()}
-                gpu["activations"] = activation_bytes(row_len, facts.d_model, facts.n_layers, m.vocab_size,
-                                                      t.micro_batch_size, precision, checkpointing)
+                need = activation_need(cfg, checkpointing, t.fused_loss)
+                gpu["activations"] = need.bytes(row_len, t.micro_batch_size, cfg.strategy.sp)
                 gpu["total"] = sum(gpu.values())
                 whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole
                 traffic = step_traffic(stage, trainable, whole, world_size, precision, t.grad_accum_steps,
@@ -167,13 +174,54 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
                 option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), traffic,
                                 step_seconds(traffic, world_size, flops, cfg))
                 option.fits = gpu["total"] <= gpu_memory_bytes
+                option.longest_seq_len = need.longest(gpu_memory_bytes - gpu["total"] + gpu["activations"],
+                                                      t.micro_batch_size, cfg.strategy.sp, cfg.strategy.sp) // (
+                    2 if dpo else 1)
                 plan.options.append(option)
     # The fastest that fits; within 1 % of it, the decision order (the options' order) decides.
     fitting = [o for o in plan.options if o.fits]
     if fitting:
         fastest = min(o.step_s for o in fitting)
         next(o for o in fitting if o.step_s <= fastest * 1.01).chosen = True
+    plan.activations = planned(cfg, False, t.fused_loss)
+    plan_long_context(plan, cfg, world_size, 2 if dpo else 1)
     return plan
+
+
+def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool) -> ActivationCount:
+    """The activation bytes an option needs per rank (trainer/activations.py counts them on the
+    meta device): those kept for backward, and with checkpointing one block's, recomputed in backward."""
+    kept = planned(cfg, checkpointing, fused_loss)
+    if not checkpointing:
+        return kept
+    return dataclasses.replace(kept, per_token=kept.per_token + planned(cfg, False, fused_loss).per_token_per_layer)
+
+
+def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
+    """strategy.sp values this world and model allow: dividing the world and the attention heads."""
+    from trainer.models import meta_model
+
+    model = meta_model(cfg.model, cfg.peft)
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or getattr(
+        getattr(model, "shape", None), "n_heads", None)
+    if heads is None:  # a custom model: its own attention, sp=1 planned
+        return [1]
+    return [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size and world_size % n == 0 and heads % n == 0]
+
+
+def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequence: int) -> None:
+    """The longest seq_len per sp, fused loss and checkpointing, on the chosen option's strategy and
+    offload (nothing chosen: the one that leaves activations the most room)."""
+    base = plan.choice or min(plan.options, key=lambda o: o.per_gpu_bytes["total"] - o.per_gpu_bytes["activations"])
+    rest = base.per_gpu_bytes["total"] - base.per_gpu_bytes["activations"]
+    plan.room_for = f"{base.name}{' + CPU offload' if base.offload else ''}"
+    t = cfg.train
+    for sp in sequence_parallel_sizes(cfg, world_size):
+        for fused in (False, True):
+            for checkpointing in (False, True):
+                need = activation_need(cfg, checkpointing, fused)
+                longest = need.longest(plan.gpu_memory_bytes - rest, t.micro_batch_size, sp, sp) // rows_per_sequence
+                plan.long_context.append((sp, fused, checkpointing, longest))
 
 
 def format_plan(plan: Plan) -> str:
@@ -183,7 +231,7 @@ def format_plan(plan: Plan) -> str:
              f"per GPU{f' ({plan.memory_source})' if plan.memory_source else ''}, {plan.precision}"
              f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
              f"  {'strategy':<8}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
-             f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}  fits"]
+             f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}{'max seq':>10}  fits"]
     # one format for the whole column: seconds to the millisecond, or in exponent form for tiny models
     step_format = ".3f" if max((o.step_s for o in plan.options), default=0) >= 0.01 else ".2e"
     for o in plan.options:
@@ -191,21 +239,41 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  {o.name:<8}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
                      f"{g['params']:>9.2f}{g['grads']:>9.2f}{g['optim']:>9.2f}{g['activations']:>9.2f}"
                      f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}{sum(o.comm_bytes.values()) / size:>9.2f}"
-                     f"{o.step_s:>9{step_format}}  {'yes' if o.fits else 'no':<3}"
+                     f"{o.step_s:>9{step_format}}{o.longest_seq_len:>10}  {'yes' if o.fits else 'no':<3}"
                      + ("  <- chosen" if o.chosen else ""))
     if not plan.choice:
         lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
     lines.append(f"  comm: collective payload per step (offload copies included); step s: estimated at "
                  f"{plan.flops_per_s:.3g} FLOP/s, {plan.link_gbps:g} Gbit/s links, {plan.pcie_gbps:g} Gbit/s PCIe, "
-                 "without overlap; chosen: the fastest that fits, the first of those within 1 %")
-    return "\n".join(lines)
+                 "without overlap; chosen: the fastest that fits, the first of those within 1 %; "
+                 "max seq: the longest model.seq_len whose activations fit beside the rest")
+    return "\n".join(lines + long_context_lines(plan))
+
+
+def long_context_lines(plan: Plan) -> list[str]:
+    """The activations per token, and the longest seq_len per sp, fused loss and checkpointing."""
+    a = plan.activations
+    if a is None:
+        return []
+    lines = [f"activations (counted on the meta device): {a.per_token_per_layer / 1e3:,.1f} kB per token per layer, "
+             f"{a.per_token / 1e3:,.1f} kB per token in all, of which the output layer and loss "
+             f"{a.logits_per_token / 1e3:,.1f} kB" + (f" + {a.constant / 1e6:,.1f} MB a micro-batch" if a.constant else "")
+             + (f"; {a.per_token_squared:,.1f} B per token squared" if a.per_token_squared else ""),
+             f"longest model.seq_len that fits, on {plan.room_for} (per rank: seq_len / sp tokens of each row):",
+             f"  {'sp':>4}  {'fused_loss':<11}{'AC':<5}{'max seq':>10}"]
+    lines += [f"  {sp:>4}  {'on' if fused else 'off':<11}{'on' if ac else 'off':<5}{longest:>10}"
+              for sp, fused, ac, longest in plan.long_context]
+    return lines
 
 
 def plan_as_json(plan: Plan) -> dict:
     return {"params": plan.params, "trainable": plan.trainable, "world_size": plan.world_size,
             "options": [{"name": o.name, "activation_checkpointing": o.activation_checkpointing, "offload": o.offload,
                          "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "comm_bytes": o.comm_bytes,
-                         "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen} for o in plan.options]}
+                         "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen,
+                         "longest_seq_len": o.longest_seq_len} for o in plan.options],
+            "long_context": [{"sp": sp, "fused_loss": fused, "activation_checkpointing": ac, "longest_seq_len": n}
+                             for sp, fused, ac, n in plan.long_context]}
 
 
 DEFAULT_GPU_MEMORY_GB = 80.0  # the budget where neither plan.gpu_memory_gb nor a GPU says one
@@ -235,13 +303,16 @@ def resolve_auto(cfg, world_size: int) -> None:
     planned_world = typed.plan.world_size or world_size
     plan = make_plan(typed, planned_world, *memory_budget(typed))
     log.info(f"strategy=auto:\n{format_plan(plan)}")
+    long_context = {}
+    if not plan.choice:  # the sequence does not fit: the fused loss, then sequence parallelism, where they make it fit
+        plan, long_context = plan_for_the_sequence(typed, planned_world, plan)
     if not plan.choice:
         raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
                           f"({plan.memory_source})")
     chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
               ("strategy", "offload_optimizer"): plan.choice.offload,
               ("strategy", "offload_params"): plan.choice.offload
-              and "params" in OFFLOADED[StrategyName(plan.choice.name)]}
+              and "params" in OFFLOADED[StrategyName(plan.choice.name)], **long_context}
     replaced = []
     for (group, key), value in chosen.items():
         if cfg[group][key] != value:
@@ -254,6 +325,22 @@ def resolve_auto(cfg, world_size: int) -> None:
     log.info(f"strategy=auto chose {plan.choice.name}"
              f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
              f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
+
+
+def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[Plan, dict]:
+    """strategy=auto when nothing fits: the first of train.fused_loss=true, then strategy.sp=2, 4, ...
+    (each with and without the fused loss) whose plan has a choice; the settings it takes."""
+    for sp in sequence_parallel_sizes(typed, world_size):
+        for fused in (False, True):
+            if (sp, fused) == (typed.strategy.sp, typed.train.fused_loss) or sp < typed.strategy.sp or (
+                    typed.train.fused_loss and not fused):
+                continue
+            trial = dataclasses.replace(typed, strategy=dataclasses.replace(typed.strategy, sp=sp),
+                                        train=dataclasses.replace(typed.train, fused_loss=fused))
+            found = make_plan(trial, world_size, plan.gpu_memory_bytes, plan.memory_source)
+            if found.choice:
+                return found, {("strategy", "sp"): sp, ("train", "fused_loss"): fused}
+    return plan, {}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from trainer.activations import SavedBytes
 from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
@@ -113,18 +114,24 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
         sum(objective.count(batch) for batch in micro_batches), sum(target_count(batch[1]) for batch in micro_batches),
         sum(input_count(batch[1]) for batch in micro_batches)]))
     scale = world_size / units
-    loss_sum, mem = torch.zeros((), device=targets.device), None
+    loss_sum, mem, activations = torch.zeros((), device=targets.device), None, None
     stats = torch.zeros(len(objective.stats), device=targets.device)
     for i, batch in enumerate(micro_batches):
         with strategy.micro_step(final=i == len(micro_batches) - 1):
-            with strategy.autocast():
+            # at log steps: the bytes the forward saves for backward (mem.activations), this rank's
+            with strategy.autocast(), SavedBytes() if track_memory else nullcontext() as saved:
                 micro_loss, micro_stats = objective.loss_sum(model, batch)
+            if saved is not None:
+                saved.kept_by_functions(micro_loss)
+                activations = max(activations or 0, saved.bytes)
             strategy.backward(micro_loss * scale, measure_memory=track_memory)
         loss_sum += micro_loss.detach()
         stats += micro_stats
         if track_memory:  # the bytes held after each backward: gradients peak before they are reduced
             held = strategy.memory_bytes()
             mem = held if mem is None or held["grads"] > mem["grads"] else mem
+    if mem is not None:
+        mem = {**mem, "activations": activations}  # the largest of the step's micro-batches
     return StepSums(loss_sum, stats, units, targets, inputs, mem)
 
 

@@ -1,0 +1,119 @@
+"""mem.activations (the bytes a micro-step's forward saves for backward) and the planner's count of
+them (trainer/activations.py): single process, on the CPU."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.activations import SavedBytes
+from trainer.config import to_config
+from trainer.models import build_model, resolve_model
+from trainer.models.blocks import apply_checkpointing, find_blocks
+from trainer.models.sequence import SequenceGroup
+from trainer.training.loop import micro_steps
+
+
+class OneRank:
+    """The loop's view of a strategy on one rank: no communication, a plain backward."""
+    sequence = SequenceGroup(None, 1, 0)
+
+    def all_reduce(self, tensor, op=None):
+        return tensor
+
+    def micro_step(self, final):
+        return nullcontext()
+
+    def autocast(self):
+        return nullcontext()
+
+    def backward(self, loss, measure_memory=False):
+        loss.backward()
+
+    def memory_bytes(self):
+        return {"params": 0, "grads": 0, "optim": 0, "peak": None}
+
+
+def model_of(cfg, checkpointing: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model(cfg.model, torch.device("cpu"), cfg.peft)
+    if checkpointing:
+        apply_checkpointing(model, find_blocks(model, cfg.strategy.wrap))
+    return model
+
+
+def measured(cfg, seq_len: int, micro_batch: int, checkpointing: bool = False, track: bool = True):
+    """mem.activations of one step of the loop's micro_steps."""
+    ids = torch.randint(0, cfg.model.vocab_size, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
+    sums = micro_steps(model_of(cfg, checkpointing), OneRank(), [[ids, ids]], 1, track_memory=track)
+    return sums.mem["activations"] if sums.mem is not None else None
+
+
+TINY = {"model": {"name": "tiny", "seq_len": 256}}
+
+
+def test_mem_activations_double_with_the_micro_batch_and_the_length_and_shrink_with_checkpointing():
+    cfg = to_config(TINY)
+    base = measured(cfg, 64, 2)
+    assert base > 0
+    assert measured(cfg, 64, 4) == pytest.approx(2 * base, rel=0.02)
+    assert measured(cfg, 128, 2) == pytest.approx(2 * base, rel=0.02)
+    assert measured(cfg, 64, 2, checkpointing=True) < 0.5 * base  # only the blocks' inputs are kept
+    assert measured(cfg, 64, 2, track=False) is None  # not a log step: not measured
+
+
+def test_parameters_and_their_casts_are_not_activations():
+    layer = nn.Linear(512, 512)
+    x = torch.randn(4, 512, requires_grad=True)
+    with SavedBytes() as saved:
+        layer(x).sum()
+    assert saved.bytes == x.numel() * 4  # the input only, not the 1 MB weight
+    with SavedBytes() as saved, torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).sum()
+    assert saved.bytes == x.numel() * 2  # the input's bf16 copy, not the weight's
+    frozen = nn.Linear(512, 512).requires_grad_(False)
+    with SavedBytes() as saved:
+        frozen(x).sum()
+    assert saved.bytes == 0  # a frozen weight (LoRA's base), saved transposed, is a parameter too
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    from examples.tiny_hf import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", weights=False, max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: slow
+def test_the_plan_counts_what_a_micro_step_keeps_at_three_lengths(model, checkpointing, qwen2):
+    from trainer.activations import planned
+
+    settings = TINY if model == "tiny" else {"model": {"name": "hf", "kind": "hf", "path": str(qwen2)}}
+    cfg = to_config(settings)
+    cfg.model = resolve_model(cfg.model)
+    count = planned(cfg, checkpointing, fused_loss=False)
+    for seq_len in (64, 128, 256):
+        assert count.bytes(seq_len, 2) == pytest.approx(measured(cfg, seq_len, 2, checkpointing), rel=0.10)
+
+
+def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_that_fits():
+    from trainer.plan import make_plan, plan_for_the_sequence
+
+    cfg = to_config({"model": {"name": "small"}, "train": {"micro_batch_size": 1}})
+    plan = make_plan(cfg, 4, 10 ** 9)
+    longest = {(sp, fused, ac): n for sp, fused, ac, n in plan.long_context}
+    for fused in (False, True):
+        for ac in (False, True):
+            assert longest[2, fused, ac] >= 1.9 * longest[1, fused, ac] > 0
+            assert longest[4, fused, ac] >= 1.9 * longest[2, fused, ac]
+    assert longest[1, True, False] > longest[1, False, False]  # no [tokens, vocab] log-probabilities kept
+    # strategy=auto: where nothing fits, the fused loss first, then sequence parallelism
+    tight = to_config({"model": {"name": "small", "seq_len": longest[1, True, True] + 512},
+                       "train": {"micro_batch_size": 1}})
+    nothing = make_plan(tight, 4, 10 ** 9)
+    assert nothing.choice is None
+    found, settings = plan_for_the_sequence(tight, 4, nothing)
+    assert found.choice is not None and settings == {("strategy", "sp"): 2, ("train", "fused_loss"): False}

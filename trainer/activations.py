@@ -1,0 +1,248 @@
+"""Activation memory: the bytes autograd keeps from a forward for its backward.
+
+Measured (`mem.activations` in step records): `SavedBytes` around a micro-step's forward and loss
+sees every tensor autograd saves (saved-tensor hooks, on any device), counts each storage once and
+leaves parameters out (FSDP2's and ZeRO-3's gathered ones are parameters too, and so are their
+casts and views). Under activation checkpointing, torch's own hooks take the checkpointed blocks'
+saves, so only what is really kept is seen: the blocks' inputs. Tensors a custom autograd function
+keeps on its context rather than saving them (torch's `linear_cross_entropy` keeps the gradients it
+computed in the forward) are found by walking the loss's graph.
+
+Planned (`python -m trainer.plan`): the same counter around the model's forward and loss on the
+meta device (no memory, no compute), at three short lengths, gives bytes per token per layer and
+outside the layers (the logits' share apart), and any part that grows with the square of the
+length. On meta, attention is counted as a fused kernel keeps it (flash / memory-efficient, and
+torch's CPU kernel: queries, keys and values, the output and its log-sum-exp; never the
+[t, t] probabilities), and data-dependent checks (`.item()`, which meta tensors cannot answer) read 1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Autograd nodes that only cast or re-view one tensor: a saved tensor reached through them from a
+# parameter is that parameter (autocast's copies of weights, the transposed weight of a matmul).
+_CAST_OR_VIEW = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                 "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "AliasBackward0",
+                 "UnsafeViewBackward0", "ReshapeAliasBackward0"}
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a frozen weight's view has no grad_fn
+        return True
+    node = t.grad_fn
+    while node is not None and type(node).__name__ in _CAST_OR_VIEW:
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        node = inputs[0] if len(inputs) == 1 else None
+    return node is not None and type(node).__name__ == "AccumulateGrad" and isinstance(node.variable, nn.Parameter)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # the storage itself: views of one storage share it, also on meta
+
+
+class SavedBytes:
+    """Within: the bytes of every storage autograd saves for backward, once each, parameters left
+    out. `inside(module)`, for the planner: what modules of a kind save, apart."""
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}  # storage -> bytes
+        self.elements: dict[int, int] = {}
+        self.where: dict[int, str] = {}  # storage -> "layers" (saved inside a block) or "outside"
+        self.part = "outside"
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor):
+        if not is_parameter(t):
+            self._count(t)
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
+        key = storage_key(t)
+        if key not in self.storages:
+            self.storages[key] = t.untyped_storage().nbytes()
+            self.elements[key] = self.storages[key] // t.element_size()
+            self.where[key] = self.part
+
+    def kept_by_functions(self, output: torch.Tensor) -> None:
+        """Tensors that custom autograd functions in `output`'s graph keep as attributes of their
+        context (not through save_for_backward, so no hook saw them)."""
+        seen, todo = set(), [output.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for value in getattr(node, "__dict__", {}).values():
+                if isinstance(value, torch.Tensor) and not is_parameter(value):
+                    self._count(value)
+            todo.extend(n for n, _ in node.next_functions)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def bytes_of(self, part: str, elements_at_least: int = 0) -> int:
+        return sum(n for k, n in self.storages.items() if self.where[k] == part and self.elements[k] >= elements_at_least)
+
+
+# ---- the planner's count, on the meta device ----
+
+
+class _FusedAttention(torch.autograd.Function):
+    """On meta only: what a fused attention kernel keeps for backward (q, k, v with key/value heads
+    as they come, the output, the log-sum-exp per head and query); never run backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale):
+        heads = q.shape[-3]
+        repeat = (lambda x: x.repeat_interleave(heads // x.shape[-3], -3)) if k.shape[-3] != heads else (lambda x: x)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, repeat(k), repeat(v), 0.0, causal, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a planning trace never runs backward")
+
+
+class _AsFusedKernels(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v, *rest = args
+            mask = kwargs.get("attn_mask", rest[0] if rest else None)
+            causal = kwargs.get("is_causal", rest[2] if len(rest) > 2 else False)
+            return _FusedAttention.apply(q, k, v, mask, causal, kwargs.get("scale"))
+        return func(*args, **kwargs)
+
+
+class _MetaItems(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class ActivationCount:
+    """Bytes one rank keeps for backward per micro-batch, as a function of the tokens of a row."""
+    per_token: float  # per token of a row: every layer, the embeddings, the output layer and the loss
+    per_token_squared: float  # x tokens^2 (attention that keeps [t, t]: eager attention, masks)
+    constant: float = 0.0  # per micro-batch whatever its length (the fused loss: its weight's gradient)
+    per_token_per_layer: float = 0.0  # of per_token, what each block keeps (without checkpointing)
+    logits_per_token: float = 0.0  # of per_token, the output layer's and loss's [tokens, vocab] share
+
+    def bytes(self, seq_len: int, micro_batch: int = 1, sp: int = 1) -> int:
+        """Per rank: each holds seq_len / sp tokens of every row; attention's square part is over the
+        whole sequence, for 1 / sp of the heads."""
+        return int(micro_batch * (self.per_token * seq_len + self.per_token_squared * seq_len * seq_len) / sp
+                   + self.constant)
+
+    def longest(self, budget: float, micro_batch: int = 1, sp: int = 1, multiple: int = 1) -> int:
+        """The longest seq_len (a multiple of `multiple`) whose activations fit `budget` bytes (0: none)."""
+        a, b = self.per_token_squared * micro_batch / sp, self.per_token * micro_batch / sp
+        room = budget - self.constant
+        if room <= 0 or b <= 0:
+            return 0
+        s = room / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+        return int(s // multiple * multiple)
+
+
+def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int) -> SavedBytes:
+    """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
+    blocks apart."""
+    saved = SavedBytes()
+    handles = [h for block in blocks for h in (
+        block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
+        block.register_forward_hook(lambda *_: setattr(saved, "part", "outside")))]
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    try:
+        with _MetaItems(), _AsFusedKernels(), saved:
+            loss = loss_of(model, ids)
+        saved.kept_by_functions(loss)
+    finally:
+        for h in handles:
+            h.remove()
+    return saved
+
+
+def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int) -> ActivationCount:
+    """From the saves at three lengths t, 2t, 4t: f(n) = C + a n + c n^2 for the total, the layers'
+    part and the logits' part (storages of at least tokens x vocab elements outside the layers).
+    C, whatever the length, is not per row: left out."""
+    t = min(counts)
+
+    def per_token(f) -> tuple[float, float]:
+        f1, f2, f4 = (f(counts[n], n) for n in (t, 2 * t, 4 * t))
+        # differences: f2 - f1 = a t + 3 c t^2, f4 - f2 = 2 a t + 12 c t^2
+        c = max((f4 - f2) - 2 * (f2 - f1), 0) / (6 * t * t)
+        return ((f2 - f1) - 3 * c * t * t) / t, c
+
+    total, squared = per_token(lambda s, n: s.bytes)
+    layers, _ = per_token(lambda s, n: s.bytes_of("layers"))
+    logits, _ = per_token(lambda s, n: s.bytes_of("outside", elements_at_least=n * vocab))
+    return ActivationCount(total, squared, 0.0, layers / max(n_layers, 1), logits)
+
+
+def fused_loss_count(d_model: int, vocab: int, dtype: torch.dtype, tokens: int = 64) -> ActivationCount:
+    """What torch's linear_cross_entropy keeps (the gradients it computes in the forward: the
+    input's, per token, and the output matrix's, once), on meta."""
+    kept = {}
+    for n in (tokens, 2 * tokens):
+        x = torch.zeros(n, d_model, dtype=dtype, device="meta", requires_grad=True)
+        w = nn.Parameter(torch.zeros(vocab, d_model, dtype=dtype, device="meta"))
+        with SavedBytes() as saved:
+            loss = F.linear_cross_entropy(x, w, torch.zeros(n, dtype=torch.long, device="meta"), reduction="sum",
+                                          options=torch.nn.LinearCrossEntropyOptions())
+        saved.kept_by_functions(loss)
+        kept[n] = saved.bytes
+    per_token = (kept[2 * tokens] - kept[tokens]) / tokens
+    return ActivationCount(per_token, 0.0, kept[tokens] - per_token * tokens, 0.0, per_token)
+
+
+_COUNTS: dict[str, ActivationCount] = {}
+
+
+def planned(cfg, checkpointing: bool, fused_loss: bool, short: int = 64) -> ActivationCount:
+    """The activations of `cfg`'s model (a Config) per micro-batch, counted on the meta device in the
+    training dtype, with activation checkpointing per block as the trainer applies it, and the
+    loss as train.fused_loss computes it: the logits' share replaced by linear_cross_entropy's."""
+    import json
+
+    from trainer.config import model_node
+    from trainer.memory import DTYPE_BYTES
+    from trainer.models import build_model, model_facts
+    from trainer.models.blocks import apply_checkpointing, find_blocks
+    from trainer.training.objectives import forward, token_loss_sum
+
+    dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
+    key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing], default=str)
+    if key not in _COUNTS:
+        model = build_model(cfg.model, torch.device("meta"), cfg.peft).to(dtype)
+        blocks = find_blocks(model, cfg.strategy.wrap)
+        if checkpointing:
+            apply_checkpointing(model, blocks)
+        counts = {n: trace(model, blocks, lambda m, ids: token_loss_sum(forward(m, (ids, ids)), ids), n)
+                  for n in (short, 2 * short, 4 * short)}
+        _COUNTS[key] = fit(counts, cfg.model.vocab_size, len(blocks))
+    count = _COUNTS[key]
+    if not fused_loss:
+        return count
+    fused = fused_loss_count(model_facts(cfg.model, cfg.strategy.wrap, cfg.peft).d_model, cfg.model.vocab_size, dtype)
+    return ActivationCount(count.per_token - count.logits_per_token + fused.per_token, count.per_token_squared,
+                           count.constant + fused.constant, count.per_token_per_layer, fused.per_token)
