@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.checkpoint.format import TrainerState, check_base, check_fingerprint, read_manifest
 from trainer.checkpoint.resume import check_writable, data_position, hold_checkpoint_dir, resolve_resume
-from trainer.checks import check_overrides, validate
+from trainer.checks import check_overrides, check_sequence_parallel, validate
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
 from trainer.data import BatchStream, check_data
 from trainer.errors import ERROR_EXIT_CODE, CheckpointError, ConfigError, RunError, signal_exit_code
@@ -45,8 +45,10 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO 
     preflight(cfg, world_size)
     model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
     find_blocks(model, cfg.strategy.wrap)
+    check_sequence_parallel(cfg, world_size, model)
+    data_parallel = world_size // cfg.strategy.sp  # the ranks of a sequence-parallel group read the same samples
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
-    check_data(cfg, world_size)
+    check_data(cfg, data_parallel)
     if cfg.checkpoint.dir and distributed.launcher_rank() == 0:  # one try: ranks that all try race to remove it
         check_writable(Path(cfg.checkpoint.dir))
         held = hold_checkpoint_dir(Path(cfg.checkpoint.dir))
@@ -56,7 +58,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO 
         check_fingerprint(manifest, param_shapes(model), resume_from)
         check_base(manifest.get("base"), weights.fingerprint, resume_from)
         if position := data_position(TrainerState.from_dict(manifest["trainer"]).data, cfg):
-            BatchStream.check_position(position, world_size, resume_from)
+            BatchStream.check_position(position, data_parallel, resume_from)
     if run_dir is not None:
         check_run_dir(run_dir, resume_from)
     return held

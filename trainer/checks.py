@@ -5,6 +5,7 @@ the optional Hugging Face libraries (`require_hf`). Each raises ConfigError nami
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
 from enum import Enum
 from importlib import resources
@@ -141,6 +142,39 @@ def check_objective(cfg: Config) -> None:
     if not dpo:
         return
     _require(o.beta > 0, "objective.beta", f"must be > 0, got {o.beta}")
+
+
+def check_sequence_parallel(cfg: Config, world_size: int, model: Any) -> None:
+    """strategy.sp=N (docs/long-context.md): the world, the rows and the model split as Ulysses
+    attention needs; `model` the run's, built on the meta device."""
+    sp, m = cfg.strategy.sp, cfg.model
+    _require(sp >= 1, "strategy.sp", f"must be >= 1, got {sp}")
+    if sp == 1:
+        return
+    _require(world_size % sp == 0, "strategy.sp", f"the world size {world_size} must be a multiple of "
+             f"strategy.sp={sp}: the world is data-parallel x sequence-parallel ranks")
+    _require(m.seq_len % sp == 0, "strategy.sp", f"model.seq_len={m.seq_len} must divide by strategy.sp={sp}: each "
+             "rank holds seq_len / sp tokens of every row (rows are not padded to a multiple)")
+    _require(ObjectiveName(cfg.objective.name) is not ObjectiveName.dpo, "strategy.sp",
+             "objective=dpo sums each response's log-probabilities over its tokens, which sequence parallelism "
+             "splits over ranks: train DPO at strategy.sp=1")
+    kind = ModelKind(m.kind)
+    if kind is ModelKind.hf:
+        from trainer.models import hf_sequence  # transformers: imported where a Hugging Face model runs
+
+        hf_sequence.check(m, sp)
+    elif kind is ModelKind.reference:
+        _require(m.n_heads % sp == 0, "strategy.sp", f"model.n_heads={m.n_heads} must divide by strategy.sp={sp}: "
+                 "each rank attends with heads / sp of the attention heads")
+    elif kind is ModelKind.custom:
+        _require(getattr(type(model), "sequence_parallel", False) is True, "strategy.sp",
+                 f"{m.target} builds a {type(model).__name__}, which does not declare sequence parallelism: its "
+                 "attention must call trainer.models.sequence.attention(q, k, v), and its class say so with "
+                 "sequence_parallel = True (docs/long-context.md)")
+        parameters = inspect.signature(model.forward).parameters
+        _require("position_ids" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()),
+                 "strategy.sp", f"{type(model).__name__}.forward takes no position_ids: at strategy.sp > 1 a rank "
+                 "gets its share of the rows with their positions in the whole row")
 
 
 def check_mixture(cfg: Config) -> None:

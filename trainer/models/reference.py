@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models import sequence
+
 
 @dataclass
 class ModelShape:
@@ -68,10 +70,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = Linear(shape.d_model, shape.d_model, shape.bias, std=residual_std(shape))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` [b, 1, t, t] (True: may attend), for packed documents; None: causal."""
+        """`mask` [b, 1, t, t] (True: may attend), for packed documents; None: causal (in a
+        sequence-parallel forward, over the whole rows, within their documents: models/sequence.py)."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).transpose(1, 3).unbind(2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if mask is None:
+            y = sequence.attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -117,11 +123,13 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, t, vocab] of token ids [b, t]. `position_ids` [b, t], for rows of packed
-        documents: each document starts where they are 0, and attends to itself only."""
+        documents: each document starts where they are 0, and attends to itself only. In a
+        sequence-parallel forward (strategy.sp), `idx` and `position_ids` are this rank's share of the
+        rows, and attention builds the documents' mask from the whole rows' (models/sequence.py)."""
         mask = None
         if position_ids is None:
             position_ids = torch.arange(idx.shape[1], device=idx.device)
-        else:
+        elif sequence.active() is None:
             mask = document_mask(position_ids)
         x = self.tok_emb(idx) + self.pos_emb(position_ids)
         for block in self.blocks:

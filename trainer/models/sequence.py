@@ -18,6 +18,7 @@ Who calls what:
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -26,6 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
+
+# torch 2.13 marks the autograd all-to-all deprecated, one warning per call per rank (two per attention
+# layer and forward); its successor in _functional_collectives is private. Not repeated on the console.
+warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated",
+                        category=FutureWarning)
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,15 @@ class SequenceGroup:
     def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's consecutive share of a whole-sequence tensor along `dim`."""
         return tensor.chunk(self.size, dim=dim)[self.rank]
+
+
+def sequence_group(rank: int, world_size: int, sp: int) -> SequenceGroup:
+    """This rank's group of `sp` consecutive ranks (DeepSpeed's layout: ranks 0..sp-1, sp..2sp-1, ...).
+    Every rank creates every group, in the same order (torch's `new_group` is collective)."""
+    if sp == 1:
+        return SequenceGroup(None, 1, 0)
+    groups = [dist.new_group(list(range(start, start + sp))) for start in range(0, world_size, sp)]
+    return SequenceGroup(groups[rank // sp], sp, rank % sp)
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,8 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
 def heads_to_sequence(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     """[b, h, s/N, d] of every head -> [b, h/N, s, d]: this rank's heads over the whole sequence."""
     b, h, s, d = x.shape
+    if h % group.size:
+        raise ValueError(f"sequence parallelism: {h} attention heads do not split over strategy.sp={group.size} ranks")
     chunks = x.reshape(b, group.size, h // group.size, s, d).transpose(0, 1).contiguous()  # [N: heads, ...]
     received = all_to_all_single(torch.empty_like(chunks), chunks, group=group.group)  # [N: sequence, ...]
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // group.size, group.size * s, d)

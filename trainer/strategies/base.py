@@ -15,6 +15,7 @@ from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError
+from trainer.models.sequence import SequenceGroup, sequence_group
 from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
@@ -69,12 +70,19 @@ class Strategy(ABC):
         self.held: list[nn.Module] = []  # models held outside the policy (`holds`)
         self.precision = Precision(cfg.train.precision)
         self.reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
+        # strategy.sp: this rank's sequence-parallel group, created here on every rank. The backend
+        # is not told: every rank is a data-parallel rank to it (models/sequence.py says why).
+        sp = cfg.strategy.sp
+        self.sequence = sequence_group(env.rank, env.world_size, sp) if sp > 1 else SequenceGroup(None, 1, 0)
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
     local_rank = property(lambda self: self.env.local_rank)
     device = property(lambda self: self.env.device)
     is_main = property(lambda self: self.env.is_main)
+    # The data's ranks: the ranks of a sequence-parallel group read the same samples.
+    dp_rank = property(lambda self: self.env.rank // self.sequence.size)
+    dp_size = property(lambda self: self.env.world_size // self.sequence.size)
 
     def model_init_context(self) -> AbstractContextManager:
         """Where the model is built: parameters on the meta device, materialised by `setup`."""

@@ -31,6 +31,7 @@ from trainer.training.objectives import NextToken, Objective, forward, record, t
 from trainer.training.reference import build_objective
 from trainer.training.resumed import resume_notes
 from trainer.training.schedule import lr_at
+from trainer.training.shares import share
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
 
@@ -50,7 +51,7 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     blocks, wrap them for activation checkpointing, compile them, then let the strategy shard it
     and give each rank its part of the first weights (AC -> compile -> setup, as torchtitan).
     Returns (model, optimizer, blocks, where the weights came from)."""
-    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft)
+    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft, cfg.strategy.sp)
     blocks = find_blocks(model, cfg.strategy.wrap)
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft, strategy.full_shape)
     if cfg.train.activation_checkpointing:
@@ -77,8 +78,8 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
     model.eval()
     totals = torch.zeros(2 + len(objective.stats), dtype=torch.float64, device=device)  # loss sum, units, stats
     for batch in batches:
-        batch = [t.to(device) for t in batch]
-        with strategy.autocast():
+        batch, sharded = share([t.to(device) for t in batch], strategy.sequence)
+        with sharded, strategy.autocast():
             loss, stats = objective.loss_sum(model, batch)
         totals += torch.cat([loss.double().view(1), objective.count(batch).double().view(1), stats.double()])
     model.train()
@@ -90,7 +91,10 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
     """What will run, resolved: the start line."""
     s, t = cfg.strategy, cfg.train
     offload = "+".join(what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on)
-    global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
+    dp = strategy.dp_size
+    global_batch = t.micro_batch_size * t.grad_accum_steps * dp
+    ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
+    sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
     return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}",
                      f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(),
                      # peft=lora brings its own (conf/peft/lora.yaml): said, so nobody trains at a rate they did not expect
@@ -98,7 +102,7 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
                      f"offload={offload or 'none'}",
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
                      f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
-                     f"{env.world_size} rank{'s' if env.world_size > 1 else ''}) seq_len={cfg.model.seq_len}"])
+                     f"{ranks}) seq_len={cfg.model.seq_len}", *sp])
 
 
 def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
@@ -110,6 +114,8 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     # of the whole step, all micro-batches and ranks. Backends average gradients over ranks, hence
     # x world size.
     objective = objective or NextToken()
+    # strategy.sp: each rank counts and computes the loss of its own share of the rows' tokens
+    micro_batches, contexts = zip(*(share(batch, strategy.sequence) for batch in micro_batches))
     units, targets, inputs = strategy.all_reduce(torch.stack([
         sum(objective.count(batch) for batch in micro_batches), sum(target_count(batch[1]) for batch in micro_batches),
         sum(input_count(batch[1]) for batch in micro_batches)]))
@@ -117,7 +123,8 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     loss_sum, mem, activations = torch.zeros((), device=targets.device), None, None
     stats = torch.zeros(len(objective.stats), device=targets.device)
     for i, batch in enumerate(micro_batches):
-        with strategy.micro_step(final=i == len(micro_batches) - 1):
+        # the backward too in the sharded context: activation checkpointing runs the forward again there
+        with strategy.micro_step(final=i == len(micro_batches) - 1), contexts[i]:
             # at log steps: the bytes the forward saves for backward (mem.activations), this rank's
             with strategy.autocast(), SavedBytes() if track_memory else nullcontext() as saved:
                 micro_loss, micro_stats = objective.loss_sum(model, batch)
@@ -156,7 +163,7 @@ class Run:
             check_validation_rows(cfg, len(val_set))
         self.cfg, self.env, self.run_dir, self.strategy, self.guard = cfg, env, run_dir, strategy, guard
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
-        self.global_batch = t.micro_batch_size * t.grad_accum_steps * env.world_size
+        self.global_batch = t.micro_batch_size * t.grad_accum_steps * strategy.dp_size
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
         # Before a checkpoint is loaded: the policy as it starts is the reference (training/reference.py)
         self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
@@ -241,7 +248,8 @@ class Run:
         if not self.evaluated:
             return False
         t, env = self.cfg.train, self.env
-        batches = eval_batches(self.val_set, t.micro_batch_size, env.rank, env.world_size, self.cfg.eval.max_batches)
+        batches = eval_batches(self.val_set, t.micro_batch_size, self.strategy.dp_rank, self.strategy.dp_size,
+                               self.cfg.eval.max_batches)
         self.val_loss, stats = evaluate(self.model, self.strategy, self.objective.evaluation("val"), batches,
                                         env.device)
         # a perplexity where the loss is per token (objective=lm), the objective's statistics else
@@ -253,7 +261,8 @@ class Run:
         """data=mixture: the val loss of each source's held-out rows apart, as `loss/<name>`."""
         t, env = self.cfg.train, self.env
         return {f"loss/{name}": evaluate(self.model, self.strategy, self.objective.evaluation("val"),
-                                         eval_batches(rows, t.micro_batch_size, env.rank, env.world_size,
+                                         eval_batches(rows, t.micro_batch_size, self.strategy.dp_rank,
+                                                      self.strategy.dp_size,
                                                       self.cfg.eval.max_batches), env.device)[0]
                 for name, rows in getattr(self.val_set, "by_source", {}).items()}
 
@@ -341,7 +350,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         strategy = build_strategy(cfg, env)
         cleanup.callback(strategy.teardown)
         train_set, val_set = load_data(cfg, env.local_rank)
-        stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, env.rank, env.world_size, t.seed,
+        # the data's ranks: a sequence-parallel group reads the same samples
+        stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, strategy.dp_rank, strategy.dp_size, t.seed,
                              num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
         cleanup.callback(stream.close)
         total_steps = t.max_steps or stream.steps_for(t.epochs)

@@ -1,0 +1,144 @@
+"""Issue 30: sequence parallelism (`strategy.sp=N`, Ulysses attention) through the trainer: the losses
+of one rank with the same global batch on every backend, at sp=2 and at dp=2 x sp=2; with offload,
+activation checkpointing, compile and LoRA; packed conversations kept apart; checkpoints that resume
+at another sp, strategy and world size; the refusals before any rank starts.
+
+The multi-process runs of a world size share one launch (tests/test_core_parity.py's way)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.harness import (
+    LOSS_RTOL,
+    assert_close,
+    assert_resumes,
+    case,
+    losses,
+    on_ranks,
+    records,
+    refusal,
+    resuming,
+    saving,
+    train_cases,
+    with_overrides,
+)
+from tests.test_chat import PACKED_RTOL, chat, chat_case, summed_loss  # noqa: F401 (chat: the fixture)
+from trainer.models.sequence import SequenceGroup
+from trainer.training.shares import share
+
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+GLOBAL_BATCH = 8  # rows per step everywhere: 1 rank x 8, sp=2 (dp=1) x 8, dp=2 x sp=2 x 4
+
+
+def sp_case(strategy: str, sp: int, micro: int, **overrides) -> dict:
+    return with_overrides(case(strategy), strategy__sp=sp, train__micro_batch_size=micro, **overrides)
+
+
+# -- one process: a rank's share, and the refusals ------------------------------------------------
+
+def test_a_ranks_share_is_its_part_of_every_field_with_the_whole_rows_positions():
+    inputs, targets = torch.arange(16).view(2, 8), torch.arange(100, 116).view(2, 8)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    plain = [share([inputs, targets], SequenceGroup(None, 2, r)) for r in range(2)]
+    for r, (local, _) in enumerate(plain):
+        assert [t.tolist() for t in local] == [inputs[:, 4 * r:4 * r + 4].tolist(), targets[:, 4 * r:4 * r + 4].tolist(),
+                                               [list(range(4 * r, 4 * r + 4))] * 2]  # global positions
+    assert torch.equal(torch.cat([local[1] for local, _ in plain], dim=1), targets)  # every target on one rank
+    (local, _), = [share([inputs, targets, packed], SequenceGroup(None, 2, 1))]
+    assert torch.equal(local[2], packed[:, 4:])
+    alone, _ = share([inputs, targets], SequenceGroup(None, 1, 0))
+    assert len(alone) == 2  # sp=1: the batch as it is
+
+
+REFUSED = {
+    "world size": (["nproc=3", "strategy.sp=2"], "the world size 3 must be a multiple of strategy.sp=2"),
+    "seq_len": (["nproc=2", "strategy.sp=2", "model.seq_len=63"], "model.seq_len=63 must divide by strategy.sp=2"),
+    "heads": (["nproc=4", "strategy.sp=4", "model.n_heads=2", "model.d_model=64"],
+              "model.n_heads=2 must divide by strategy.sp=4"),
+    "custom model without the hook": (["nproc=2", "strategy.sp=2", "model=custom", "model._target_=tests.toys.build",
+                                       "model.seq_len=32", "strategy.wrap=[ToyBlock]"], "does not declare sequence parallelism"),
+    "dpo": (["nproc=2", "strategy.sp=2", "objective=dpo", "data=preference", "data.path=pairs.jsonl"],
+            "objective=dpo sums each response's log-probabilities"),
+    "sp 0": (["strategy.sp=0"], "strategy.sp: must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_sequence_parallelism_cannot_split_is_refused_before_any_rank_starts(tmp_path, name):
+    overrides, fragment = REFUSED[name]
+    assert fragment in refusal(tmp_path, *overrides)
+
+
+# -- parity: the losses of one rank ---------------------------------------------------------------
+
+CASES_2 = {f"{s}_sp2": sp_case(s, 2, GLOBAL_BATCH) for s in STRATEGIES}
+CASES_2.update({
+    "ddp_sp2_ac": sp_case("ddp", 2, GLOBAL_BATCH, train__activation_checkpointing=True),
+    "fsdp_sp2_ac_offload": sp_case("fsdp", 2, GLOBAL_BATCH, train__activation_checkpointing=True,
+                                   strategy__offload_params=True, strategy__offload_optimizer=True),
+    "zero3_sp2_offload": sp_case("zero3", 2, GLOBAL_BATCH, strategy__offload_params=True,
+                                 strategy__offload_optimizer=True),
+    "ddp_sp2_compile": sp_case("ddp", 2, GLOBAL_BATCH, train__compile=True),
+    "ddp_sp2_lora": sp_case("ddp", 2, GLOBAL_BATCH, peft__name="lora", peft__r=4),
+    "zero3_sp2_lora": sp_case("zero3", 2, GLOBAL_BATCH, peft__name="lora", peft__r=4),
+})
+CASES_4 = {f"{s}_dp2_sp2": sp_case(s, 2, GLOBAL_BATCH // 2) for s in STRATEGIES}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp")
+    on_ranks(1, train_cases, {"baseline": sp_case("ddp", 1, GLOBAL_BATCH),
+                              "baseline_lora": sp_case("ddp", 1, GLOBAL_BATCH, peft__name="lora", peft__r=4)}, str(out))
+    on_ranks(2, train_cases, CASES_2, str(out))
+    on_ranks(4, train_cases, CASES_4, str(out))
+    return {name: records(out / name) for name in ["baseline", "baseline_lora", *CASES_2, *CASES_4]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*(f"{s}_sp2" for s in STRATEGIES), *CASES_4])
+def test_losses_at_sp2_and_dp2_sp2_match_one_rank(runs, name):
+    base = losses(runs["baseline"])
+    assert base[-1] < base[0] - 0.5, "the baseline must learn"
+    assert_close(losses(runs[name]), base, name, rtol=1e-6)
+    assert [r["tokens"] for r in runs[name]] == [r["tokens"] for r in runs["baseline"]], name  # every target once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp_sp2_ac", "fsdp_sp2_ac_offload", "zero3_sp2_offload", "ddp_sp2_compile",
+                                  "ddp_sp2_lora", "zero3_sp2_lora"])
+def test_sp2_with_offload_ac_compile_and_lora_keeps_the_losses(runs, name):
+    base = losses(runs["baseline_lora" if "lora" in name else "baseline"])
+    assert_close(losses(runs[name]), base, name, rtol=LOSS_RTOL)
+
+
+# -- packed conversations -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_packed_conversations_at_sp2_give_the_padded_loss_at_sp1(chat, tmp_path):  # noqa: F811
+    """One epoch of packed chat rows at sp=2 (lr 0): the summed loss of the same conversations in
+    padded rows at sp=1 (tests/test_chat.py's packing test), attention kept within each conversation
+    by the whole rows' position ids."""
+    on_ranks(1, train_cases, {"padded": chat_case(chat, chat.data, data__packing=False)}, str(tmp_path))
+    on_ranks(2, train_cases, {"packed_sp2": chat_case(chat, chat.data, strategy__sp=2)}, str(tmp_path))
+    packed_loss, packed_tokens, packed_rows = summed_loss(tmp_path / "packed_sp2")
+    padded_loss, padded_tokens, padded_rows = summed_loss(tmp_path / "padded")
+    assert packed_tokens == padded_tokens > 0
+    assert packed_rows < padded_rows / 2
+    assert math.isclose(packed_loss, padded_loss, rel_tol=PACKED_RTOL), (packed_loss, padded_loss)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_sp2_resumes_at_sp1_and_on_another_strategy_and_world_size(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    on_ranks(2, train_cases, {"straight": saving(sp_case("ddp", 2, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
+    on_ranks(1, train_cases, {"one_rank": resuming(sp_case("ddp", 1, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
+    on_ranks(2, train_cases, {"zero3_dp2": resuming(sp_case("zero3", 1, GLOBAL_BATCH // 2), ckpt, 4)}, str(tmp_path))
+    straight = records(tmp_path / "straight")
+    for name in ("one_rank", "zero3_dp2"):  # the same steps, tokens (the data position) and losses
+        assert_resumes(records(tmp_path / name), straight, at=4, what=name, rtol=LOSS_RTOL)
