@@ -28,6 +28,7 @@ from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
 from trainer.models.blocks import find_blocks
+from trainer.models.fused_loss import check_output_layer
 from trainer.plan import resolve_auto
 from trainer.strategies import preflight
 from trainer.sweep import check_sweep
@@ -46,6 +47,8 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO 
     model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
     find_blocks(model, cfg.strategy.wrap)
     check_sequence_parallel(cfg, world_size, model)
+    if cfg.train.fused_loss:
+        check_output_layer(cfg.model, model)
     data_parallel = world_size // cfg.strategy.sp  # the ranks of a sequence-parallel group read the same samples
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
     check_data(cfg, data_parallel)

@@ -109,6 +109,8 @@ def validate(cfg: Config) -> None:
         _require(not is_set or data_name in readers, f"data.{key}",
                  f"only read by data={' and data='.join(r.value for r in readers)}, not data={data_name.value}")
     check_objective(cfg)
+    _require(not t.fused_loss or ObjectiveName(cfg.objective.name) is ObjectiveName.lm, "train.fused_loss",
+             "objective=dpo takes each token's log-probability from the logits; the fused loss is for objective=lm")
     check_mixture(cfg)
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")

@@ -23,6 +23,7 @@ from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, see
 from trainer.log import log, setup_logging
 from trainer.models import build_model, description, initial_weights, model_facts
 from trainer.models.blocks import apply_checkpointing, find_blocks
+from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.faults import StepGuard, Stopped, Verdict
@@ -52,6 +53,8 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     and give each rank its part of the first weights (AC -> compile -> setup, as torchtitan).
     Returns (model, optimizer, blocks, where the weights came from)."""
     model = build_model(cfg.model, strategy.model_init_context(), cfg.peft, cfg.strategy.sp)
+    if cfg.train.fused_loss:  # before the backend's hooks: they gather the output layer's weight for it
+        fuse_output_layer(model, cfg.model.vocab_size)
     blocks = find_blocks(model, cfg.strategy.wrap)
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft, strategy.full_shape)
     if cfg.train.activation_checkpointing:

@@ -23,6 +23,7 @@ from torch import nn
 from trainer.config import DpoLoss, ObjectiveConfig
 from trainer.data.sources import IGNORE_INDEX
 from trainer.models import logits_of
+from trainer.models.fused_loss import token_losses
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
@@ -58,14 +59,23 @@ class Objective(Protocol):
 
 
 class NextToken:
-    """objective=lm: the summed token loss over the target tokens."""
+    """objective=lm: the summed token loss over the target tokens. `fused` (train.fused_loss): the
+    model's output layer gives each token's loss itself (models/fused_loss.py), never the logits."""
     stats: tuple[str, ...] = ()
+
+    def __init__(self, fused: bool = False):
+        self.fused = fused
 
     def count(self, batch) -> torch.Tensor:
         return target_count(batch[1])
 
     def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_loss_sum(forward(model, batch), batch[1]), torch.zeros(0, device=batch[1].device)
+        if self.fused:
+            with token_losses(batch[1], IGNORE_INDEX):
+                loss = forward(model, batch).float().sum()
+        else:
+            loss = token_loss_sum(forward(model, batch), batch[1])
+        return loss, torch.zeros(0, device=batch[1].device)
 
     def evaluation(self, split: str) -> NextToken:
         return self

@@ -117,7 +117,7 @@ def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_row
     starts, before a checkpoint is loaded into it."""
     o = cfg.objective
     if ObjectiveName(o.name) is ObjectiveName.lm:
-        return NextToken()
+        return NextToken(fused=cfg.train.fused_loss)
     if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
         adapters = starting_adapters(cfg, strategy) if cfg.peft.init else None
         return DirectPreference(o, Reference(autocast=strategy.autocast, adapters=adapters))
