@@ -75,29 +75,33 @@ def check(cfg: ModelConfig, sp: int) -> None:
                       "window": kwargs.get("sliding_window"), **{k: kwargs.get(k) for k in UNSUPPORTED}})
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
+    config = hf.read_config(cfg)
+    family = f"this {config.model_type} model"
+    if not hf.model_class(config)._supports_sdpa:
+        raise ConfigError(f"{what}: transformers runs {family}'s attention without SDPA (its class does not support "
+                          "it), and sequence parallelism attends through SDPA; strategy.sp=1 trains it")
     AttentionInterface.register(PROBE, probe)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = hf.small_builder(cfg, PROBE)().train()
-        config = model.config.get_text_config()
+            model = hf.small_builder(cfg, PROBE)().train()  # train mode: its attention dropout shows
         with torch.no_grad():
             model(torch.zeros(1, 2 * sp, dtype=torch.long), position_ids=torch.arange(2 * sp)[None])
     except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"{what}: this {type(e).__name__} when its attention runs through a registered "
-                          f"attention function (as sequence parallelism does): {reason}") from None
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"{what}: {family} does not run with its attention replaced, as sequence parallelism "
+                          f"replaces it ({type(e).__name__}: {reason}); strategy.sp=1 trains it") from None
     if not calls:
-        raise ConfigError(f"{what}: this {config.model_type} model's attention does not go through transformers' "
-                          "attention functions (AttentionInterface), which sequence parallelism replaces; "
-                          "strategy.sp=1 trains it")
+        raise ConfigError(f"{what}: {family}'s attention does not go through transformers' attention functions "
+                          "(AttentionInterface), which sequence parallelism replaces; strategy.sp=1 trains it")
     heads = calls[0]["heads"]
     if heads % sp:
         raise ConfigError(f"{what}: its {heads} attention heads do not divide among {sp} ranks (Ulysses gives each "
                           f"rank heads / sp of them); use a strategy.sp that divides {heads}")
     if any(c["dropout"] for c in calls):
-        raise ConfigError(f"{what}: attention dropout ({config.attention_dropout}) is not applied under sequence "
-                          "parallelism; set it to 0 in config.json")
+        raise ConfigError(f"{what}: {family} drops attention weights in training (attention dropout "
+                          f"{max(c['dropout'] for c in calls)}), which sequence parallelism's attention does not do; "
+                          "set it to 0 in config.json (attention_dropout, attn_pdrop for GPT-2) or use strategy.sp=1")
     windows = [c["window"] for c in calls if c["window"] is not None and c["window"] < cfg.seq_len]
     if windows:
         raise ConfigError(f"{what}: its sliding window of {windows[0]} tokens is shorter than model.seq_len="
