@@ -102,7 +102,7 @@ def test_the_plan_counts_what_a_micro_step_keeps_at_three_lengths(model, checkpo
 def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_that_fits():
     from trainer.plan import make_plan, plan_for_the_sequence
 
-    cfg = to_config({"model": {"name": "small"}, "train": {"micro_batch_size": 1}})
+    cfg = to_config({"model": {"name": "tiny"}, "train": {"micro_batch_size": 1}})  # 4 heads: sp=4 too
     plan = make_plan(cfg, 4, 10 ** 9)
     longest = {(sp, fused, ac): n for sp, fused, ac, n in plan.long_context}
     for fused in (False, True):
@@ -111,7 +111,7 @@ def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_t
             assert longest[4, fused, ac] >= 1.9 * longest[2, fused, ac]
     assert longest[1, True, False] > longest[1, False, False]  # no [tokens, vocab] log-probabilities kept
     # strategy=auto: where nothing fits, the fused loss first, then sequence parallelism
-    tight = to_config({"model": {"name": "small", "seq_len": longest[1, True, True] + 512},
+    tight = to_config({"model": {"name": "tiny", "seq_len": longest[1, True, True] + 512},
                        "train": {"micro_batch_size": 1}})
     nothing = make_plan(tight, 4, 10 ** 9)
     assert nothing.choice is None
