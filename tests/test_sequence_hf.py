@@ -74,3 +74,48 @@ def test_hf_attention_split_over_two_ranks_gives_the_whole_models_logits_and_gra
     for rank, differences in found.items():
         for what, difference in differences.items():
             assert difference < 1e-5, (family, rank, what, difference)
+
+
+# -- what cannot be split is refused, in one line, before any rank starts -------------------------
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+REFUSALS = {  # a family's config (over TINY), model.attn_implementation, strategy.sp -> the refusal's words
+    "eager": ("qwen2", {}, "eager", 2, "model.attn_implementation=eager is not taken"),
+    "heads": ("qwen2", {}, "sdpa", 8, "its 4 attention heads do not divide among 8 ranks"),
+    "attention dropout": ("qwen2", {"attention_dropout": 0.1}, "sdpa", 2, "attention dropout 0.1"),
+    "sliding window": ("mistral", {"sliding_window": 8}, "sdpa", 2, "sliding window of 8 tokens is shorter"),
+    "no sdpa": ("bloom", {}, "sdpa", 2, "attention without SDPA"),
+    "attention of its own": ("falcon", {}, "sdpa", 2, "does not run with its attention replaced"),
+}
+
+
+def family_dir(root, family: str, config: dict):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(family, **{**TINY, **config}).save_pretrained(str(root))
+    return root
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_what_ulysses_cannot_split_is_refused_in_one_line(tmp_path, name):
+    from trainer.config import ModelConfig
+    from trainer.errors import ConfigError
+    from trainer.models import hf_sequence
+
+    family, config, attention, sp, words = REFUSALS[name]
+    cfg = ModelConfig(name="hf", kind="hf", path=str(family_dir(tmp_path, family, config)), seq_len=SEQ,
+                      attn_implementation=attention)
+    with pytest.raises(ConfigError) as refused:
+        hf_sequence.check(cfg, sp)
+    assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_families_ulysses_splits_pass_the_check(tmp_path):
+    """Llama (rotary, GQA) and Mistral with its window longer than the rows: nothing to refuse."""
+    from trainer.config import ModelConfig
+    from trainer.models import hf_sequence
+
+    for family, config in (("llama", {}), ("mistral", {"sliding_window": 64})):
+        path = family_dir(tmp_path / family, family, config)
+        hf_sequence.check(ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ), 2)
