@@ -12,8 +12,10 @@ from trainer.activations import SavedBytes
 from trainer.config import to_config
 from trainer.models import build_model, resolve_model
 from trainer.models.blocks import apply_checkpointing, find_blocks
+from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.sequence import SequenceGroup
 from trainer.training.loop import micro_steps
+from trainer.training.objectives import NextToken
 
 
 class OneRank:
@@ -36,18 +38,23 @@ class OneRank:
         return {"params": 0, "grads": 0, "optim": 0, "peak": None}
 
 
-def model_of(cfg, checkpointing: bool) -> nn.Module:
+def model_of(cfg, checkpointing: bool, fused_loss: bool = False) -> nn.Module:
+    """As the trainer builds it (setup_model): the fused output layer, then checkpointing per block."""
     torch.manual_seed(0)
     model = build_model(cfg.model, torch.device("cpu"), cfg.peft)
+    if fused_loss:
+        fuse_output_layer(model, cfg.model.vocab_size)
     if checkpointing:
         apply_checkpointing(model, find_blocks(model, cfg.strategy.wrap))
     return model
 
 
-def measured(cfg, seq_len: int, micro_batch: int, checkpointing: bool = False, track: bool = True):
+def measured(cfg, seq_len: int, micro_batch: int, checkpointing: bool = False, track: bool = True,
+             fused_loss: bool = False):
     """mem.activations of one step of the loop's micro_steps."""
     ids = torch.randint(0, cfg.model.vocab_size, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
-    sums = micro_steps(model_of(cfg, checkpointing), OneRank(), [[ids, ids]], 1, track_memory=track)
+    sums = micro_steps(model_of(cfg, checkpointing, fused_loss), OneRank(), [[ids, ids]], 1, track_memory=track,
+                       objective=NextToken(fused_loss))
     return sums.mem["activations"] if sums.mem is not None else None
 
 
@@ -86,17 +93,22 @@ def qwen2(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", weights=False, max_position_embeddings=1024)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("model", ["tiny", pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: slow
-def test_the_plan_counts_what_a_micro_step_keeps_at_three_lengths(model, checkpointing, qwen2):
+def test_the_plan_counts_what_a_micro_step_keeps_at_three_lengths(model, request):
     from trainer.activations import planned
 
-    settings = TINY if model == "tiny" else {"model": {"name": "hf", "kind": "hf", "path": str(qwen2)}}
+    settings = TINY if model == "tiny" else {"model": {"name": "hf", "kind": "hf",
+                                                       "path": str(request.getfixturevalue("qwen2"))}}
     cfg = to_config(settings)
     cfg.model = resolve_model(cfg.model)
-    count = planned(cfg, checkpointing, fused_loss=False)
-    for seq_len in (64, 128, 256):
-        assert count.bytes(seq_len, 2) == pytest.approx(measured(cfg, seq_len, 2, checkpointing), rel=0.10)
+    # the quick suite: plain, and checkpointing with the fused loss; Qwen2 (slow): all four
+    options = [(False, False), (True, True)] if model == "tiny" else [(False, False), (False, True), (True, False),
+                                                                      (True, True)]
+    for checkpointing, fused_loss in options:
+        count = planned(cfg, checkpointing, fused_loss)
+        for seq_len in (64, 128, 256):
+            assert count.bytes(seq_len, 2) == pytest.approx(
+                measured(cfg, seq_len, 2, checkpointing, fused_loss=fused_loss), rel=0.10), (checkpointing, fused_loss)
 
 
 def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_that_fits():

@@ -5,7 +5,7 @@ sees every tensor autograd saves (saved-tensor hooks, on any device), counts eac
 leaves parameters out (FSDP2's and ZeRO-3's gathered ones are parameters too, and so are their
 casts and views). Under activation checkpointing, torch's own hooks take the checkpointed blocks'
 saves, so only what is really kept is seen: the blocks' inputs. Tensors a custom autograd function
-keeps on its context rather than saving them (torch's `linear_cross_entropy` keeps the gradients it
+keeps on its context rather than saving them (torch's `linear_cross_entropy` summed keeps the gradients it
 computed in the forward) are found by walking the loss's graph.
 
 Planned (`python -m trainer.plan`): the same counter around the model's forward and loss on the
@@ -143,9 +143,9 @@ class ActivationCount:
     """Bytes one rank keeps for backward per micro-batch, as a function of the tokens of a row."""
     per_token: float  # per token of a row: every layer, the embeddings, the output layer and the loss
     per_token_squared: float  # x tokens^2 (attention that keeps [t, t]: eager attention, masks)
-    constant: float = 0.0  # per micro-batch whatever its length (the fused loss: its weight's gradient)
+    constant: float = 0.0  # once a micro-batch, whatever its rows and length
     per_token_per_layer: float = 0.0  # of per_token, what each block keeps (without checkpointing)
-    logits_per_token: float = 0.0  # of per_token, the output layer's and loss's [tokens, vocab] share
+    logits_per_token: float = 0.0  # of per_token, the output layer's and loss's [tokens, vocab] share (none: fused)
 
     def bytes(self, seq_len: int, micro_batch: int = 1, sp: int = 1) -> int:
         """Per rank: each holds seq_len / sp tokens of every row; attention's square part is over the
@@ -181,38 +181,23 @@ def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int) -> Sa
     return saved
 
 
-def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int) -> ActivationCount:
+def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int, logits: bool = True) -> ActivationCount:
     """From the saves at three lengths t, 2t, 4t: f(n) = C + a n + c n^2 for the total, the layers'
-    part and the logits' part (storages of at least tokens x vocab elements outside the layers).
-    C, whatever the length, is not per row: left out."""
+    part and the logits' part (`logits`: storages of at least tokens x vocab elements outside the
+    layers). C is once a micro-batch, whatever its rows."""
     t = min(counts)
 
-    def per_token(f) -> tuple[float, float]:
+    def parts(f) -> tuple[float, float, float]:
         f1, f2, f4 = (f(counts[n], n) for n in (t, 2 * t, 4 * t))
         # differences: f2 - f1 = a t + 3 c t^2, f4 - f2 = 2 a t + 12 c t^2
         c = max((f4 - f2) - 2 * (f2 - f1), 0) / (6 * t * t)
-        return ((f2 - f1) - 3 * c * t * t) / t, c
+        a = ((f2 - f1) - 3 * c * t * t) / t
+        return a, c, max(f1 - a * t - c * t * t, 0)
 
-    total, squared = per_token(lambda s, n: s.bytes)
-    layers, _ = per_token(lambda s, n: s.bytes_of("layers"))
-    logits, _ = per_token(lambda s, n: s.bytes_of("outside", elements_at_least=n * vocab))
-    return ActivationCount(total, squared, 0.0, layers / max(n_layers, 1), logits)
-
-
-def fused_loss_count(d_model: int, vocab: int, dtype: torch.dtype, tokens: int = 64) -> ActivationCount:
-    """What torch's linear_cross_entropy keeps (the gradients it computes in the forward: the
-    input's, per token, and the output matrix's, once), on meta."""
-    kept = {}
-    for n in (tokens, 2 * tokens):
-        x = torch.zeros(n, d_model, dtype=dtype, device="meta", requires_grad=True)
-        w = nn.Parameter(torch.zeros(vocab, d_model, dtype=dtype, device="meta"))
-        with SavedBytes() as saved:
-            loss = F.linear_cross_entropy(x, w, torch.zeros(n, dtype=torch.long, device="meta"), reduction="sum",
-                                          options=torch.nn.LinearCrossEntropyOptions())
-        saved.kept_by_functions(loss)
-        kept[n] = saved.bytes
-    per_token = (kept[2 * tokens] - kept[tokens]) / tokens
-    return ActivationCount(per_token, 0.0, kept[tokens] - per_token * tokens, 0.0, per_token)
+    total, squared, constant = parts(lambda s, n: s.bytes)
+    layers = parts(lambda s, n: s.bytes_of("layers"))[0]
+    share = parts(lambda s, n: s.bytes_of("outside", elements_at_least=n * vocab))[0] if logits else 0.0
+    return ActivationCount(total, squared, constant, layers / max(n_layers, 1), max(share, 0.0))
 
 
 _COUNTS: dict[str, ActivationCount] = {}
@@ -220,29 +205,29 @@ _COUNTS: dict[str, ActivationCount] = {}
 
 def planned(cfg, checkpointing: bool, fused_loss: bool, short: int = 64) -> ActivationCount:
     """The activations of `cfg`'s model (a Config) per micro-batch, counted on the meta device in the
-    training dtype, with activation checkpointing per block as the trainer applies it, and the
-    loss as train.fused_loss computes it: the logits' share replaced by linear_cross_entropy's."""
+    training dtype, built as the trainer builds it: activation checkpointing per block, and with
+    train.fused_loss the output layer that gives each token's loss (models/fused_loss.py)."""
     import json
 
     from trainer.config import model_node
     from trainer.memory import DTYPE_BYTES
-    from trainer.models import build_model, model_facts
+    from trainer.models import build_model
     from trainer.models.blocks import apply_checkpointing, find_blocks
-    from trainer.training.objectives import forward, token_loss_sum
+    from trainer.models.fused_loss import fuse_output_layer
+    from trainer.training.objectives import NextToken
 
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
-    key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing], default=str)
+    key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss],
+                     default=str)
     if key not in _COUNTS:
         model = build_model(cfg.model, torch.device("meta"), cfg.peft).to(dtype)
+        if fused_loss:
+            fuse_output_layer(model, cfg.model.vocab_size)
         blocks = find_blocks(model, cfg.strategy.wrap)
         if checkpointing:
             apply_checkpointing(model, blocks)
-        counts = {n: trace(model, blocks, lambda m, ids: token_loss_sum(forward(m, (ids, ids)), ids), n)
+        objective = NextToken(fused=fused_loss)
+        counts = {n: trace(model, blocks, lambda m, ids: objective.loss_sum(m, [ids, ids])[0], n)
                   for n in (short, 2 * short, 4 * short)}
-        _COUNTS[key] = fit(counts, cfg.model.vocab_size, len(blocks))
-    count = _COUNTS[key]
-    if not fused_loss:
-        return count
-    fused = fused_loss_count(model_facts(cfg.model, cfg.strategy.wrap, cfg.peft).d_model, cfg.model.vocab_size, dtype)
-    return ActivationCount(count.per_token - count.logits_per_token + fused.per_token, count.per_token_squared,
-                           count.constant + fused.constant, count.per_token_per_layer, fused.per_token)
+        _COUNTS[key] = fit(counts, cfg.model.vocab_size, len(blocks), logits=not fused_loss)
+    return _COUNTS[key]
