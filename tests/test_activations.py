@@ -84,6 +84,23 @@ def test_parameters_and_their_casts_are_not_activations():
     with SavedBytes() as saved:
         frozen(x).sum()
     assert saved.bytes == 0  # a frozen weight (LoRA's base), saved transposed, is a parameter too
+    with SavedBytes(layer) as saved:
+        WeightAsATensor.apply(x, layer.weight).sum()
+    assert saved.bytes == x.numel() * 4  # a detached alias of a weight (linear_cross_entropy's) is the weight
+
+
+class WeightAsATensor(torch.autograd.Function):
+    """Saves a weight as torch's linear_cross_entropy does: detached, a plain tensor on its storage."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight.detach())
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
 
 
 @pytest.fixture(scope="module")

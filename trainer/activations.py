@@ -49,9 +49,11 @@ def storage_key(t: torch.Tensor) -> int:
 
 class SavedBytes:
     """Within: the bytes of every storage autograd saves for backward, once each, parameters left
-    out. `inside(module)`, for the planner: what modules of a kind save, apart."""
+    out: also a detached alias of one (an op that takes a weight as a plain tensor: torch's
+    linear_cross_entropy), seen by its storage among `model`'s parameters' storages."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module | None = None):
+        self.model = model
         self.storages: dict[int, int] = {}  # storage -> bytes
         self.elements: dict[int, int] = {}
         self.where: dict[int, str] = {}  # storage -> "layers" (saved inside a block) or "outside"
@@ -66,9 +68,21 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor):
-        if not is_parameter(t):
+        if not is_parameter(t) and not (t.grad_fn is None and self._shares_a_parameter(t)):
             self._count(t)
         return t
+
+    def _shares_a_parameter(self, t: torch.Tensor) -> bool:
+        if self.model is None or not t.is_floating_point():
+            return False
+        key = storage_key(t)
+        for p in self.model.parameters():
+            try:
+                if storage_key(p) == key:
+                    return True
+            except (RuntimeError, NotImplementedError):  # a parameter without a plain storage (a DTensor shard)
+                continue
+        return False
 
     def _count(self, t: torch.Tensor) -> None:
         key = storage_key(t)
@@ -166,7 +180,7 @@ class ActivationCount:
 def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int) -> SavedBytes:
     """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
     blocks apart."""
-    saved = SavedBytes()
+    saved = SavedBytes(model)
     handles = [h for block in blocks for h in (
         block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
         block.register_forward_hook(lambda *_: setattr(saved, "part", "outside")))]

@@ -129,7 +129,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
         # the backward too in the sharded context: activation checkpointing runs the forward again there
         with strategy.micro_step(final=i == len(micro_batches) - 1), contexts[i]:
             # at log steps: the bytes the forward saves for backward (mem.activations), this rank's
-            with strategy.autocast(), SavedBytes() if track_memory else nullcontext() as saved:
+            with strategy.autocast(), SavedBytes(model) if track_memory else nullcontext() as saved:
                 micro_loss, micro_stats = objective.loss_sum(model, batch)
             if saved is not None:
                 saved.kept_by_functions(micro_loss)
