@@ -538,7 +538,7 @@ def test_continuing_from_an_adapter_starts_at_ln2_against_it_on_every_strategy(s
 
 def test_the_plan_counts_the_starting_adapter_whole_on_every_rank(tmp_path):
     """peft.init without precompute_ref: the reference's adapter, the trainable parameters again in
-    the training dtype, unsharded, on every option; nothing more with precompute_ref."""
+    the training dtype, unsharded, on every option."""
     from trainer.config import PeftConfig, Precision, to_config
     from trainer.memory import DTYPE_BYTES
     from trainer.models import lora, meta_model
@@ -549,15 +549,13 @@ def test_the_plan_counts_the_starting_adapter_whole_on_every_rank(tmp_path):
     lora.write_adapter_folder({lora.canonical_name(n): torch.zeros(tuple(p.shape)) for n, p in model.named_parameters()
                                if lora.is_adapter(n)}, model.lora_settings, None, tmp_path / "adapter")
 
-    def params(peft: dict, precompute: bool = False) -> tuple:
-        cfg = to_config({**base, "peft": {"name": "lora", **peft}, "objective": {"name": "dpo", "precompute_ref": precompute}})
-        plan = make_plan(cfg, 4, 10 ** 12)
+    def params(peft: dict) -> tuple:
+        plan = make_plan(to_config({**base, "peft": {"name": "lora", **peft}}), 4, 10 ** 12)
         return plan, [o.per_gpu_bytes["params"] + o.host_bytes for o in plan.options]
 
     plan, fresh = params({"r": 4, "alpha": 8.0})
     _, started = params({"init": str(tmp_path / "adapter")})
-    _, precomputed = params({"init": str(tmp_path / "adapter")}, precompute=True)
-    assert plan.trainable > 0 and precomputed == fresh
+    assert plan.trainable > 0
     assert [s - f for s, f in zip(started, fresh)] == [DTYPE_BYTES[Precision.bf16] * plan.trainable] * len(fresh)
 
 
