@@ -2,10 +2,14 @@
 (trainer/models/hf_sequence.py), and what cannot be split is refused before any rank starts."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from tests.harness import on_ranks
+from examples.tiny_hf import FAMILIES, VOCAB
+from tests.harness import assert_close, case, losses, on_ranks, records, train_cases, with_overrides
+from tests.test_chat import PACKED_RTOL, chat, chat_case, summed_loss  # noqa: F401 (chat: the fixture)
 
 SEQ = 16  # tokens of a whole row; each of 2 ranks holds 8
 # Two packed documents per row (positions restart at 0): attention must stay within each.
@@ -119,3 +123,54 @@ def test_families_ulysses_splits_pass_the_check(tmp_path):
     for family, config in (("llama", {}), ("mistral", {"sliding_window": 64})):
         path = family_dir(tmp_path / family, family, config)
         hf_sequence.check(ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ), 2)
+
+
+# -- the trainer: fp32 losses at sp=2 are one rank's with the same global batch ----------------------
+
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+GLOBAL_BATCH = 8  # rows per step: 1 rank x 8, sp=2 (dp=1) x 8, dp=2 x sp=2 x 4
+
+
+def hf_case(path, strategy: str, sp: int, micro: int) -> dict:
+    """Synthetic rows of 32 tokens for a Hugging Face model folder, 6 steps."""
+    cfg = with_overrides(case(strategy, steps=6), strategy__sp=sp, train__micro_batch_size=micro,
+                         data__name="synthetic", data__num_samples=512, optim__lr=1e-2)
+    return {**cfg, "model": {"name": "hf", "kind": "hf", "path": str(path), "seq_len": 32, "vocab_size": VOCAB}}
+
+
+@pytest.fixture(scope="module")
+def trained(hf_assets, chat, tmp_path_factory):  # noqa: F811
+    """Each family at one rank and at sp=2 on every strategy (one launch of 2 ranks), Qwen2 at dp=2 x sp=2
+    on zero3; one epoch of packed chat rows at sp=2 and of padded ones at sp=1, for a Qwen2 model."""
+    out = tmp_path_factory.mktemp("hf_sp")
+    qwen2 = {"name": "hf", "kind": "hf", "path": str(chat.qwen2), "seq_len": 256, "vocab_size": VOCAB}
+    ones = {f"{f}_baseline": hf_case(hf_assets.pretrained[f], "ddp", 1, GLOBAL_BATCH) for f in FAMILIES}
+    twos = {f"{f}_{s}_sp2": hf_case(hf_assets.pretrained[f], s, 2, GLOBAL_BATCH) for f in FAMILIES for s in STRATEGIES}
+    on_ranks(1, train_cases, {**ones, "chat_padded": {**chat_case(chat, chat.data, data__packing=False), "model": qwen2}},
+             str(out))
+    on_ranks(2, train_cases, {**twos, "chat_packed_sp2": {**chat_case(chat, chat.data, strategy__sp=2), "model": qwen2}},
+             str(out))
+    on_ranks(4, train_cases, {"qwen2_zero3_dp2_sp2": hf_case(hf_assets.pretrained["qwen2"], "zero3", 2,
+                                                             GLOBAL_BATCH // 2)}, str(out))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, strategy", [*((f, s) for f in FAMILIES for s in STRATEGIES), ("qwen2", "zero3_dp2")])
+def test_hf_losses_at_sp2_match_one_rank_on_every_strategy(trained, family, strategy):
+    base = records(trained / f"{family}_baseline")
+    assert base[-1]["loss"] < base[0]["loss"] - 0.05, "the baseline must learn"  # 6.25 -> 6.08 (Qwen2), 6.23 -> 6.15 (NeoX)
+    name = f"{family}_{strategy}_sp2"
+    assert_close(losses(records(trained / name)), losses(base), name, rtol=1e-6)
+    assert [r["tokens"] for r in records(trained / name)] == [r["tokens"] for r in base], name  # every target once
+
+
+@pytest.mark.slow
+def test_packed_conversations_at_sp2_give_the_padded_loss_at_sp1_for_an_hf_model(trained):
+    """One epoch at lr 0 (tests/test_chat.py's packing test): attention never crosses conversations,
+    although a rank's share of a packed row starts in the middle of one."""
+    packed_loss, packed_tokens, packed_rows = summed_loss(trained / "chat_packed_sp2")
+    padded_loss, padded_tokens, padded_rows = summed_loss(trained / "chat_padded")
+    assert packed_tokens == padded_tokens > 0
+    assert packed_rows < padded_rows / 2
+    assert math.isclose(packed_loss, padded_loss, rel_tol=PACKED_RTOL), (packed_loss, padded_loss)
