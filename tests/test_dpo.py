@@ -163,13 +163,16 @@ KINDS = {"lora": {"peft": LORA}, "lora_pre": {"peft": LORA, "objective__precompu
          "full": {"objective__precompute_ref": True, "optim__lr": 1e-3}}
 
 
-# full fine-tuning against the frozen copy of model.path (no precompute_ref), at the same rate
-COPY = {"copy": {"optim__lr": 1e-3}}
+# full fine-tuning against the frozen copy of model.path (no precompute_ref), at the same rate; LoRA
+# continuing from a starting adapter (peft.init, the folder `starting_adapter` writes), against it
+COPY = {"copy": {"optim__lr": 1e-3}, "init": {}}
 
 
 def kind_case(pairs, kind: str, strategy: str, world: int, steps: int = 3, **overrides) -> dict:
     """A quarter of the pairs held out; global batch 8 rows (2 accumulated micro-batches)."""
     spec = dict({**KINDS, **COPY}[kind])
+    if kind == "init":
+        spec["peft"] = {"name": "lora", "init": str(starting_adapter(pairs))}
     return dpo_case(pairs, strategy, steps=steps, peft=spec.pop("peft", None), train__micro_batch_size=4 // world,
                     train__grad_accum_steps=2, data__val_fraction=0.25, **spec, **overrides)
 
@@ -213,10 +216,11 @@ def test_dpo_starts_at_ln2_and_two_ranks_equal_one_on_every_strategy(parity):
 @pytest.mark.parametrize("kind, first, then, cache", [("lora", ("zero3", 2), ("ddp", 1), "same"),
                                                       ("full", ("fsdp", 2), ("zero2", 1), "same"),
                                                       ("full", ("zero3", 2), ("fsdp", 1), "fresh"),
-                                                      ("copy", ("zero3", 2), ("ddp", 1), "same")])
+                                                      ("copy", ("zero3", 2), ("ddp", 1), "same"),
+                                                      ("init", ("zero2", 2), ("fsdp", 1), "same")])
 def test_dpo_resumes_under_another_strategy_and_world_size(pairs, tmp_path, kind, first, then, cache):
     """The reference is rebuilt (adapters off; the frozen copy from model.path, not from the
-    checkpoint's trained weights), read back (precomputed, in the cache), or computed again without
+    checkpoint's trained weights; the starting adapter from peft.init's folder), read back (precomputed, in the cache), or computed again without
     the cache, on the starting weights: the uninterrupted run's losses."""
     from tests.harness import assert_resumes, on_ranks, records, resuming, saving, train_cases
 
