@@ -25,7 +25,7 @@ class ScaledLogits(ToyLM):
         return 2 * super().forward(ids)
 
 
-def scaled_logits(vocab: int = 64, dim: int = 16) -> ScaledLogits:
+def scaled_logits(vocab: int = 256, dim: int = 16) -> ScaledLogits:
     return ScaledLogits(vocab, dim, 1)
 
 
@@ -115,8 +115,8 @@ def pairs(hf_path) -> dict[str, tuple[dict, dict]]:
     found.update({f"qwen2_tied_{s}": (qwen2(hf_path, s, False), qwen2(hf_path, s, True)) for s in ("fsdp", "zero3")})
     found["qwen2_lora_zero3"] = tuple(qwen2(hf_path, "zero3", f, peft__name="lora", peft__r=4) for f in (False, True))
     found["sp2_zero3"] = tuple(builtin("zero3", f, strategy__sp=2) for f in (False, True))
-    found["compile_ac_ddp"] = (builtin("ddp", False), builtin("ddp", True, train__compile=True,
-                                                               train__activation_checkpointing=True))
+    found["compile_ac_ddp"] = tuple(builtin("ddp", f, train__compile=True, train__activation_checkpointing=True)
+                                    for f in (False, True))
     found["custom_ddp"] = (custom("ddp", False), custom("ddp", True))
     return found
 
@@ -133,11 +133,8 @@ def runs(hf_assets, tmp_path_factory):
     cases = {}
     for name, (plain, fused) in pairs(hf_assets.pretrained["qwen2"]).items():
         cases[f"{name}_plain"], cases[f"{name}_fused"] = plain, fused
-    cases.pop("compile_ac_ddp_plain")  # the same run as ddp_plain
     on_ranks(2, train_cases, cases, str(out))
-    found = {name: records(out / name) for name in cases}
-    found["compile_ac_ddp_plain"] = found["ddp_plain"]
-    return found
+    return {name: records(out / name) for name in cases}
 
 
 @pytest.mark.slow
@@ -154,10 +151,9 @@ def test_the_fused_loss_gives_the_plain_losses(runs, name):
     if validation:  # validation takes the same path
         assert_close([r["loss"] for r in fused if r.get("split") == "val"], validation, f"{name} val", FUSED_RTOL)
     # the fused runs really ran without the logits: their forward saved less for backward, by at least
-    # the plain loss's [tokens, vocab] fp32 log-probabilities less the fused loss's [tokens] ones
-    if "compile" not in name:
-        saved = [(p["mem"]["activations"], f["mem"]["activations"]) for p, f in zip(steps, fused_steps)]
-        assert all(p - f >= logits_bytes(name) for p, f in saved), (name, saved, logits_bytes(name))
+    # the plain loss's [tokens, vocab] fp32 log-probabilities (outside the blocks: AC keeps them too)
+    saved = [(p["mem"]["activations"], f["mem"]["activations"]) for p, f in zip(steps, fused_steps)]
+    assert all(p - f >= logits_bytes(name) for p, f in saved), (name, saved, logits_bytes(name))
 
 
 @pytest.mark.slow
