@@ -1,5 +1,7 @@
 """Sequence parallelism (strategy.sp) for model=hf: Hugging Face families attend through Ulysses
-(trainer/models/hf_sequence.py), and what cannot be split is refused before any rank starts."""
+(trainer/models/hf_sequence.py). On 2 gloo ranks without the loop: logits and gradients of the whole
+model; through the trainer: one rank's fp32 losses on every strategy, packed conversations kept
+apart; and what cannot be split is refused before any rank starts (single process, fast)."""
 from __future__ import annotations
 
 import math
@@ -71,10 +73,15 @@ def sharded_against_whole(env, path: str) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "gpt_neox"])
-def test_hf_attention_split_over_two_ranks_gives_the_whole_models_logits_and_gradients(hf_assets, family):
-    """Qwen2 (grouped-query attention: 4 query heads, 2 key/value heads) and GPT-NeoX (partial rotary,
-    parallel residual), on 2 gloo ranks: plain rows and rows of two packed documents."""
-    found = on_ranks(2, sharded_against_whole, str(hf_assets.pretrained[family]))
+def test_hf_attention_split_over_two_ranks_gives_the_whole_models_logits_and_gradients(hf_assets, family, tmp_path):
+    """Qwen2 (grouped-query attention: 8 query heads, 4 key/value heads, so that a rank's 4 query heads
+    need its 2 key/value heads repeated) and GPT-NeoX (partial rotary, parallel residual), on 2 gloo
+    ranks: plain rows and rows of two packed documents."""
+    from examples.tiny_hf import make_model_dir
+
+    path = (make_model_dir(tmp_path, family, weights=True, num_attention_heads=8, num_key_value_heads=4)
+            if family == "qwen2" else hf_assets.pretrained[family])
+    found = on_ranks(2, sharded_against_whole, str(path))
     for rank, differences in found.items():
         for what, difference in differences.items():
             assert difference < 1e-5, (family, rank, what, difference)
