@@ -117,11 +117,13 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     # of the whole step, all micro-batches and ranks. Backends average gradients over ranks, hence
     # x world size.
     objective = objective or NextToken()
-    # strategy.sp: each rank counts and computes the loss of its own share of the rows' tokens
-    micro_batches, contexts = zip(*(share(batch, strategy.sequence) for batch in micro_batches))
+    # strategy.sp: each rank counts and computes the loss of its own share of the rows' tokens; a
+    # row's inputs run up to its last target, which a share cannot tell: the group's first rank
+    # counts them on the whole rows
+    whole, (micro_batches, contexts) = micro_batches, zip(*(share(batch, strategy.sequence) for batch in micro_batches))
     units, targets, inputs = strategy.all_reduce(torch.stack([
         sum(objective.count(batch) for batch in micro_batches), sum(target_count(batch[1]) for batch in micro_batches),
-        sum(input_count(batch[1]) for batch in micro_batches)]))
+        sum(input_count(batch[1]) for batch in whole) * int(strategy.sequence.rank == 0)]))
     scale = world_size / units
     loss_sum, mem, activations = torch.zeros((), device=targets.device), None, None
     stats = torch.zeros(len(objective.stats), device=targets.device)
