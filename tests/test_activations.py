@@ -146,3 +146,19 @@ def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_t
     assert nothing.choice is None
     found, settings = plan_for_the_sequence(tight, 4, nothing)
     assert found.choice is not None and settings == {("strategy", "sp"): 2, ("train", "fused_loss"): False}
+
+
+@pytest.mark.slow  # ranks on a real gloo group
+def test_at_sp_2_each_rank_keeps_about_half_and_the_plan_knows(tmp_path):
+    """strategy.sp=2: rank 0's mem.activations is its own share, at most 0.55x of one rank's with the
+    whole rows (Ulysses keeps one more reordered copy per layer: not exactly half), and within 15 %
+    of the plan's count divided by sp."""
+    from tests.harness import case, on_ranks, records, train_cases, with_overrides
+    from trainer.activations import planned
+
+    base = with_overrides(case("ddp", steps=1), model__seq_len=256, train__micro_batch_size=2)
+    on_ranks(1, train_cases, {"sp1": base}, str(tmp_path))
+    on_ranks(2, train_cases, {"sp2": with_overrides(base, strategy__sp=2)}, str(tmp_path))
+    one, two = (records(tmp_path / name)[-1]["mem"]["activations"] for name in ("sp1", "sp2"))
+    assert 0.45 * one < two <= 0.55 * one, (one, two)
+    assert two == pytest.approx(planned(to_config(base), False, False).bytes(256, 2, sp=2), rel=0.15)
