@@ -19,7 +19,8 @@ def test_default_run_learns_and_says_where_metrics_went(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1]) == {"event": "end", "step": 60, "loss": rows[-1]["loss"], "tokens": 60 * 8 * 64}
     assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mem"}
-    assert set(rows[0]["mem"]) == {"params", "grads", "optim", "peak"}
+    assert set(rows[0]["mem"]) == {"params", "grads", "optim", "peak", "activations"}
+    assert rows[0]["mem"]["activations"] > 0  # measured on the CPU too
 
 
 # DDP; fsdp, zero1 and zero3 run with nproc=2 from the CLI in test_faults.py, test_first_hour.py
