@@ -5,7 +5,8 @@
 The hook is two things: its attention calls `trainer.models.sequence.attention(q, k, v)` where it
 would call causal SDPA, and its class says `sequence_parallel = True`. Its forward takes
 `position_ids`: at strategy.sp > 1 a rank gets its share of each row, with the positions of the
-whole row.
+whole row. Packed rows (data=chat) outside a sharded forward, at sp=1 and in the packing check that
+runs before any rank starts, need the model's own document mask.
 """
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ import torch
 from torch import nn
 
 from trainer.models import sequence
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, t, t], True where a position may attend: to those before it in its own document
+    (documents of a packed row start where position_ids are 0)."""
+    document = (position_ids == 0).cumsum(-1)
+    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool,
+                        device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
 class Block(nn.Module):
@@ -23,10 +33,13 @@ class Block(nn.Module):
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
-        y = sequence.attention(q, k, v)  # causal; at strategy.sp > 1 over the whole rows, within packed documents
+        if mask is None:  # causal; at strategy.sp > 1 over the whole rows, within packed documents
+            y = sequence.attention(q, k, v)
+        else:  # packed rows in a forward of its own (sp=1): documents kept apart here
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -43,11 +56,14 @@ class AttentionLM(nn.Module):
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None
         if position_ids is None:
             position_ids = torch.arange(ids.shape[1], device=ids.device)[None]
+        elif sequence.active() is None:  # at sp > 1 sequence.attention masks with the whole rows' positions
+            mask = document_mask(position_ids)
         x = self.embed(ids) + self.positions(position_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, mask)
         return self.head(self.norm(x))
 
 
