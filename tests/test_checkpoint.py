@@ -30,9 +30,10 @@ from trainer.config import to_config
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 # (source strategy, source world size) -> (target strategy, target world size)
-# The quick suite moves into and out of DeepSpeed once each way; make test-all also from fsdp into ZeRO-1/3.
-CROSS = [pytest.param("fsdp", 2, "zero3", 2, marks=pytest.mark.slow), ("zero3", 2, "fsdp", 1), ("zero2", 2, "ddp", 1),
-         ("ddp", 1, "zero3", 2), ("zero1", 2, "fsdp", 2), pytest.param("fsdp", 2, "zero1", 2, marks=pytest.mark.slow)]
+CROSS = [("fsdp", 2, "zero3", 2), ("zero3", 2, "fsdp", 1), ("zero2", 2, "ddp", 1), ("ddp", 1, "zero3", 2),
+         ("zero1", 2, "fsdp", 2), ("fsdp", 2, "zero1", 2)]
+# The quick suite moves state into and out of DeepSpeed once each way; make test-all also from fsdp into ZeRO-1/3.
+MOVES = [pytest.param(*move, marks=pytest.mark.slow) if move[0] == "fsdp" else move for move in CROSS]
 
 
 def at_world(cfg: dict, world: int) -> dict:
@@ -104,7 +105,7 @@ def reload_and_save(env, source: str, strategy: str, dest: str) -> None:
     strategy_obj.teardown()
 
 
-@pytest.mark.parametrize("source,n,target,m", CROSS)
+@pytest.mark.parametrize("source,n,target,m", MOVES)
 def test_optimizer_state_per_parameter_name_survives_the_move(runs, source, n, target, m):
     root, _ = runs
     src = root / f"{source}@{n}" / "step_00000006"
