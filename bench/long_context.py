@@ -56,7 +56,7 @@ def planned_bytes(overrides: list[str], seq: int, sp: int, fused: bool, ac: bool
         cfg = to_config(compose(config_name="config", overrides=[o for o in overrides if "=" in o
                                                                     and not o.startswith(("strategy.sp", "data"))]))
     cfg.model = resolve_model(cfg.model)
-    return planned(cfg, ac, fused).bytes(seq, 1, sp)
+    return planned(cfg, ac, fused, sp).bytes(seq, 1)
 
 
 def run_cell(overrides: list[str], sp: int, run_dir: Path, env: dict) -> dict:

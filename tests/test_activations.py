@@ -134,10 +134,10 @@ def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_t
     cfg = to_config({"model": {"name": "tiny"}, "train": {"micro_batch_size": 1}})  # 4 heads: sp=4 too
     plan = make_plan(cfg, 4, 10 ** 9)
     longest = {(sp, fused, ac): n for sp, fused, ac, n in plan.long_context}
-    for fused in (False, True):
+    for fused in (False, True):  # not quite 2x: Ulysses keeps one more copy of attention's output per layer
         for ac in (False, True):
-            assert longest[2, fused, ac] >= 1.9 * longest[1, fused, ac] > 0
-            assert longest[4, fused, ac] >= 1.9 * longest[2, fused, ac]
+            assert longest[2, fused, ac] >= 1.8 * longest[1, fused, ac] > 0
+            assert longest[4, fused, ac] >= 1.8 * longest[2, fused, ac]
     assert longest[1, True, False] > longest[1, False, False]  # no [tokens, vocab] log-probabilities kept
     # strategy=auto: where nothing fits, the fused loss first, then sequence parallelism
     tight = to_config({"model": {"name": "tiny", "seq_len": longest[1, True, True] + 512},
@@ -151,8 +151,8 @@ def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_t
 @pytest.mark.slow  # ranks on a real gloo group
 def test_at_sp_2_each_rank_keeps_about_half_and_the_plan_knows(tmp_path):
     """strategy.sp=2: rank 0's mem.activations is its own share, at most 0.55x of one rank's with the
-    whole rows (Ulysses keeps one more reordered copy per layer: not exactly half), and within 15 %
-    of the plan's count divided by sp."""
+    whole rows (Ulysses keeps one more reordered copy per layer: not exactly half), and within 10 %
+    of the plan's count at sp=2."""
     from tests.harness import case, on_ranks, records, train_cases, with_overrides
     from trainer.activations import planned
 
@@ -161,4 +161,4 @@ def test_at_sp_2_each_rank_keeps_about_half_and_the_plan_knows(tmp_path):
     on_ranks(2, train_cases, {"sp2": with_overrides(base, strategy__sp=2)}, str(tmp_path))
     one, two = (records(tmp_path / name)[-1]["mem"]["activations"] for name in ("sp1", "sp2"))
     assert 0.45 * one < two <= 0.55 * one, (one, two)
-    assert two == pytest.approx(planned(to_config(base), False, False).bytes(256, 2, sp=2), rel=0.15)
+    assert two == pytest.approx(planned(to_config(base), False, False, sp=2).bytes(256, 2), rel=0.10)

@@ -17,6 +17,7 @@ torch's CPU kernel: queries, keys and values, the output and its log-sum-exp; ne
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -154,39 +155,52 @@ class _MetaItems(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class ActivationCount:
-    """Bytes one rank keeps for backward per micro-batch, as a function of the tokens of a row."""
+    """Bytes one rank keeps for backward per micro-batch, as a function of the tokens of a row it
+    holds (seq_len / sp of each row, at the sp it was counted for)."""
     per_token: float  # per token of a row: every layer, the embeddings, the output layer and the loss
     per_token_squared: float  # x tokens^2 (attention that keeps [t, t]: eager attention, masks)
     constant: float = 0.0  # once a micro-batch, whatever its rows and length
     per_token_per_layer: float = 0.0  # of per_token, what each block keeps (without checkpointing)
     logits_per_token: float = 0.0  # of per_token, the output layer's and loss's [tokens, vocab] share (none: fused)
+    sp: int = 1  # counted for strategy.sp: a rank holds seq_len / sp tokens of each row
 
-    def bytes(self, seq_len: int, micro_batch: int = 1, sp: int = 1) -> int:
-        """Per rank: each holds seq_len / sp tokens of every row; attention's square part is over the
-        whole sequence, for 1 / sp of the heads."""
-        return int(micro_batch * (self.per_token * seq_len + self.per_token_squared * seq_len * seq_len) / sp
-                   + self.constant)
+    def bytes(self, seq_len: int, micro_batch: int = 1) -> int:
+        held = seq_len / self.sp
+        return int(micro_batch * (self.per_token * held + self.per_token_squared * held * held) + self.constant)
 
-    def longest(self, budget: float, micro_batch: int = 1, sp: int = 1, multiple: int = 1) -> int:
-        """The longest seq_len (a multiple of `multiple`) whose activations fit `budget` bytes (0: none)."""
-        a, b = self.per_token_squared * micro_batch / sp, self.per_token * micro_batch / sp
+    def longest(self, budget: float, micro_batch: int = 1) -> int:
+        """The longest seq_len (a multiple of sp) whose activations fit `budget` bytes (0: none)."""
+        a, b = self.per_token_squared * micro_batch, self.per_token * micro_batch
         room = budget - self.constant
         if room <= 0 or b <= 0:
             return 0
-        s = room / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
-        return int(s // multiple * multiple)
+        held = room / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+        return int(held) * self.sp
 
 
-def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int) -> SavedBytes:
+def _same_shape_exchange(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """On meta, in place of the sequence group's all-to-all: a tensor of its output's shape, as a
+    differentiable op that keeps nothing (as the all-to-all keeps nothing)."""
+    return input.clone()
+
+
+def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: int = 1) -> SavedBytes:
     """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
-    blocks apart."""
+    blocks apart; at sp > 1, as rank 0 of a sequence-parallel group holding `tokens` of each row
+    (attention over the whole row for 1 / sp of the heads, models/sequence.py)."""
+    from unittest import mock
+
+    from trainer.models import sequence
+
     saved = SavedBytes(model)
     handles = [h for block in blocks for h in (
         block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
         block.register_forward_hook(lambda *_: setattr(saved, "part", "outside")))]
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    sharded = sequence.sharded(sequence.SequenceGroup(None, sp, 0), None)
     try:
-        with _MetaItems(), _AsFusedKernels(), saved:
+        with _MetaItems(), _AsFusedKernels(), mock.patch.object(sequence, "all_to_all_single", _same_shape_exchange), \
+                sharded, saved:
             loss = loss_of(model, ids)
         saved.kept_by_functions(loss)
     finally:
@@ -217,10 +231,12 @@ def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int, logits: bool =
 _COUNTS: dict[str, ActivationCount] = {}
 
 
-def planned(cfg, checkpointing: bool, fused_loss: bool, short: int = 64) -> ActivationCount:
-    """The activations of `cfg`'s model (a Config) per micro-batch, counted on the meta device in the
-    training dtype, built as the trainer builds it: activation checkpointing per block, and with
-    train.fused_loss the output layer that gives each token's loss (models/fused_loss.py)."""
+def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int = 64) -> ActivationCount:
+    """The activations of `cfg`'s model (a Config) per micro-batch and rank, counted on the meta
+    device in the training dtype, built as the trainer builds it: activation checkpointing per
+    block, with train.fused_loss the output layer that gives each token's loss
+    (models/fused_loss.py), at strategy.sp=`sp` the rank's share of each row through Ulysses
+    attention (the all-to-alls exchanged for a copy of the same shape)."""
     import json
 
     from trainer.config import model_node
@@ -231,17 +247,22 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, short: int = 64) -> Acti
     from trainer.training.objectives import NextToken
 
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
-    key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss],
-                     default=str)
+    key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
+                      sp], default=str)
     if key not in _COUNTS:
-        model = build_model(cfg.model, torch.device("meta"), cfg.peft).to(dtype)
+        model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp).to(dtype)
         if fused_loss:
             fuse_output_layer(model, cfg.model.vocab_size)
         blocks = find_blocks(model, cfg.strategy.wrap)
         if checkpointing:
             apply_checkpointing(model, blocks)
         objective = NextToken(fused=fused_loss)
-        counts = {n: trace(model, blocks, lambda m, ids: objective.loss_sum(m, [ids, ids])[0], n)
-                  for n in (short, 2 * short, 4 * short)}
-        _COUNTS[key] = fit(counts, cfg.model.vocab_size, len(blocks), logits=not fused_loss)
+
+        def loss_of(m, ids):  # at sp > 1 a rank's share carries its positions in the whole row (training/shares.py)
+            positions = [torch.arange(ids.shape[1], device=ids.device).expand_as(ids)] if sp > 1 else []
+            return objective.loss_sum(m, [ids, ids, *positions])[0]
+
+        counts = {n: trace(model, blocks, loss_of, n, sp) for n in (short, 2 * short, 4 * short)}
+        _COUNTS[key] = dataclasses.replace(fit(counts, cfg.model.vocab_size, len(blocks), logits=not fused_loss),
+                                           sp=sp)
     return _COUNTS[key]

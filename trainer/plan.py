@@ -163,8 +163,8 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
                                                     cfg.strategy.grad_reduce, precision)
                 moved = OFFLOADED[stage] if offload else ()
                 gpu = {k: 0 if k in moved else v for k, v in held.items()}
-                need = activation_need(cfg, checkpointing, t.fused_loss)
-                gpu["activations"] = need.bytes(row_len, t.micro_batch_size, cfg.strategy.sp)
+                need = activation_need(cfg, checkpointing, t.fused_loss, cfg.strategy.sp)
+                gpu["activations"] = need.bytes(row_len, t.micro_batch_size)
                 gpu["total"] = sum(gpu.values())
                 whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole
                 traffic = step_traffic(stage, trainable, whole, world_size, precision, t.grad_accum_steps,
@@ -175,8 +175,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
                                 step_seconds(traffic, world_size, flops, cfg))
                 option.fits = gpu["total"] <= gpu_memory_bytes
                 option.longest_seq_len = need.longest(gpu_memory_bytes - gpu["total"] + gpu["activations"],
-                                                      t.micro_batch_size, cfg.strategy.sp, cfg.strategy.sp) // (
-                    2 if dpo else 1)
+                                                      t.micro_batch_size) // (2 if dpo else 1)
                 plan.options.append(option)
     # The fastest that fits; within 1 % of it, the decision order (the options' order) decides.
     fitting = [o for o in plan.options if o.fits]
@@ -188,13 +187,13 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
     return plan
 
 
-def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool) -> ActivationCount:
+def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool, sp: int = 1) -> ActivationCount:
     """The activation bytes an option needs per rank (trainer/activations.py counts them on the
     meta device): those kept for backward, and with checkpointing one block's, recomputed in backward."""
-    kept = planned(cfg, checkpointing, fused_loss)
+    kept = planned(cfg, checkpointing, fused_loss, sp)
     if not checkpointing:
         return kept
-    return dataclasses.replace(kept, per_token=kept.per_token + planned(cfg, False, fused_loss).per_token_per_layer)
+    return dataclasses.replace(kept, per_token=kept.per_token + planned(cfg, False, fused_loss, sp).per_token_per_layer)
 
 
 def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
@@ -219,8 +218,8 @@ def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequenc
     for sp in sequence_parallel_sizes(cfg, world_size):
         for fused in (False, True):
             for checkpointing in (False, True):
-                need = activation_need(cfg, checkpointing, fused)
-                longest = need.longest(plan.gpu_memory_bytes - rest, t.micro_batch_size, sp, sp) // rows_per_sequence
+                need = activation_need(cfg, checkpointing, fused, sp)
+                longest = need.longest(plan.gpu_memory_bytes - rest, t.micro_batch_size) // rows_per_sequence
                 plan.long_context.append((sp, fused, checkpointing, longest))
 
 
