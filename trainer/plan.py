@@ -256,7 +256,7 @@ def long_context_lines(plan: Plan) -> list[str]:
         return []
     lines = [f"activations (counted on the meta device): {a.per_token_per_layer / 1e3:,.1f} kB per token per layer, "
              f"{a.per_token / 1e3:,.1f} kB per token in all, of which the output layer and loss "
-             f"{a.logits_per_token / 1e3:,.1f} kB" + (f" + {a.constant / 1e6:,.1f} MB a micro-batch" if a.constant else "")
+             f"{a.logits_per_token / 1e3:,.1f} kB" + (f" + {a.constant / 1e6:,.1f} MB a micro-batch" if a.constant >= 1e5 else "")
              + (f"; {a.per_token_squared:,.1f} B per token squared" if a.per_token_squared else ""),
              f"longest model.seq_len that fits, on {plan.room_for} (per rank: seq_len / sp tokens of each row):",
              f"  {'sp':>4}  {'fused_loss':<11}{'AC':<5}{'max seq':>10}"]
