@@ -207,6 +207,7 @@ def test_early_stopping_saves_the_step_it_stops_at_and_names_the_best(tmp_path):
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000008", "step_00000009"]
 
 
+@pytest.mark.slow
 def test_early_stopping_counts_on_across_a_resume(tmp_path):
     """Evaluations at 2 (the best) and 4 before the save at step 4; after the resume 6 and 8 make
     three without a lower loss: the run stops at 8 (counting afresh, it would stop at 12)."""

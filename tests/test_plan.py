@@ -57,6 +57,7 @@ def test_zero_paper_gradients_reduced_in_fp32_by_default():
     assert got["zero3"] == 7.5 * (2 + 4 + 12) / 64
 
 
+@pytest.mark.slow
 def test_json_is_all_that_is_printed_and_marks_the_fastest_fit():
     result = run_cli("model=llama2_7b", "plan.world_size=64", "plan.gpu_memory_gb=80", "train.precision=bf16",
                      "strategy.reduce_dtype=bf16", "train.micro_batch_size=1", "plan.json=true",
@@ -78,6 +79,7 @@ def test_json_is_all_that_is_printed_and_marks_the_fastest_fit():
     assert (chosen[0]["name"], chosen[0]["activation_checkpointing"], chosen[0]["offload"]) == ("zero1", False, False)
 
 
+@pytest.mark.slow
 def test_reducing_in_fp32_the_fewest_bytes_move_under_fsdp():
     # fp32 gradients (the default) double what ZeRO-1/2 all-reduce; FSDP2 reduce-scatters them
     cfg = to_config({"model": LLAMA2_7B, "train": {"precision": "bf16", "micro_batch_size": 1}})

@@ -251,6 +251,7 @@ def test_lora_mfu_leaves_out_the_frozen_bases_weight_gradients(tmp_path):
         assert row["mfu"] == pytest.approx(row["tokens_per_s"] * counted / 1e12, rel=LORA_FLOPS_RTOL)
 
 
+@pytest.mark.slow
 def test_the_rate_and_mfu_are_of_the_tokens_processed_and_tokens_of_the_targets(tmp_path):
     """Chat SFT, one padded row per conversation, the assistant's tokens the targets: `tokens` counts
     those, `input_tokens` each row up to its last target (its padding left out), and the rate and mfu
