@@ -166,11 +166,12 @@ def test_packed_conversations_at_sp2_give_the_padded_loss_and_the_inputs_of_sp1(
 # -- checkpoints ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_at_sp2_resumes_at_sp1_and_on_another_strategy_and_world_size(tmp_path):
+def test_a_checkpoint_saved_at_sp2_resumes_at_sp1_sp4_and_on_another_strategy_and_world_size(tmp_path):
     ckpt = tmp_path / "ckpt"
     on_ranks(2, train_cases, {"straight": saving(sp_case("ddp", 2, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
     on_ranks(1, train_cases, {"one_rank": resuming(sp_case("ddp", 1, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
     on_ranks(2, train_cases, {"zero3_dp2": resuming(sp_case("zero3", 1, GLOBAL_BATCH // 2), ckpt, 4)}, str(tmp_path))
+    on_ranks(4, train_cases, {"zero2_sp4": resuming(sp_case("zero2", 4, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
     straight = records(tmp_path / "straight")
-    for name in ("one_rank", "zero3_dp2"):  # the same steps, tokens (the data position) and losses
+    for name in ("one_rank", "zero3_dp2", "zero2_sp4"):  # the same steps, tokens (the data position) and losses
         assert_resumes(records(tmp_path / name), straight, at=4, what=name, rtol=LOSS_RTOL)
