@@ -6,7 +6,7 @@ The hook is two things: its attention calls `trainer.models.sequence.attention(q
 would call causal SDPA, and its class says `sequence_parallel = True`. Its forward takes
 `position_ids`: at strategy.sp > 1 a rank gets its share of each row, with the positions of the
 whole row. Packed rows (data=chat) outside a sharded forward, at sp=1 and in the packing check that
-runs before any rank starts, need the model's own document mask.
+runs before any rank starts, need the model's own document mask (`sequence.document_mask` builds it).
 """
 from __future__ import annotations
 
@@ -14,15 +14,6 @@ import torch
 from torch import nn
 
 from trainer.models import sequence
-
-
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[b, 1, t, t], True where a position may attend: to those before it in its own document
-    (documents of a packed row start where position_ids are 0)."""
-    document = (position_ids == 0).cumsum(-1)
-    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool,
-                        device=position_ids.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
 class Block(nn.Module):
@@ -60,7 +51,7 @@ class AttentionLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(ids.shape[1], device=ids.device)[None]
         elif sequence.active() is None:  # at sp > 1 sequence.attention masks with the whole rows' positions
-            mask = document_mask(position_ids)
+            mask = sequence.document_mask(position_ids)
         x = self.embed(ids) + self.positions(position_ids)
         for layer in self.layers:
             x = layer(x, mask)

@@ -274,7 +274,7 @@ class PositionsOnly(torch.nn.Module):
         self.qkv, self.head = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, vocab)
 
     def forward(self, ids, position_ids=None):
-        from trainer.models.reference import document_mask
+        from trainer.models.sequence import document_mask
 
         position_ids = torch.arange(ids.shape[1])[None] if position_ids is None else position_ids
         x = self.embed(ids) + self.positions(position_ids)

@@ -9,7 +9,7 @@ read the weight outside the model's forward would read ZeRO-3's empty partition)
 the root that holds it, and a tied weight is the embedding's own. The objective hands the targets
 in around the model's forward (`token_losses`); the layer's input must be the hidden states of
 those targets' tokens, and the model's logits its output unchanged: `check_output_layer` runs a
-forward on the meta device to see so, before any work.
+forward of the model built small on the CPU to see so, before any work.
 
 Each token's loss (reduction="none", 0 where there is no target), summed by the caller in fp32:
 a bf16 or fp16 sum of a micro-batch's losses would round (fp16: overflow past 65504). torch's op

@@ -130,20 +130,11 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(idx.shape[1], device=idx.device)
         elif sequence.active() is None:
-            mask = document_mask(position_ids)
+            mask = sequence.document_mask(position_ids)
         x = self.tok_emb(idx) + self.pos_emb(position_ids)
         for block in self.blocks:
             x = block(x, mask)
         return self.lm_head(self.norm(x))
-
-
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Block-causal [b, 1, t, t]: a position attends to the positions before it in its own
-    document, documents starting where `position_ids` is 0."""
-    document = (position_ids == 0).cumsum(-1)
-    t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
 def shape_of(cfg) -> ModelShape:
