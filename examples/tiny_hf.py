@@ -37,7 +37,33 @@ FAMILIES = {
                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
                      tie_word_embeddings=False),
 }
-BLOCKS = {"qwen2": "Qwen2DecoderLayer", "gpt_neox": "GPTNeoXLayer"}
+# Mixture-of-experts families: 4 experts, 2 per token. Their checkpoints store one tensor per expert,
+# which transformers fuses at load (`experts.gate_up_proj`, `experts.down_proj`); gpt-oss stores them fused.
+MOE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2,
+           max_position_embeddings=128, tie_word_embeddings=False)
+MOE_FAMILIES = {
+    "qwen3_moe": dict(MOE, model_type="qwen3_moe", intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                      num_key_value_heads=2, head_dim=8),
+    # Mixtral: the checkpoint names the layer's MoE `block_sparse_moe` and its experts' matrices w1/w2/w3.
+    "mixtral": dict(MOE, model_type="mixtral", intermediate_size=16, num_local_experts=4, num_key_value_heads=2),
+    # Qwen2-MoE: a shared expert (with its own gate) beside the routed ones.
+    "qwen2_moe": dict(MOE, model_type="qwen2_moe", intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                      shared_expert_intermediate_size=32, num_key_value_heads=2),
+    "olmoe": dict(MOE, model_type="olmoe", intermediate_size=16, num_experts=4, num_key_value_heads=4,
+                  pad_token_id=1, eos_token_id=2),
+    # DeepSeek-V3: latent attention, a dense first layer, a shared expert, grouped top-k routing.
+    "deepseek_v3": dict(MOE, model_type="deepseek_v3", intermediate_size=64, moe_intermediate_size=16,
+                        n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # gpt-oss: fused experts in the checkpoint too, biases, attention sinks, sliding window layers.
+    "gpt_oss": dict(MOE, model_type="gpt_oss", intermediate_size=16, num_local_experts=4, num_key_value_heads=2,
+                    head_dim=8, sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+FAMILIES |= MOE_FAMILIES
+BLOCKS = {"qwen2": "Qwen2DecoderLayer", "gpt_neox": "GPTNeoXLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
+          "mixtral": "MixtralDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer", "olmoe": "OlmoeDecoderLayer",
+          "deepseek_v3": "DeepseekV3DecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 
 
 def documents() -> list[str]:
