@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from examples.tiny_hf import VOCAB, make_model_dir
-from tests.harness import assert_close, case, losses, on_ranks, records, resuming, saving, train_cases, \
-    with_overrides
+from tests.harness import assert_close, case, losses, on_ranks, records, resuming, saving, train_cases, with_overrides
 from trainer.data.sources import IGNORE_INDEX
 from trainer.models.sequence import SequenceGroup
 from trainer.training.objectives import NextToken

@@ -43,7 +43,9 @@ def moe_causal_lm(model: nn.Module) -> nn.Module | None:
     """The module of `model` (wrapped, sharded, with adapters) that computes a load-balancing loss:
     a transformers causal LM with `router_aux_loss_coef`; None for a model without one."""
     for module in model.modules():
-        if all(hasattr(module, a) for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok", "config")):
+        # its transformers config: a DeepSpeed engine passes the model's attributes through, not its config
+        if all(hasattr(module, a) for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")) \
+                and hasattr(getattr(module, "config", None), "output_router_logits"):
             return module
     return None
 
