@@ -33,6 +33,7 @@ from trainer.plan import resolve_auto
 from trainer.strategies import preflight
 from trainer.sweep import check_sweep
 from trainer.training.faults import STOP_SIGNALS
+from trainer.training.router_loss import check_router_loss
 from trainer.training.run import check_run_dir, exit_now, launched_worker, worker
 
 
@@ -47,6 +48,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO 
     model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
     find_blocks(model, cfg.strategy.wrap)
     check_sequence_parallel(cfg, world_size, model)
+    check_router_loss(cfg.model.router_aux_loss, model)
     if cfg.train.fused_loss:
         check_output_layer(cfg.model, model)
     data_parallel = world_size // cfg.strategy.sp  # the ranks of a sequence-parallel group read the same samples

@@ -162,6 +162,8 @@ class ModelConfig:
     path: Optional[str] = None  # hf: the model folder (config.json, optional *.safetensors and tokenizer), or a Hub name
     revision: Optional[str] = None  # hf: a Hub name's branch, tag or commit; None: main
     attn_implementation: str = "sdpa"  # hf: passed to transformers (sdpa, eager, flex_attention, flash_attention_2)
+    # hf mixture-of-experts: the router's load-balancing loss on/off; null: as config.json's output_router_logits
+    router_aux_loss: Optional[bool] = None
     # custom: `_target_` in the config, and every other key is an argument of the factory
     target: Optional[str] = None  # custom: the factory that builds the model, pkg.module.function
     args: Dict[str, Any] = field(default_factory=dict)
@@ -377,7 +379,8 @@ def profile_steps(spec: str) -> tuple[int, int] | None:
 MODEL_KEYS = {
     ModelKind.reference: ("name", "kind", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "mlp",
                           "norm", "bias", "shape_only"),
-    ModelKind.hf: ("name", "kind", "vocab_size", "seq_len", "path", "revision", "attn_implementation"),
+    ModelKind.hf: ("name", "kind", "vocab_size", "seq_len", "path", "revision", "attn_implementation",
+                   "router_aux_loss"),
     ModelKind.custom: ("name", "kind", "vocab_size", "seq_len", "_target_"),
 }
 

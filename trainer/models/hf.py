@@ -37,6 +37,8 @@ def read_config(cfg: ModelConfig, attention: str | None = None):
     config = AutoConfig.from_pretrained(str(path))
     config.use_cache = False  # training: no key/value cache in the outputs
     config._attn_implementation = attention or cfg.attn_implementation
+    if cfg.router_aux_loss is not None:  # MoE: the router's loss (training/router_loss.py) from the command line
+        config.output_router_logits = cfg.router_aux_loss
     return config
 
 

@@ -31,6 +31,7 @@ from trainer.training.loggers import RunLog
 from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
 from trainer.training.reference import build_objective
 from trainer.training.resumed import resume_notes
+from trainer.training.router_loss import AUX, language_loss, start_words, with_router_loss
 from trainer.training.schedule import lr_at
 from trainer.training.shares import share
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
@@ -173,6 +174,7 @@ class Run:
         # Before a checkpoint is loaded: the policy as it starts is the reference (training/reference.py)
         self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
                                          weights.fingerprint)
+        self.objective = with_router_loss(self.objective, self.model, strategy.sequence)  # where the config asks
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
@@ -197,7 +199,8 @@ class Run:
         self.announce(resume_from, state, weights)
 
     def announce(self, resume_from: Path | None, state: TrainerState, weights: WeightSource) -> None:
-        log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps)}; run dir: {self.run_dir}")
+        log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps)}{start_words(self.objective)}; "
+                 f"run dir: {self.run_dir}")
         if describe_sources := getattr(self.stream.dataset, "describe", None):  # data=mixture: each source
             self.records.log({"event": "sources", "step": self.step, "sources": describe_sources()})
         if restart_count():
@@ -257,9 +260,11 @@ class Run:
                                self.cfg.eval.max_batches)
         self.val_loss, stats = evaluate(self.model, self.strategy, self.objective.evaluation("val"), batches,
                                         env.device)
-        # a perplexity where the loss is per token (objective=lm), the objective's statistics else
-        self.records.log({"step": self.step, "split": "val", "loss": self.val_loss,
-                          **(stats or {"ppl": math.exp(min(self.val_loss, 700))}), **self.source_losses()})
+        # a perplexity where the loss is per token (objective=lm; of the token loss alone), the objective's statistics
+        per_token = not set(stats) - {AUX}
+        ppl = {"ppl": math.exp(min(language_loss(self.objective, self.val_loss, stats), 700))} if per_token else {}
+        self.records.log({"step": self.step, "split": "val", "loss": self.val_loss, **ppl, **stats,
+                          **self.source_losses()})
         return self.early_stop.update(self.step, self.val_loss)
 
     def source_losses(self) -> dict:

@@ -1,0 +1,170 @@
+"""Issue 39: the router's load-balancing loss of mixture-of-experts models (training/router_loss.py):
+transformers' own number for one row, per-row statistics, and 2 ranks = 1 rank on every strategy
+and across the crossings, with the term on."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.tiny_hf import VOCAB, make_model_dir
+from tests.harness import assert_close, case, losses, on_ranks, records, resuming, saving, train_cases, with_overrides
+from trainer.data.sources import IGNORE_INDEX
+from trainer.models.sequence import SequenceGroup
+from trainer.training.objectives import NextToken
+from trainer.training.router_loss import RouterBalanced, check_router_loss, with_router_loss
+
+ONE_RANK = SequenceGroup(None, 1, 0)
+COEF = 0.1  # larger than the families' defaults (0.001-0.02): the term shows in the loss
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    on = dict(output_router_logits=True, router_aux_loss_coef=COEF)
+    return {"mixtral": make_model_dir(root / "mixtral", "mixtral", weights=False, **on),
+            "gpt_oss": make_model_dir(root / "gpt_oss", "gpt_oss", weights=True, **on),
+            "qwen3_moe_off": make_model_dir(root / "qwen3_moe_off", "qwen3_moe", weights=False),
+            "deepseek_v3": make_model_dir(root / "deepseek_v3", "deepseek_v3", weights=False)}
+
+
+def hf_model(path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def per_row_aux(objective: RouterBalanced, model, x, y) -> torch.Tensor:
+    """aux_loss of the micro-batch (x, y): its statistic over the micro-batch's units."""
+    _, stats = objective.loss_sum(model, [x, y])
+    return stats[-1] / objective.count([x, y])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_one_row_gives_transformers_own_loss_and_aux_loss(folders, family):
+    model = hf_model(folders[family])
+    objective = with_router_loss(NextToken(), model, ONE_RANK)
+    assert isinstance(objective, RouterBalanced) and objective.coef == COEF
+    ids = torch.randint(0, VOCAB, (1, 33), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    loss, stats = objective.loss_sum(model, [x, y])
+    theirs = model(input_ids=x, labels=y, shift_labels=y)  # labels as the trainer's rows hold them: no shift
+    assert abs((loss / 32).item() - theirs.loss.item()) <= 1e-6 * theirs.loss.item()
+    assert abs((stats[-1] / 32).item() - theirs.aux_loss.item()) <= 1e-6 * theirs.aux_loss.item()
+    assert theirs.aux_loss.item() > 1.0  # E * sum f P >= 1 for top-2 of 4 experts: a real term
+
+
+def test_statistics_are_per_row_and_padding_routes_nowhere(folders):
+    """Two rows in one micro-batch give the token-weighted mean of each row's own aux (transformers
+    would take f and P over both rows together); a padded tail (no target) changes nothing."""
+    model = hf_model(folders["mixtral"])
+    objective = with_router_loss(NextToken(), model, ONE_RANK)
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, VOCAB, (1, 33), generator=g), torch.randint(0, VOCAB, (1, 33), generator=g)
+    y_b = b[:, 1:].clone()
+    y_b[:, 24:] = IGNORE_INDEX  # row b: 24 targets, then padding
+    x, y = torch.cat([a[:, :-1], b[:, :-1]]), torch.cat([a[:, 1:], y_b])
+    together = per_row_aux(objective, model, x, y)
+    alone_a = per_row_aux(objective, model, a[:, :-1], a[:, 1:])
+    alone_b = per_row_aux(objective, model, b[:, :24], y_b[:, :24])  # row b cut where its padding starts
+    assert abs(together - (32 * alone_a + 24 * alone_b) / 56) <= 1e-6 * together
+    transformers_way = model(input_ids=x, output_router_logits=True).aux_loss  # f and P over the micro-batch
+    assert abs(together - transformers_way) > 1e-4
+
+
+def test_the_setting_turns_it_on_and_off_and_is_refused_where_there_is_no_such_loss(folders):
+    from trainer.config import ModelConfig, model_config
+    from trainer.errors import ConfigError
+    from trainer.models import hf
+
+    def objective(path, setting):
+        model = hf.builder(ModelConfig(name="hf", kind="hf", path=str(path), router_aux_loss=setting))()
+        return with_router_loss(NextToken(), model, ONE_RANK)
+
+    assert isinstance(objective(folders["qwen3_moe_off"], None), NextToken)  # config.json: off
+    assert isinstance(objective(folders["qwen3_moe_off"], True), RouterBalanced)
+    assert isinstance(objective(folders["mixtral"], None), RouterBalanced)  # config.json: on
+    assert isinstance(objective(folders["mixtral"], False), NextToken)
+    # the checks before any work (trainer/__main__.py's check_before_work calls it on the meta model)
+    deepseek = hf.builder(ModelConfig(name="hf", kind="hf", path=str(folders["deepseek_v3"])))()
+    with pytest.raises(ConfigError, match="^model.router_aux_loss: this model has no router load-balancing loss"):
+        check_router_loss(True, deepseek)
+    check_router_loss(None, deepseek)  # not asked: nothing to refuse
+    with pytest.raises(ConfigError, match="^model.router_aux_loss"):
+        model_config({"name": "hf", "kind": "hf", "path": str(folders["mixtral"]), "router_aux_loss": "maybe"})
+
+
+# -- the trainer: 2 ranks = 1 rank with the term on, on every strategy and across the crossings --------
+
+STEPS = 4
+
+
+def moe_case(path, strategy: str, micro: int, accum: int = 1, **overrides) -> dict:
+    """Synthetic rows of 32 tokens, global batch 4 at one rank (micro x accum x ranks), 4 steps."""
+    cfg = with_overrides(case(strategy, steps=STEPS), train__micro_batch_size=micro, train__grad_accum_steps=accum,
+                         data__name="synthetic", data__num_samples=256, optim__lr=1e-2, **overrides)
+    return {**cfg, "model": {"name": "hf", "kind": "hf", "path": str(path), "seq_len": 32, "vocab_size": VOCAB,
+                             **cfg.get("model", {})}}
+
+
+TWO_RANKS = {  # name: (strategy, micro, accum, overrides): global batch 4 each
+    "ddp": ("ddp", 2, 1, {}),
+    "fsdp": ("fsdp", 1, 2, {}),
+    "zero1": ("zero1", 2, 1, {}),
+    "zero2": ("zero2", 1, 2, {}),
+    "zero3": ("zero3", 2, 1, {}),
+    "ddp_ac": ("ddp", 1, 2, {"train__activation_checkpointing": True}),
+    "zero3_offload": ("zero3", 1, 2, {"strategy__offload_optimizer": True, "strategy__offload_params": True}),
+    "zero2_fused_loss": ("zero2", 2, 1, {"train__fused_loss": True}),
+    "fsdp_sp2": ("fsdp", 4, 1, {"strategy__sp": 2}),  # dp=1: the whole global batch on each rank, half its tokens
+}
+
+
+@pytest.fixture(scope="module")
+def trained(folders, tmp_path_factory):
+    out = tmp_path_factory.mktemp("router_runs")
+    mixtral = folders["mixtral"]
+    ones = {"baseline": moe_case(mixtral, "ddp", 4),
+            "accumulated": moe_case(mixtral, "ddp", 1, 4),
+            "off": moe_case(mixtral, "ddp", 4, model__router_aux_loss=False)}
+    twos = {name: moe_case(mixtral, s, micro, accum, **o) for name, (s, micro, accum, o) in TWO_RANKS.items()}
+    twos["zero3_saved"] = saving(twos["zero3"], out / "ckpt", 2)
+    on_ranks(1, train_cases, ones, str(out))
+    on_ranks(2, train_cases, twos, str(out))
+    # the checkpoint of 2 ranks on zero3 resumed at 1 rank on fsdp
+    on_ranks(1, train_cases, {"resumed_fsdp_1": resuming(moe_case(mixtral, "fsdp", 4), out / "ckpt", 2)}, str(out))
+    return out
+
+
+def aux(rows: list[dict]) -> list[float]:
+    return [r["aux_loss"] for r in rows]
+
+
+@pytest.mark.slow
+def test_the_term_is_in_the_loss_logged_apart_and_accumulation_changes_nothing(trained):
+    base, off = records(trained / "baseline"), records(trained / "off")
+    assert len(base) == STEPS and all(a > 1.0 for a in aux(base))
+    assert "aux_loss" not in off[0]
+    # the same weights at step 1: the loss with the term is the loss without it plus coef x aux_loss
+    assert abs(base[0]["loss"] - (off[0]["loss"] + COEF * base[0]["aux_loss"])) <= 1e-6 * base[0]["loss"]
+    accumulated = records(trained / "accumulated")
+    assert_close(losses(accumulated), losses(base), "accumulation 4 x 1 row", rtol=1e-6)
+    assert_close(aux(accumulated), aux(base), "accumulation: aux_loss", rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks_give_one_ranks_losses_with_the_term_on(trained, name):
+    base, two = records(trained / "baseline"), records(trained / name)
+    assert_close(losses(two), losses(base), name, rtol=1e-6)
+    assert_close(aux(two), aux(base), f"{name}: aux_loss", rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_on_zero3_resumes_at_one_rank_on_fsdp(trained):
+    base, resumed = records(trained / "baseline"), records(trained / "resumed_fsdp_1")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert_close(losses(resumed), losses(base)[2:], "resumed", rtol=1e-6)
+    assert_close(aux(resumed), aux(base)[2:], "resumed: aux_loss", rtol=1e-6)

@@ -1,0 +1,156 @@
+"""The router's load-balancing loss of a mixture-of-experts model (DESIGN §14), added to any objective.
+
+A Hugging Face MoE family whose causal LM has `router_aux_loss_coef` (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, gpt-oss, ...) adds, when its config's `output_router_logits` is true (or
+`model.router_aux_loss=true`), `router_aux_loss_coef * aux` to its loss, with transformers'
+`load_balancing_loss_func` (the same in every family of transformers 5.24, Switch Transformer's
+eqs. 4-6): over all MoE layers' tokens, f_e the fraction of top-k choices that went to expert e and
+P_e the mean router probability of e, aux = E * sum_e f_e P_e. None of these families defines a
+router z-loss; DeepSeek-V3 balances with a routing bias and has no such loss (refused if asked for).
+
+How the statistics are taken here: per sequence (each row of the micro-batch: f and P over the
+row's own tokens, up to its last target: padding routes nowhere). transformers takes them over the
+micro-batch it is given, which makes the loss depend on how rows are grouped into micro-batches, so
+on micro_batch_size and, at a fixed global batch, on the world size. Per row, the loss is the same
+at any world size and accumulation, and a micro-batch of one row gives transformers' own number.
+A row's aux counts in the step's mean as its token losses do: weighted by its units (target tokens;
+pairs for dpo), so `loss` = (sum of token losses + coef * sum of units_row * aux_row) / units of the
+step, all ranks, which the loop already divides by. Global-batch statistics (arXiv 2501.11873: f
+all-reduced over data-parallel ranks) are not offered: exact, they need every micro-batch's routing
+before the first backward (a second forward); approximated per micro-batch, they change with the
+accumulation. At strategy.sp > 1 a row's tokens are spread over the sequence-parallel group: its
+counts, token count and units are summed over the group (no gradient); each rank's share of the
+probabilities carries its own gradient, and the shares' aux values add up to the row's.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.data.sources import IGNORE_INDEX
+from trainer.errors import ConfigError
+from trainer.models.sequence import SequenceGroup
+
+AUX = "aux_loss"  # the step record's and the validation line's field: the mean aux over rows, by units
+
+
+def moe_causal_lm(model: nn.Module) -> nn.Module | None:
+    """The module of `model` (wrapped, sharded, with adapters) that computes a load-balancing loss:
+    a transformers causal LM with `router_aux_loss_coef`; None for a model without one."""
+    for module in model.modules():
+        # its transformers config: a DeepSpeed engine passes the model's attributes through, not its config
+        if all(hasattr(module, a) for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")) \
+                and hasattr(getattr(module, "config", None), "output_router_logits"):
+            return module
+    return None
+
+
+def router_loss_on(model: nn.Module) -> bool:
+    """Whether the model's config asks for the router's loss (and the model has one)."""
+    lm = moe_causal_lm(model)
+    return lm is not None and bool(getattr(lm.config, "output_router_logits", False))
+
+
+def check_router_loss(asked: bool | None, model: nn.Module) -> None:
+    """model.router_aux_loss=true on a model without a load-balancing loss: one line, before any work."""
+    if asked and moe_causal_lm(model) is None:
+        raise ConfigError("model.router_aux_loss: this model has no router load-balancing loss (a Hugging Face "
+                          "mixture-of-experts causal LM with router_aux_loss_coef: Mixtral, Qwen2/3-MoE, OLMoE, "
+                          "gpt-oss, ...); DeepSeek-V3 balances with a routing bias instead")
+
+
+@contextmanager
+def first_output(module: nn.Module) -> Iterator[list]:
+    """The outputs of `module`'s forwards within the block (the policy's forward comes first: dpo's
+    reference, when it is the same model, runs after it)."""
+    outputs: list = []
+    handle = module.register_forward_hook(lambda _module, _args, output: outputs.append(output))
+    try:
+        yield outputs
+    finally:
+        handle.remove()
+
+
+def real_tokens(targets: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    """[b, t] 1.0 where a row's token is not padding: up to the row's last target (of the whole row:
+    at sp > 1 the last target may be on a later rank of the group)."""
+    t = targets.shape[1]
+    positions = torch.arange(t, device=targets.device) + group.rank * t  # within the whole row
+    last = torch.where(targets != IGNORE_INDEX, positions, -1).amax(dim=1)
+    if group.size > 1:
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group.group)
+    return (positions <= last[:, None]).float()
+
+
+def balance_sums(router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor, top_k: int, experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, over all MoE layers: (top-k choices per expert [b, E], without gradient; the summed
+    router probabilities per expert [b, E]; the routed tokens [b], each token once per layer)."""
+    b, t = mask.shape
+    choices = torch.zeros(b, experts, device=mask.device)
+    probs = torch.zeros(b, experts, device=mask.device)
+    for layer in router_logits:
+        p = F.softmax(layer.float(), dim=-1).view(b, t, experts)
+        chosen = torch.zeros_like(p).scatter_(-1, torch.topk(p, top_k, dim=-1).indices, 1.0)
+        choices += (chosen * mask[..., None]).sum(1)
+        probs = probs + (p * mask[..., None]).sum(1)
+    return choices, probs, mask.sum(1) * len(router_logits)
+
+
+class RouterBalanced:
+    """An objective (`NextToken`, `DirectPreference`) plus the router's load-balancing loss, per row
+    (see the top), and its mean as the statistic `aux_loss`."""
+
+    def __init__(self, inner, lm: nn.Module, group: SequenceGroup):
+        self.inner, self.lm, self.group = inner, lm, group
+        self.coef = float(lm.router_aux_loss_coef)
+        self.experts, self.top_k = int(lm.num_experts), int(lm.num_experts_per_tok)
+        self.stats = (*inner.stats, AUX)
+
+    def count(self, batch) -> torch.Tensor:
+        return self.inner.count(batch)
+
+    def evaluation(self, split: str) -> RouterBalanced:
+        return RouterBalanced(self.inner.evaluation(split), self.lm, self.group)
+
+    def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        with first_output(self.lm) as outputs:
+            loss, stats = self.inner.loss_sum(model, batch)
+        aux = self.weighted_aux(outputs[0].router_logits, batch)
+        return loss + self.coef * aux, torch.cat([stats, aux.detach().view(1).to(stats.dtype)])
+
+    def weighted_aux(self, router_logits, batch) -> torch.Tensor:
+        """sum over rows of units_row * aux_row: this rank's share of it (all of it at sp=1)."""
+        mask = real_tokens(batch[1], self.group)
+        choices, probs, tokens = balance_sums(router_logits, mask, self.top_k, self.experts)
+        units = torch.stack([self.inner.count([field[i:i + 1] for field in batch]) for i in range(mask.shape[0])])
+        whole = torch.cat([choices, tokens[:, None], units[:, None].float()], dim=1)
+        if self.group.size > 1:  # the whole row's counts; the probabilities stay this rank's share
+            dist.all_reduce(whole, group=self.group.group)
+        choices, tokens, units = whole[:, :-2], whole[:, -2], whole[:, -1]
+        tokens = tokens.clamp(min=1)  # a row without tokens has no units either: it adds 0
+        aux = self.experts * ((choices / tokens[:, None]) * (probs / tokens[:, None])).sum(1)
+        return (units * aux).sum()
+
+
+def with_router_loss(objective, model: nn.Module, group: SequenceGroup):
+    """`objective` with the router's loss where the model's config asks for it; else as it is."""
+    return RouterBalanced(objective, moe_causal_lm(model), group) if router_loss_on(model) else objective
+
+
+def language_loss(objective, loss: float, stats: dict) -> float:
+    """A mean loss without the router's term (what a perplexity is of)."""
+    return loss - getattr(objective, "coef", 0.0) * stats.get(AUX, 0.0)
+
+
+def start_words(objective) -> str:
+    """The start line's words for the router's loss, where it is on."""
+    if not isinstance(objective, RouterBalanced):
+        return ""
+    return (f" router_aux_loss=on (coef {objective.coef:g}, top-{objective.top_k} of {objective.experts} experts, "
+            "balance statistics per sequence)")
