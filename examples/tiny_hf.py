@@ -60,7 +60,6 @@ MOE_FAMILIES = {
     "gpt_oss": dict(MOE, model_type="gpt_oss", intermediate_size=16, num_local_experts=4, num_key_value_heads=2,
                     head_dim=8, sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
-FAMILIES |= MOE_FAMILIES
 BLOCKS = {"qwen2": "Qwen2DecoderLayer", "gpt_neox": "GPTNeoXLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
           "mixtral": "MixtralDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer", "olmoe": "OlmoeDecoderLayer",
           "deepseek_v3": "DeepseekV3DecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
@@ -192,7 +191,7 @@ def make_model_dir(out: Path, family: str, weights: bool, tokenizer: Path | None
     model.safetensors when `weights`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**FAMILIES[family], **config}
+    spec = {**(FAMILIES | MOE_FAMILIES)[family], **config}
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     out.mkdir(parents=True, exist_ok=True)
     if weights:
