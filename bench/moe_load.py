@@ -5,12 +5,16 @@ built, each rank's share read and fused, optimizer made: up to the first step) a
 
     python bench/moe_load.py [OUT_DIR (default /tmp/moe_load_bench)] [--layers N]
 
-Per rank: seconds to load, the process's resident memory before loading (imports) and its peak
-(VmHWM) after; the peak minus the before is what loading cost. Each measurement in a fresh process.
+Per rank: seconds to load, the process's resident memory before loading (imports done; for the
+trainer, its backend's group up) and its peak (VmHWM) after; the peak minus the before is what
+loading cost. Each measurement in a fresh process. "SafetensorsWeights: a half" reads, in one
+process, the second half of every parameter (rank 1 of 2's flat range) into buffers allocated
+before it starts: its peak-before is what the reading itself holds above the share.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -50,14 +54,33 @@ def trainer_rank(env, strategy_name: str, path: str) -> dict:
 
     cfg = to_config({"strategy": {"name": strategy_name}, "data": {"name": "synthetic"},
                      "model": {"name": "hf", "kind": "hf", "path": path, "seq_len": 256, "vocab_size": 32000}})
+    strategy = build_strategy(cfg, env)  # the backend imported and its group up (DeepSpeed: its comm op built)
     before = resident_mib("VmRSS")
     start = time.perf_counter()
-    strategy = build_strategy(cfg, env)
     setup_model(cfg, strategy)
     seconds = time.perf_counter() - start
     row = {"seconds": seconds, "before": before, "peak": resident_mib("VmHWM")}
     strategy.teardown()
     return row
+
+
+def reads_only(env, path: str, ranks: int) -> dict:
+    """What SafetensorsWeights alone costs: the last of `ranks` ranks' flat share of every parameter,
+    read into buffers allocated first (so the peak above them is the reading's own)."""
+    from trainer.config import ModelConfig, ModelKind
+    from trainer.models import build_model, param_shapes
+    from trainer.models.hf import pretrained_weights
+
+    cfg = ModelConfig(kind=ModelKind.hf, path=path, seq_len=256)
+    shapes = param_shapes(build_model(cfg, torch.device("meta")))
+    weights = pretrained_weights(cfg, build_model(cfg, torch.device("meta")), shapes)
+    shares = {name: torch.empty(math.prod(shape) - math.prod(shape) // ranks * (ranks - 1))
+              for name, shape in shapes.items()}
+    before = resident_mib("VmRSS")
+    start = time.perf_counter()
+    for name, share in shares.items():
+        share.copy_(weights.read(name, math.prod(shapes[name]) - share.numel(), share.numel()))
+    return {"seconds": time.perf_counter() - start, "before": before, "peak": resident_mib("VmHWM")}
 
 
 def transformers_process(env, path: str) -> dict:
@@ -85,6 +108,7 @@ def main() -> None:
           f"parameters, {files / 2**30:.2f} GiB of bf16 safetensors; fp32 model {params * 4 / 2**30:.2f} GiB")
     print(f"{'who':<30} {'rank':>4} {'load s':>7} {'before MiB':>10} {'peak MiB':>9} {'peak-before':>11}")
     rows = [("transformers from_pretrained", launch_local(1, in_group, transformers_process, str(out)))]
+    rows.append(("SafetensorsWeights: a half", launch_local(1, in_group, reads_only, str(out), 2)))
     for strategy in ("fsdp", "zero3"):
         rows.append((f"trainer {strategy}, 2 ranks", launch_local(2, in_group, trainer_rank, strategy, str(out))))
     for who, by_rank in rows:
