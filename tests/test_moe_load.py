@@ -83,15 +83,20 @@ def test_every_family_loads_as_transformers_does_on_one_rank(moe_dirs, tmp_path)
         assert_starts_as_transformers(loaded[family], tmp_path / family, cfgs[family], path, 1)
 
 
-@pytest.mark.slow  # one launch of 2 ranks, ~1 min here
+@pytest.mark.slow  # one launch of 2 ranks: 3 min here (2 shared cores, other work running)
 def test_two_ranks_read_their_own_ranges_of_the_fused_experts(moe_dirs, tmp_path):
     """fsdp (meta model, each rank its rows), zero3 (zero.Init, each its partition) and zero2, 2 ranks:
-    the parameters and first loss of from_pretrained; Mixtral renames and fuses."""
+    the parameters and first loss of from_pretrained; Mixtral renames and fuses. Under bf16 (zero3)
+    the fp32 masters are the stored values too."""
     path = moe_dirs["mixtral"]
     cfgs = {strategy: moe_case(strategy, path, train__micro_batch_size=2) for strategy in ("fsdp", "zero3", "zero2")}
+    cfgs["zero3_bf16"] = moe_case("zero3", path, train__micro_batch_size=2, train__precision="bf16")
     loaded = on_ranks(2, loaded_then_trained, cfgs, str(tmp_path))[0]
-    for strategy, cfg in cfgs.items():
-        assert_starts_as_transformers(loaded[strategy], tmp_path / strategy, cfg, path, 2)
+    for strategy in ("fsdp", "zero3", "zero2"):
+        assert_starts_as_transformers(loaded[strategy], tmp_path / strategy, cfgs[strategy], path, 2)
+    params, _ = transformers_start(cfgs["zero3_bf16"], path, 2)
+    for name, value in params.items():
+        assert torch.equal(loaded["zero3_bf16"][name], value.detach()), name
 
 
 def test_a_rank_reads_only_the_source_rows_its_range_covers(moe_dirs):
