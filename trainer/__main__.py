@@ -116,6 +116,8 @@ def resolve_settings(cfg: DictConfig, world_size: int) -> Config:
     resolve_names(cfg)
     model = resolve_model(to_config(cfg).model)
     cfg.model.seq_len, cfg.model.vocab_size = model.seq_len, model.vocab_size
+    if "attn_implementation" in cfg.model:  # model=hf: `auto` resolved, the same on every rank
+        cfg.model.attn_implementation = model.attn_implementation
     if cfg.strategy.name == StrategyName.auto:
         resolve_auto(cfg, world_size)
     return to_config(cfg)

@@ -161,7 +161,7 @@ class ModelConfig:
     # hf
     path: Optional[str] = None  # hf: the model folder (config.json, optional *.safetensors and tokenizer), or a Hub name
     revision: Optional[str] = None  # hf: a Hub name's branch, tag or commit; None: main
-    attn_implementation: str = "sdpa"  # hf: passed to transformers (sdpa, eager, flex_attention, flash_attention_2)
+    attn_implementation: str = "auto"  # hf: auto (sdpa, else what transformers picks) | sdpa | eager | flex_attention | flash_attention_2
     # hf mixture-of-experts: the router's load-balancing loss on/off; null: as config.json's output_router_logits
     router_aux_loss: Optional[bool] = None
     # custom: `_target_` in the config, and every other key is an argument of the factory

@@ -15,6 +15,7 @@ from torch import nn
 from trainer.checks import require_hf
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
+from trainer.models.converted import Conversions
 from trainer.models.weights import SafetensorsWeights, persistent_buffers, safetensors_files, save_safetensors
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -36,7 +37,8 @@ def read_config(cfg: ModelConfig, attention: str | None = None):
         raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(str(path))
     config.use_cache = False  # training: no key/value cache in the outputs
-    config._attn_implementation = attention or cfg.attn_implementation
+    # `auto`: None, which transformers resolves as the model is built (sdpa where the family has it, else eager)
+    config._attn_implementation = attention or (None if cfg.attn_implementation == "auto" else cfg.attn_implementation)
     if cfg.router_aux_loss is not None:  # MoE: the router's loss (training/router_loss.py) from the command line
         config.output_router_logits = cfg.router_aux_loss
     return config
@@ -59,6 +61,7 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     max_position_embeddings and 2048."""
     config = read_config(cfg)
     model_class(config)
+    cfg.attn_implementation = attention_implementation(cfg, config)
     cfg.vocab_size = config.vocab_size
     positions = getattr(config, "max_position_embeddings", None)
     if cfg.seq_len is None:
@@ -66,6 +69,22 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     elif positions and cfg.seq_len > positions:
         check_longer_context(cfg, config, positions)
     return cfg
+
+
+def attention_implementation(cfg: ModelConfig, config) -> str:
+    """The attention the model runs: model.attn_implementation's, or for `auto` the one transformers
+    picks when it is given none (sdpa, else eager: gpt-oss). Which ones a family takes is known only
+    by building it (its class flags, installed kernels): built on the meta device, refused in one line."""
+    try:
+        with torch.device("meta"):
+            return model_class(config)(config).config._attn_implementation
+    except (ValueError, ImportError) as e:
+        cls = model_class(config)
+        takes = ["eager"] + [name for name, flag in (("sdpa", "_supports_sdpa"), ("flex_attention", "_supports_flex_attn"),
+                                                    ("flash_attention_2", "_supports_flash_attn")) if getattr(cls, flag)]
+        raise ConfigError(f"model.attn_implementation={cfg.attn_implementation}: this {config.model_type} model does "
+                          f"not run with it here ({str(e).splitlines()[0][:160]}); it takes {', '.join(takes)}, or "
+                          "auto (the fastest of them transformers can run)") from None
 
 
 def check_longer_context(cfg: ModelConfig, config, positions: int) -> None:
@@ -144,7 +163,8 @@ def pretrained_weights(cfg: ModelConfig, model: nn.Module,
                           "quantised, and the trainer trains from float weights only; dequantise them first")
     if safetensors_files(path):
         buffers = {name: tuple(b.shape) for name, b in persistent_buffers(model).items()}
-        return SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), buffers, known_extra_keys(model))
+        return SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), buffers, known_extra_keys(model),
+                                  Conversions(model, shapes))
     if list(path.glob("*.bin")):
         raise ConfigError(f"model.path: {path} holds *.bin weights; the trainer reads safetensors only "
                           "(save_pretrained(..., safe_serialization=True) writes them)")
@@ -164,8 +184,8 @@ def known_extra_keys(model: nn.Module) -> Callable[[str], bool]:
 def checkpoint_key_renamer(model: nn.Module, shapes: dict) -> Callable[[str], str]:
     """A checkpoint key -> the model's parameter name, as `from_pretrained` renames it: its
     conversion mapping (GPT-NeoX's `embed_out` is the model's `lm_head`, ...) and the base model
-    prefix. Conversions that merge or split tensors (fused experts) cannot be read range by range
-    and are refused."""
+    prefix. Keys that a conversion merges into another tensor (fused experts) are `Conversions`'
+    (trainer.models.converted), which SafetensorsWeights asks first; any left are refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -209,7 +229,8 @@ def read_pretrained(source: dict, base: dict, names: list[str], checkpoint: Path
     path = Path(source["path"])
     if not safetensors_files(path):
         raise ConfigError(f"{path}: the frozen base weights of this checkpoint are gone (no *.safetensors)")
-    files = SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), None, known_extra_keys(model))
+    files = SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), None, known_extra_keys(model),
+                               Conversions(model, shapes))
     check_base(base, files.fingerprint, checkpoint)
     return {name: files.read(name, 0, math.prod(shape)).view(shape) for name, shape in shapes.items()}
 

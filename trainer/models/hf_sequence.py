@@ -65,7 +65,12 @@ def check(cfg: ModelConfig, sp: int) -> None:
     from trainer.models import hf
 
     what = f"strategy.sp={sp}: model.path={cfg.path}"
-    if cfg.attn_implementation != "sdpa":
+    config = hf.read_config(cfg)
+    family = f"this {config.model_type} model"
+    if not hf.model_class(config)._supports_sdpa:  # first: `auto` picks eager for it, and sdpa is refused
+        raise ConfigError(f"{what}: transformers runs {family}'s attention without SDPA (its class does not support "
+                          "it), and sequence parallelism attends through SDPA; strategy.sp=1 trains it")
+    if cfg.attn_implementation not in ("sdpa", "auto"):
         raise ConfigError(f"{what}: model.attn_implementation={cfg.attn_implementation} is not taken under sequence "
                           "parallelism, which attends the whole sequence with SDPA; set model.attn_implementation=sdpa")
     calls: list[dict] = []
@@ -75,11 +80,6 @@ def check(cfg: ModelConfig, sp: int) -> None:
                       "window": kwargs.get("sliding_window"), **{k: kwargs.get(k) for k in UNSUPPORTED}})
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    config = hf.read_config(cfg)
-    family = f"this {config.model_type} model"
-    if not hf.model_class(config)._supports_sdpa:
-        raise ConfigError(f"{what}: transformers runs {family}'s attention without SDPA (its class does not support "
-                          "it), and sequence parallelism attends through SDPA; strategy.sp=1 trains it")
     AttentionInterface.register(PROBE, probe)
     try:
         with torch.random.fork_rng(devices=[]):

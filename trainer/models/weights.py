@@ -19,13 +19,16 @@ import os
 import zlib
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.models.converted import Conversions
 
 # activation checkpointing, torch.compile, and peft's LoRA layer around the layer it adapts
 WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod", "base_layer"}
@@ -298,7 +301,8 @@ class SafetensorsWeights:
     tensor, is refused."""
 
     def __init__(self, directory: Path, shapes: dict[str, tuple[int, ...]], rename: Callable[[str], str] = str,
-                 buffers: dict[str, tuple[int, ...]] | None = None, also_known: Callable[[str], bool] = lambda name: False):
+                 buffers: dict[str, tuple[int, ...]] | None = None, also_known: Callable[[str], bool] = lambda name: False,
+                 conversions: Conversions | None = None):
         from safetensors import safe_open
 
         self.files = safetensors_files(directory)
@@ -309,13 +313,17 @@ class SafetensorsWeights:
         for f in self.files:
             with safe_open(str(f), framework="pt") as handle:
                 for key in handle.keys():
-                    name, stored_slice = rename(key), handle.get_slice(key)
+                    stored_slice = handle.get_slice(key)
+                    # a source of a fused parameter (an expert's matrix): kept by its own key, read through the
+                    # fused parameter's Layout
+                    target = conversions.claim(key, f, tuple(stored_slice.get_shape())) if conversions else None
+                    name = target or rename(key)
                     if stored_slice.get_dtype() not in FLOAT_DTYPES or (
                             name not in shapes and key.endswith(QUANTISATION_SUFFIXES)):
                         quantised.append(f"{key} ({stored_slice.get_dtype()})")
                     elif name not in shapes and name not in buffers and not also_known(name):
                         unknown.append(key)
-                    stored[name] = (f, key, tuple(stored_slice.get_shape()))
+                    stored[key if target else name] = (f, key, tuple(stored_slice.get_shape()))
         if quantised:
             raise ConfigError(f"model.path: {directory} holds quantised weights ({len(quantised)} tensors, e.g. "
                               f"{', '.join(quantised[:3])}); the trainer trains from float weights only: "
@@ -323,6 +331,8 @@ class SafetensorsWeights:
         if unknown:
             raise ConfigError(f"model.path: {len(unknown)} tensors in {directory} are neither a parameter nor a "
                               f"persistent buffer of the model built from its config.json: {', '.join(unknown[:10])}")
+        self.converted = conversions.layouts() if conversions else {}
+        stored.update({name: (None, None, layout.shape) for name, layout in self.converted.items()})
         problems = [f"{name}: not in the files" if name not in stored else
                     f"{name}: files {list(stored[name][2])}, model {list(shape)}"
                     for name, shape in shapes.items() if stored.get(name, (None, None, shape))[2] != shape]
@@ -332,6 +342,7 @@ class SafetensorsWeights:
             raise ConfigError(f"model.path: the weights in {directory} do not fit the model built from its "
                               f"config.json ({len(problems)} parameters):\n  " + "\n  ".join(problems[:10]))
         self.where = {name: stored[name][:2] for name in shapes}
+        stored = {name: found for name, found in stored.items() if name not in self.converted}  # as stored, by key
         self.fingerprint = fingerprint(self.files, {name: list(stored[name][2]) for name in stored},
                                        {name: stored[name][:2] for name in stored})
         self.buffers = {name: stored[name][:2] for name in buffers if name in stored}
@@ -348,14 +359,22 @@ class SafetensorsWeights:
     def read(self, name: str, start: int, numel: int) -> torch.Tensor:
         from safetensors import safe_open
 
-        path, key = self.where[name]
+        pieces = self.converted[name].cut(start, numel) if name in self.converted else [(*self.where[name], start, numel)]
         # Opened per read: the file is memory-mapped, and a mapping kept open would keep every
         # page read so far in this process's resident memory.
-        with safe_open(str(path), framework="pt") as handle:
-            stored = handle.get_slice(key)
-            shape = stored.get_shape()
-            if not shape:  # a scalar
-                return handle.get_tensor(key).view(1).float()
-            row = math.prod(shape[1:])
-            first, last = start // row, -(-(start + numel) // row)  # the rows that hold the range
-            return stored[first:last].reshape(-1)[start - first * row:start - first * row + numel].float()
+        with ExitStack() as opened:
+            handles = {path: opened.enter_context(safe_open(str(path), framework="pt"))
+                       for path in dict.fromkeys(path for path, *_ in pieces)}
+            values = [stored_range(handles[path], key, begin, length) for path, key, begin, length in pieces]
+        return values[0] if len(values) == 1 else torch.cat(values)
+
+
+def stored_range(handle, key: str, start: int, numel: int) -> torch.Tensor:
+    """fp32 values [start, start + numel) of stored tensor `key`, flattened: only the rows that hold them are read."""
+    stored = handle.get_slice(key)
+    shape = stored.get_shape()
+    if not shape:  # a scalar
+        return handle.get_tensor(key).view(1).float()
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-(start + numel) // row)  # the rows that hold the range
+    return stored[first:last].reshape(-1)[start - first * row:start - first * row + numel].float()

@@ -99,7 +99,9 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
     global_batch = t.micro_batch_size * t.grad_accum_steps * dp
     ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
     sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
+    attention = [f"attn_implementation={cfg.model.attn_implementation}"] if cfg.model.kind == ModelKind.hf else []
     return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}",
+                     *attention,
                      f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(),
                      # peft=lora brings its own (conf/peft/lora.yaml): said, so nobody trains at a rate they did not expect
                      f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
