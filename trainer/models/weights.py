@@ -37,7 +37,7 @@ def canonical_name(name: str) -> str:
     `experts.base_layer.lora_A...`) keeps the `base_layer` before its `lora_A`/`lora_B`, as peft
     names it; it would otherwise have the outer one's name."""
     parts = name.split(".")
-    adapter = next((i for i, part in enumerate(parts) if part in ("lora_A", "lora_B")), len(parts))
+    adapter = next((i for i, part in enumerate(parts) if part in ("lora_A", "lora_B")), -1)
     return ".".join(part for i, part in enumerate(parts)
                     if part not in WRAPPER_PARTS or (part == "base_layer" and i < adapter))
 
