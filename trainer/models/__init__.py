@@ -115,6 +115,7 @@ class ModelFacts:
     flops_per_token: int
     trainable: int  # parameters that train (all but frozen ones: LoRA's base)
     sizes: tuple[int, ...]  # of each parameter
+    active: int  # the parameters a token activates: a mixture of experts' top_k of E (active_params)
 
     def elements_below(self, size: int) -> int:
         """Elements in parameters of fewer than `size` (what ZeRO-3 keeps whole on every rank)."""
@@ -126,7 +127,9 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | Non
     token, as PaLM: per parameter that multiplies (embedding lookups do not; a tied output matrix
     does) 2 forward, 2 backward for its input's gradient and 2 for its own gradient, which a frozen
     one (LoRA's base) does not have: 6 x trainable + 4 x frozen; + 12 x layers x width x context
-    for attention."""
+    for attention. A mixture of experts' parameters count for the share a token activates (top_k of
+    the E experts: `active_params`)."""
+    from trainer.models.active_params import active_count, active_fractions
     from trainer.models.blocks import find_blocks
 
     model = meta_model(cfg, peft)
@@ -137,6 +140,8 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | Non
     multiplying = [p for p in model.parameters() if id(p) not in lookups]
     n_layers = len(find_blocks(model, wrap))
     d_model = embeddings[0].embedding_dim if embeddings else 0
-    flops = sum((6 if p.requires_grad else 4) * p.numel() for p in multiplying) + 12 * n_layers * d_model * cfg.seq_len
+    active = active_fractions(model)
+    flops = round(sum((6 if p.requires_grad else 4) * p.numel() * active.get(id(p), 1.0) for p in multiplying)) \
+        + 12 * n_layers * d_model * cfg.seq_len
     return ModelFacts(params, n_layers, d_model, flops, sum(p.numel() for p in model.parameters() if p.requires_grad),
-                      tuple(p.numel() for p in model.parameters()))
+                      tuple(p.numel() for p in model.parameters()), active_count(model))

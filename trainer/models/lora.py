@@ -6,6 +6,12 @@ Names: peft moves a wrapped layer's weight to `<layer>.base_layer.weight`; `cano
 drops `base_layer`, so the frozen weights keep the plain model's names (and its pretrained
 files fit them), and the adapters are `<layer>.lora_A.default.weight` / `lora_B`. A PEFT
 adapter folder names them `base_model.model.<layer>.lora_A.weight` (`peft_key`).
+
+Mixture-of-experts models hold their experts as stacked parameters (`experts.gate_up_proj`
+[E, 2I, H]), not linear layers: peft adapts them by `target_parameters` (peft >= 0.17; its
+ParamWrapper adds B @ A per expert to the parameter during the forward). Two wrapped parameters of
+one module nest (`experts.base_layer`): the inner one's adapters keep that `base_layer` in their
+names, as peft's adapter folder does.
 """
 from __future__ import annotations
 
@@ -57,22 +63,58 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
+def expert_parameters(model: nn.Module) -> list[str]:
+    """The stacked expert matrices of a mixture-of-experts model, by canonical name: its 3-D
+    parameters ([experts, out, in] or [experts, in, out]; ZeRO-3's partitions keep the shape in
+    `ds_shape`). Their biases ([experts, out]) and the router are not among them."""
+    return sorted(canonical_name(n) for n, p in model.named_parameters()
+                  if len(getattr(p, "ds_shape", p.shape)) == 3 and not is_adapter(canonical_name(n)))
+
+
+def routers(model: nn.Module) -> set[str]:
+    """Linear layers that are direct children of a module holding experts (the MoE block): the
+    router (`mlp.gate`, where it is a Linear) and Qwen2-MoE's `shared_expert_gate`. They decide
+    where tokens go; `all-linear` leaves them out."""
+    blocks = {name.rpartition(".")[0].rpartition(".")[0] for name in expert_parameters(model)}
+    return {name for name in linear_layers(model) if canonical_name(name).rpartition(".")[0] in blocks}
+
+
+def short_names(chosen: list[str], every: list[str]) -> list[str]:
+    """The last two parts of each chosen name (`experts.down_proj`) where they pick exactly the
+    chosen ones among `every`, as peft matches a name; else the full names."""
+    tails = sorted({".".join(n.split(".")[-2:]) for n in chosen})
+    return tails if sorted(n for n in every if any(matches(n, t) for t in tails)) == sorted(chosen) else chosen
+
+
+def target_parameters(model: nn.Module, cfg: PeftConfig) -> list[str]:
+    """The stacked expert parameters to adapt: all of them for `all-linear`, else those a
+    target name matches (`experts.gate_up_proj`, `gate_up_proj`, or a full name)."""
+    experts = expert_parameters(model)
+    if cfg.target_modules == "all-linear":
+        chosen = experts
+    else:
+        chosen = [n for n in experts if any(matches(n, t) for t in cfg.target_modules)]
+    return short_names(chosen, experts) if chosen else []
+
+
 def target_modules(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> list[str]:
     """The names to give peft: the leaf names (q_proj, ...) where they pick exactly the layers meant,
     else full names. `all-linear`: every linear layer but the output layer (`output_layer`). A given
     name that matches no linear layer is refused, naming those there are."""
     layers = linear_layers(model)
     if cfg.target_modules == "all-linear":
-        output = output_layer(model, vocab_size)
-        chosen = sorted(name for name, m in layers.items() if m is not output)
+        output, gates = output_layer(model, vocab_size), routers(model)
+        chosen = sorted(name for name, m in layers.items() if m is not output and name not in gates)
     else:
-        unknown = [t for t in cfg.target_modules if not any(matches(n, t) for n in layers)]
+        experts = expert_parameters(model)
+        unknown = [t for t in cfg.target_modules if not any(matches(n, t) for n in [*layers, *experts])]
         if unknown:
             # the last part of each name (q_proj), with its parent's where it is an index (mlp.0)
             leaves = sorted({".".join(n.split(".")[-2:] if n.rpartition(".")[2].isdigit() else n.split(".")[-1:])
                              for n in layers})
             raise ConfigError(f"peft.target_modules: {', '.join(unknown)} matches no linear layer of "
-                              f"{type(model).__name__}; its linear layers: {', '.join(leaves)}")
+                              f"{type(model).__name__}; its linear layers: {', '.join(leaves)}"
+                              + (f"; its experts: {', '.join(short_names(experts, experts))}" if experts else ""))
         chosen = sorted(n for n in layers if any(matches(n, t) for t in cfg.target_modules))
     leaves = sorted({n.rpartition(".")[2] for n in chosen})
     every_linear = [n for n, _ in model.named_modules() if any(matches(n, leaf) for leaf in leaves)]
@@ -84,8 +126,10 @@ def lora_config(settings: dict):
     from peft import LoraConfig
 
     targets = settings["target_modules"]  # a list of names, or (from an adapter folder) peft's regex string
+    experts = settings.get("target_parameters")  # only where experts are adapted: older settings lack it
     return LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
-                      target_modules=targets if isinstance(targets, str) else list(targets), bias="none")
+                      target_modules=targets if isinstance(targets, str) else list(targets), bias="none",
+                      **({"target_parameters": list(experts)} if experts else {}))
 
 
 def add_adapters(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> nn.Module:
@@ -100,8 +144,13 @@ def add_adapters(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> nn.Modul
 
 
 def adapter_settings(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> dict:
-    return {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout,
-            "target_modules": target_modules(model, cfg, vocab_size)}
+    settings = {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout,
+                "target_modules": target_modules(model, cfg, vocab_size)}
+    experts = target_parameters(model, cfg)
+    if experts and cfg.dropout:  # peft's ParamWrapper raises a ValueError deep in the build
+        raise ConfigError(f"peft.dropout={cfg.dropout}: peft's LoRA on stacked expert parameters "
+                          f"({', '.join(experts)}) has no dropout; use peft.dropout=0")
+    return {**settings, "target_parameters": experts} if experts else settings
 
 
 def is_adapter(name: str) -> bool:
@@ -122,9 +171,10 @@ def read_adapter_folder(path: Path) -> dict:
         raise ConfigError(f"peft.init: {path} holds a {config.get('peft_type')} adapter"
                           f"{' with DoRA or rsLoRA' if config.get('peft_type') == 'LORA' else ''}; "
                           "the trainer continues plain LoRA adapters")
-    targets = config["target_modules"]
-    return {"r": config["r"], "alpha": config["lora_alpha"], "dropout": config.get("lora_dropout", 0.0),
-            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+    targets, experts = config["target_modules"], config.get("target_parameters")
+    settings = {"r": config["r"], "alpha": config["lora_alpha"], "dropout": config.get("lora_dropout", 0.0),
+                "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+    return {**settings, "target_parameters": sorted(experts)} if experts else settings
 
 
 def from_init(cfg: PeftConfig) -> dict:

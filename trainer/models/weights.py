@@ -35,8 +35,14 @@ WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod", "base_layer"}
 
 
 def canonical_name(name: str) -> str:
-    """The parameter's (or module's) name in the plain model, whatever wraps its modules."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+    """The parameter's (or module's) name in the plain model, whatever wraps its modules. An
+    adapter of peft's inner ParamWrapper (two stacked expert parameters of one module, adapted:
+    `experts.base_layer.lora_A...`) keeps the `base_layer` before its `lora_A`/`lora_B`, as peft
+    names it; it would otherwise have the outer one's name."""
+    parts = name.split(".")
+    adapter = next((i for i, part in enumerate(parts) if part in ("lora_A", "lora_B")), -1)
+    return ".".join(part for i, part in enumerate(parts)
+                    if part not in WRAPPER_PARTS or (part == "base_layer" and i < adapter))
 
 
 ShapeOf = Callable[[torch.Tensor], tuple[int, ...]]

@@ -22,6 +22,7 @@ from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batch
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
 from trainer.models import build_model, description, initial_weights, model_facts
+from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
@@ -100,7 +101,10 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
     ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
     sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
     attention = [f"attn_implementation={cfg.model.attn_implementation}"] if cfg.model.kind == ModelKind.hf else []
-    return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}",
+    facts = model_facts(cfg.model, s.wrap, cfg.peft)  # a mixture of experts: all its parameters, and those a token uses
+    active = f" ({short_count(facts.params)} parameters, {short_count(facts.active)} active)" \
+        if facts.active < facts.params else ""
+    return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}{active}",
                      *attention,
                      f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(),
                      # peft=lora brings its own (conf/peft/lora.yaml): said, so nobody trains at a rate they did not expect
