@@ -246,7 +246,7 @@ def test_packed_rows_hold_whole_conversations_whose_positions_restart():
 
 
 def test_the_reference_model_keeps_packed_documents_apart():
-    from trainer.models.reference import ModelShape, Transformer
+    from trainer.models.builtin import ModelShape, Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelShape(vocab_size=50, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64))

@@ -19,7 +19,7 @@ from torch import nn
 
 from trainer.config import ModelConfig, ModelKind, PeftConfig, model_node
 from trainer.models import custom, hf, lora
-from trainer.models.reference import Transformer, shape_of
+from trainer.models.builtin import Transformer, shape_of
 from trainer.models.weights import InitWeights, ShapeOf, WeightSource, canonical_name, tensor_shape
 
 

@@ -26,10 +26,10 @@ from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
 from trainer.strategies import Strategy, build_strategy
+from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
 from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
-from trainer.training.reference import build_objective
 from trainer.training.resumed import resume_notes
 from trainer.training.schedule import lr_at
 from trainer.training.shares import share
@@ -170,7 +170,7 @@ class Run:
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * strategy.dp_size
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
-        # Before a checkpoint is loaded: the policy as it starts is the reference (training/reference.py)
+        # Before a checkpoint is loaded: the policy as it starts is the reference (training/dpo_reference.py)
         self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
                                          weights.fingerprint)
         self.stats: dict = {}  # the objective's statistics of the last logged step
