@@ -258,7 +258,7 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
             apply_checkpointing(model, blocks)
         objective = NextToken(fused=fused_loss)
 
-        def loss_of(m, ids):  # at sp > 1 a rank's share carries its positions in the whole row (training/shares.py)
+        def loss_of(m, ids):  # at sp > 1 a rank's share carries its positions in the whole row (training/sequence_shares.py)
             positions = [torch.arange(ids.shape[1], device=ids.device).expand_as(ids)] if sp > 1 else []
             return objective.loss_sum(m, [ids, ids, *positions])[0]
 

@@ -30,9 +30,9 @@ from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
 from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
-from trainer.training.resumed import resume_notes
+from trainer.training.resume_notes import resume_notes
 from trainer.training.schedule import lr_at
-from trainer.training.shares import share
+from trainer.training.sequence_shares import share
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
 
