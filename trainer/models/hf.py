@@ -12,9 +12,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from trainer.checks import require_hf
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
+from trainer.extras import require_hf
 from trainer.models.weights import SafetensorsWeights, persistent_buffers, safetensors_files, save_safetensors
 
 DEFAULT_MAX_SEQ_LEN = 2048
