@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from trainer.activations import SavedBytes
 from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
@@ -25,6 +24,7 @@ from trainer.models import build_model, description, initial_weights, model_fact
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
+from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
