@@ -7,7 +7,7 @@ is seen: the blocks' inputs. Tensors a custom autograd function keeps on its con
 saving them (torch's `linear_cross_entropy` summed keeps the gradients it computed in the forward)
 are found by walking the loss's graph.
 
-The planner counts with the same class on the meta device (trainer/activations.py).
+The planner counts with the same class on the meta device (trainer/plan_activations.py).
 """
 from __future__ import annotations
 
