@@ -5,7 +5,6 @@ Each raises ConfigError naming the key.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import typing
 from enum import Enum
 from importlib import resources
@@ -32,6 +31,7 @@ from trainer.config import (
 from trainer.data.mixture import EXAMPLE, check_mixture, check_source_nodes
 from trainer.errors import ConfigError
 from trainer.extras import require_hf, require_hydra_plugin
+from trainer.models.checks import check_model_sequence_parallel
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -153,23 +153,7 @@ def check_sequence_parallel(cfg: Config, world_size: int, model: Any) -> None:
     _require(ObjectiveName(cfg.objective.name) is not ObjectiveName.dpo, "strategy.sp",
              "objective=dpo sums each response's log-probabilities over its tokens, which sequence parallelism "
              "splits over ranks: train DPO at strategy.sp=1")
-    kind = ModelKind(m.kind)
-    if kind is ModelKind.hf:
-        from trainer.models import hf_sequence  # transformers: imported where a Hugging Face model runs
-
-        hf_sequence.check(m, sp)
-    elif kind is ModelKind.reference:
-        _require(m.n_heads % sp == 0, "strategy.sp", f"model.n_heads={m.n_heads} must divide by strategy.sp={sp}: "
-                 "each rank attends with heads / sp of the attention heads")
-    elif kind is ModelKind.custom:
-        _require(getattr(type(model), "sequence_parallel", False) is True, "strategy.sp",
-                 f"{m.target} builds a {type(model).__name__}, which does not declare sequence parallelism: its "
-                 "attention must call trainer.models.sequence.attention(q, k, v), and its class say so with "
-                 "sequence_parallel = True (docs/long-context.md)")
-        parameters = inspect.signature(model.forward).parameters
-        _require("position_ids" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()),
-                 "strategy.sp", f"{type(model).__name__}.forward takes no position_ids: at strategy.sp > 1 a rank "
-                 "gets its share of the rows with their positions in the whole row")
+    check_model_sequence_parallel(m, sp, model)
 
 
 def check_validation_rows(cfg: Config, rows: int) -> None:

@@ -55,6 +55,7 @@ from trainer.data.sources import (
 from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir, open_dataset
 from trainer.errors import ConfigError
 from trainer.log import log
+from trainer.models.checks import check_packing
 
 # The keys each kind reads besides kind, path, name, weight and val_path; the others stay null.
 KIND_KEYS = {SourceKind.text: (), SourceKind.tokens: ("dtype",), SourceKind.hf: ("text_field", "tokenizer"),
@@ -217,8 +218,6 @@ def check_mixture_data(cfg: Config) -> None:
             raise ConfigError(f"{key}: {path or 'the bundled text'} holds fewer than model.seq_len + 1 = "
                               f"{cfg.model.seq_len + 1} tokens: a source with no documents")
     if cfg.data.packing and ModelKind(cfg.model.kind) is not ModelKind.reference:
-        from trainer.models.packing import check_packing
-
         check_packing(cfg.model)  # the reference model keeps packed documents apart (tests/test_chat.py)
 
 
