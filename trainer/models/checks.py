@@ -1,19 +1,18 @@
 """The models' checks before any work, each run once before any rank starts, on the CPU: that the
 model splits for strategy.sp, keeps packed conversations apart (data.packing) and gives its logits
-straight from its output layer (train.fused_loss).
+straight from its output layer (train.fused_loss). Those that run the model run `probe_model` (the
+model built as the run's is, small) through `run_probe` (whatever fails, refused in one line).
 
-data.packing: whether a model keeps packed conversations apart (data=chat, data.packing=true): decided by its
-numbers, not by its forward's signature (a model may take `position_ids` for its rotary embedding
-alone, and attend across conversations all the same).
-
-Once, before any rank starts: a model built as the run's is (a Hugging Face model cut to one small
-layer, `hf.small_builder`; a custom model whole), on the CPU with a fixed seed, gives two short
+data.packing (data=chat, preference, mixture): whether a model keeps packed conversations apart is
+decided by its numbers, not by its forward's signature (a model may take `position_ids` for its
+rotary embedding alone, and attend across conversations all the same): the probe gives two short
 sequences packed in one row, `position_ids` restarting at the second, the logits it gives each
 alone, within TOLERANCE of their scale; else attention (or any state) crosses from one to the next.
 """
 from __future__ import annotations
 
 import inspect
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
@@ -21,9 +20,36 @@ from torch import nn
 from trainer.config import ModelConfig, ModelKind
 from trainer.errors import ConfigError
 from trainer.log import log
-from trainer.models import custom, hf, logits_of, own_build_context
+from trainer.models import custom, hf, logits_of
 from trainer.models.fused_loss import the_output_layer
 from trainer.models.hf_sequence import PROBE, UNSUPPORTED
+
+T = TypeVar("T")
+
+
+def probe_model(cfg: ModelConfig, attention: str | None = None) -> tuple[nn.Module, int]:
+    """The model as the run builds it, small enough to run on the CPU before any work: a Hugging
+    Face model cut to one small layer (`hf.small_builder`: the same attention, its kind, heads and
+    positions; `attention` as `hf.read_config` takes it), a custom model whole; built with a fixed
+    seed, the caller's random state left as it was. With the vocabulary its inputs come from."""
+    hf_model = ModelKind(cfg.kind) is ModelKind.hf
+    build = hf.small_builder(cfg, attention) if hf_model else custom.builder(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build()
+    return model, model.config.get_text_config().vocab_size if hf_model else cfg.vocab_size
+
+
+def run_probe(forward: Callable[[], T], refusal: Callable[[str], str]) -> T:
+    """`forward()` without gradients; whatever it raises is refused in one line, `refusal(reason)`
+    with reason "ErrorType: the first line of its message"."""
+    try:
+        with torch.no_grad():
+            return forward()
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(refusal(f"{type(e).__name__}: {first}")) from None
+
 
 LENGTHS = (7, 5)
 # Relative to the largest logit. Measured on Hugging Face families cut as hf.small_builder does: at most
@@ -34,31 +60,27 @@ TOLERANCE = 1e-4
 def check_packing(cfg: ModelConfig) -> None:
     """Refuse packed rows for a model that does not keep them apart (see the top)."""
     kind = ModelKind(cfg.kind)
-    build = hf.small_builder(cfg) if kind is ModelKind.hf else custom.builder(cfg)
     what = (f"the {cfg.attn_implementation} attention of {cfg.path}" if kind is ModelKind.hf else cfg.target)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = build().eval()
+    model, vocab = probe_model(cfg)
+    model.eval()
     parameters = inspect.signature(model.forward).parameters
     if "position_ids" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         raise ConfigError(f"data.packing: packed conversations pass position_ids (restarting at each one) to the "
                           f"model, and {cfg.target}'s forward takes none; give it a position_ids argument "
                           "that keeps attention within each conversation, or set data.packing=false")
-    vocab = model.config.get_text_config().vocab_size if kind is ModelKind.hf else cfg.vocab_size
     sequences = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     try:
-        with torch.no_grad():
-            apart = torch.cat([logits_of(model(ids)) for ids in sequences], dim=1)
-            packed = logits_of(model(torch.cat(sequences, dim=1), position_ids=positions))
-    except Exception as e:
+        apart, packed = run_probe(lambda: (torch.cat([logits_of(model(ids)) for ids in sequences], dim=1),
+                                           logits_of(model(torch.cat(sequences, dim=1), position_ids=positions))),
+                                  lambda reason: f"data.packing: {what} could not run two sequences packed in one row "
+                                                 f"with position_ids ({reason}); set data.packing=false")
+    except ConfigError:
         if "flash" in cfg.attn_implementation and kind is ModelKind.hf:
             # Its kernels run on a GPU only; transformers gives them the sequences' bounds from position_ids.
             log.warning(f"data.packing: {what} does not run on the CPU, where packing is checked: not checked")
             return
-        reason = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError(f"data.packing: {what} could not run two sequences packed in one row with position_ids "
-                          f"({type(e).__name__}: {reason}); set data.packing=false") from None
+        raise
     difference = float((packed - apart).abs().max() / apart.abs().max().clamp_min(torch.finfo(apart.dtype).tiny))
     if difference > TOLERANCE:
         raise ConfigError(f"data.packing: packed conversations need a model whose attention stays within each "
@@ -71,16 +93,13 @@ def check_output_layer(cfg: ModelConfig, model: nn.Module) -> None:
     """Before any work: the run's model (`model`, built on the meta device, with its adapters; left
     as it is) has a torch Linear output layer, and its logits are that layer's output unchanged (no
     scaling or capping after it: Gemma 2's softcap, Cohere's logit_scale) for that layer's input
-    [b, t, width] of token ids [b, t]: seen in a forward of the model built as data.packing's check
-    builds it (a Hugging Face model cut to one small layer; a custom model whole), on the CPU."""
+    [b, t, width] of token ids [b, t]: seen in a forward of `probe_model` (a Hugging Face model cut
+    to one small layer; a custom model whole), on the CPU."""
     the_output_layer(model, cfg.vocab_size)
     kind = ModelKind(cfg.kind)
     if kind is ModelKind.reference:
         return  # the built-in model: its logits are lm_head's output
-    build = hf.small_builder(cfg) if kind is ModelKind.hf else custom.builder(cfg)
-    with own_build_context(cfg):
-        probe = build()
-    vocab = probe.config.get_text_config().vocab_size if kind is ModelKind.hf else cfg.vocab_size
+    probe, vocab = probe_model(cfg)
     head = the_output_layer(probe, vocab)
     seen, marker = {}, torch.empty(1, 2, vocab)
 
@@ -91,12 +110,9 @@ def check_output_layer(cfg: ModelConfig, model: nn.Module) -> None:
     hook = head.register_forward_hook(replace)
     what = type(probe).__name__
     try:
-        with torch.no_grad():
-            output = probe(torch.zeros(1, 2, dtype=torch.long))
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError(f"train.fused_loss: {what}'s forward failed on the CPU, where its output layer is checked "
-                          f"({type(e).__name__}: {reason})") from None
+        output = run_probe(lambda: probe(torch.zeros(1, 2, dtype=torch.long)),
+                           lambda reason: f"train.fused_loss: {what}'s forward failed on the CPU, where its output "
+                                          f"layer is checked ({reason})")
     finally:
         hook.remove()
     logits = output.logits if hasattr(output, "logits") else output
@@ -149,16 +165,14 @@ def check_hf_sequence_parallel(cfg: ModelConfig, sp: int) -> None:
         raise ConfigError(f"{what}: transformers runs {family}'s attention without SDPA (its class does not support "
                           "it), and sequence parallelism attends through SDPA; strategy.sp=1 trains it")
     AttentionInterface.register(PROBE, probe)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = hf.small_builder(cfg, PROBE)().train()  # train mode: its attention dropout shows
-        with torch.no_grad():
-            model(torch.zeros(1, 2 * sp, dtype=torch.long), position_ids=torch.arange(2 * sp)[None])
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError(f"{what}: {family} does not run with its attention replaced, as sequence parallelism "
-                          f"replaces it ({type(e).__name__}: {reason}); strategy.sp=1 trains it") from None
+    positions = torch.arange(2 * sp)[None]
+
+    def forward():  # in train mode: its attention dropout shows
+        return probe_model(cfg, PROBE)[0].train()(torch.zeros_like(positions), position_ids=positions)
+
+    run_probe(forward,
+              lambda reason: f"{what}: {family} does not run with its attention replaced, as sequence parallelism "
+                             f"replaces it ({reason}); strategy.sp=1 trains it")
     if not calls:
         raise ConfigError(f"{what}: {family}'s attention does not go through transformers' attention functions "
                           "(AttentionInterface), which sequence parallelism replaces; strategy.sp=1 trains it")
