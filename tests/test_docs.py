@@ -364,8 +364,9 @@ def unsupported(readme: str) -> list[str]:
         found = re.fullmatch(r"(.+) and ([\w/-]+) parallelism", run)
         phrases += run.split(" and ") if found is None else [f"{w} parallelism" for w in found.group(1).split("/")
                                                               + [found.group(2)]]
-    pending = [p for p in phrases if " " not in p and p[:1].islower()]  # "tensor" of "tensor, pipeline and ..."
-    return [f"{p} parallelism" if p in pending else p for p in phrases]
+    last = max((i for i, p in enumerate(phrases) if p.endswith(" parallelism")), default=-1)
+    # "tensor" of "tensor, pipeline and expert parallelism": one word before the run's end
+    return [f"{p} parallelism" if i < last and " " not in p else p for i, p in enumerate(phrases)]
 
 
 def test_the_scope_line_names_nothing_the_settings_offer_as_unsupported():
