@@ -4,6 +4,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# make test's wall-time budget where CI sets CI=1 (.ci/run): past it tests/conftest.py fails the run.
+TEST_BUDGET_S := 360
 
 .PHONY: setup train test test-all test-docs lint bench soak clean
 
@@ -31,13 +33,13 @@ train: $(VENV)/.core
 	$(PY) -m trainer $(ARGS)
 
 test: setup  # every unit test, one multi-process run of each strategy, parity and resume (minutes)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not docs_in_order"
+	TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest -q -p no:cacheprovider --durations=15 -m "not slow and not docs_in_order"
 
 test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults); what CI runs
-	$(PY) -m pytest -q -p no:cacheprovider -m "not docs_in_order"
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m "not docs_in_order"
 
 test-docs: setup  # the docs' commands in reading order in one fresh dir, as a new user runs them (tests/test_docs_in_order.py)
-	$(PY) -m pytest -q -p no:cacheprovider -m docs_in_order
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m docs_in_order
 
 lint: setup  # pyflakes, bugbear, import order ([tool.ruff] in pyproject.toml); CI runs it first
 	$(VENV)/bin/ruff check trainer tests bench examples

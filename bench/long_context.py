@@ -47,9 +47,9 @@ def cell_overrides(seq: int, sp: int, fused: bool, ac: bool, steps: int) -> list
 def planned_bytes(overrides: list[str], seq: int, sp: int, fused: bool, ac: bool) -> int:
     from hydra import compose, initialize_config_module
 
-    from trainer.activations import planned
     from trainer.config import CONFIG_MODULE, register_configs, to_config
     from trainer.models import resolve_model
+    from trainer.plan_activations import planned
 
     register_configs()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):

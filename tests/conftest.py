@@ -1,9 +1,26 @@
 """Shared, built once per test session: tiny Hugging Face models, a tokenizer, text data."""
 from __future__ import annotations
 
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
+
+_STARTED = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """`make test` on CI (CI=1, set by .ci/run) fails past its budget (TEST_BUDGET_S, which the
+    Makefile's test target sets): a slower quick suite is caught where it happens, not noticed later."""
+    budget = os.environ.get("TEST_BUDGET_S")
+    if not (os.environ.get("CI") and budget):
+        return
+    took = time.monotonic() - _STARTED
+    if took > float(budget):
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"make test took {took:.0f} s, past its budget of {float(budget):.0f} s (TEST_BUDGET_S in the Makefile)")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """mem.activations (the bytes a micro-step's forward saves for backward) and the planner's count of
-them (trainer/activations.py): single process, on the CPU."""
+them (trainer/plan_activations.py): single process, on the CPU."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.activations import SavedBytes
 from trainer.config import to_config
 from trainer.models import build_model, resolve_model
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.sequence import SequenceGroup
+from trainer.saved_bytes import SavedBytes
 from trainer.training.loop import micro_steps
 from trainer.training.objectives import NextToken
 
@@ -112,7 +112,7 @@ def qwen2(tmp_path_factory):
 
 @pytest.mark.parametrize("model", ["tiny", pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: slow
 def test_the_plan_counts_what_a_micro_step_keeps_at_three_lengths(model, request):
-    from trainer.activations import planned
+    from trainer.plan_activations import planned
 
     settings = TINY if model == "tiny" else {"model": {"name": "hf", "kind": "hf",
                                                        "path": str(request.getfixturevalue("qwen2"))}}
@@ -154,7 +154,7 @@ def test_at_sp_2_each_rank_keeps_about_half_and_the_plan_knows(tmp_path):
     whole rows (Ulysses keeps one more reordered copy per layer: not exactly half), and within 10 %
     of the plan's count at sp=2."""
     from tests.harness import case, on_ranks, records, train_cases, with_overrides
-    from trainer.activations import planned
+    from trainer.plan_activations import planned
 
     base = with_overrides(case("ddp", steps=1), model__seq_len=256, train__micro_batch_size=2)
     on_ranks(1, train_cases, {"sp1": base}, str(tmp_path))

@@ -246,7 +246,7 @@ def test_packed_rows_hold_whole_conversations_whose_positions_restart():
 
 
 def test_the_reference_model_keeps_packed_documents_apart():
-    from trainer.models.reference import ModelShape, Transformer
+    from trainer.models.builtin import ModelShape, Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelShape(vocab_size=50, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64))
@@ -290,7 +290,7 @@ def positions_only(vocab: int = VOCAB, dim: int = 32, apart: bool = False) -> Po
 def test_the_packing_check_passes_models_that_keep_conversations_apart(chat):
     """The refusals of models that attend across packed conversations are among the bad settings below."""
     from trainer.models import resolve_model
-    from trainer.models.packing import check_packing
+    from trainer.models.checks import check_packing
 
     apart = {"name": "custom", "kind": "custom", "_target_": "tests.test_chat.positions_only", "apart": True}
     for node in (apart, {"name": "hf", "kind": "hf", "path": str(chat.qwen2)},

@@ -211,7 +211,7 @@ def test_export_loads_into_the_plain_model_and_reproduces_its_outputs(runs, tmp_
     # The trained weights as a strategy holds them (loaded into DDP: the same kernels as the plain model).
     expected = on_ranks(1, logits_under_strategy, str(step))[0]
     script = (
-        "import sys, torch; from safetensors.torch import load_file; from trainer.models.reference import ModelShape, Transformer\n"
+        "import sys, torch; from safetensors.torch import load_file; from trainer.models.builtin import ModelShape, Transformer\n"
         "m = Transformer(ModelShape(256, 64, 64, 2, 4, 256)); m.load_state_dict(load_file(sys.argv[1]))\n"
         "x = torch.arange(64).remainder(256).view(1, 64); torch.save(m(x).detach(), sys.argv[2])\n")
     fresh = subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "logits.pt")],

@@ -367,9 +367,9 @@ def frozen_reference_facts(env) -> dict:
     from trainer.config import to_config
     from trainer.distributed import seed_everything
     from trainer.strategies import build_strategy
+    from trainer.training.dpo_reference import frozen_copy
     from trainer.training.loop import setup_model
     from trainer.training.objectives import Reference, forward, sequence_logps
-    from trainer.training.reference import frozen_copy
 
     model = {"name": "custom", "kind": "custom", "_target_": "tests.test_dpo.dropping_lm", "seq_len": 16,
              "vocab_size": 64}

@@ -470,7 +470,7 @@ def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
     # lr 0, one step: what each saves is where it started. DeepSpeed clones its masters from the
     # bf16 parameters unless they are set again from the fp32 values.
     from trainer.checkpoint.format import PieceReader, read_manifest
-    from trainer.models.reference import Transformer, shape_of
+    from trainer.models.builtin import Transformer, shape_of
     from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
 
     configs = {s: with_overrides(case(s, steps=1), train__precision="bf16", optim__lr=0.0,

@@ -155,7 +155,7 @@ def test_export_refuses_a_destination_that_holds_something(hf_assets, tmp_path, 
 def universal_checkpoint(root: Path, step: int = 5) -> Path:
     """A DeepSpeed universal checkpoint of the reference `tiny` model, as ds_to_universal lays it out
     (zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt, each tensor under "param")."""
-    from trainer.models.reference import Transformer, shape_of
+    from trainer.models.builtin import Transformer, shape_of
 
     model = Transformer(shape_of(compose().model))
     for name, p in model.named_parameters():

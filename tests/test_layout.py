@@ -1,5 +1,8 @@
-"""Issue 28: the import rules of the layout (docs/architecture.md), read from the source of every module
-under trainer/: no import circle at module level, and no import that runs back up."""
+"""Issues 28 and 40: the import rules of the layout (docs/architecture.md), read from the source of every
+module under trainer/, every import counted (one inside a function too: it runs when the function is
+called; one under `if TYPE_CHECKING` never runs): no import circle among modules, none among rooms (a
+top-level module or package of trainer/: so no import runs back up from a lower room to a higher
+one), and the rooms that must not know each other do not."""
 from __future__ import annotations
 
 import ast
@@ -53,14 +56,22 @@ def imports(source: str, importer: str) -> list[tuple[str, bool]]:
 GRAPH = {name: imports(path.read_text(), name) for name, path in MODULES.items()}
 
 
-def cycles(graph: dict[str, list[tuple[str, bool]]]) -> list[list[str]]:
-    """The import circles among module-level imports (one path around each strongly connected part)."""
-    edges = {name: sorted({m for m, top in found if top and m in graph and m != name}) for name, found in graph.items()}
+def room(name: str) -> str:
+    """The room a module stands in: trainer.models.hf -> trainer.models, trainer.plan -> trainer.plan."""
+    return ".".join(name.split(".")[:2])
+
+
+def cycles(graph: dict[str, list[tuple[str, bool]]], of=lambda name: name) -> list[list[str]]:
+    """The import circles, every import counted, among modules (or among what `of` maps them to:
+    `room`), one path around each."""
+    edges: dict[str, set[str]] = {of(name): set() for name in graph}
+    for name, found in graph.items():
+        edges[of(name)] |= {of(m) for m, _ in found if m in graph and of(m) != of(name)}
     found, state = [], {}  # state: 1 on the current path, 2 done
 
     def visit(name: str, path: list[str]) -> None:
         state[name] = 1
-        for nxt in edges[name]:
+        for nxt in sorted(edges[name]):
             if state.get(nxt) == 1:
                 found.append(path[path.index(nxt):] + [nxt])
             elif nxt not in state:
@@ -71,6 +82,28 @@ def cycles(graph: dict[str, list[tuple[str, bool]]]) -> list[list[str]]:
         if name not in state:
             visit(name, [name])
     return found
+
+
+def upward(graph: dict[str, list[tuple[str, bool]]]) -> list[str]:
+    """Imports that run back up: from one room to another that imports it, directly or not (each import
+    of a circle of rooms, both ways: which way is up is the layout's to say, and there is none)."""
+    rooms: dict[str, set[str]] = {}
+    for name, found in graph.items():
+        rooms.setdefault(room(name), set()).update(room(m) for m, _ in found if m in graph and room(m) != room(name))
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            here = todo.pop()
+            if here == goal:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo.extend(rooms.get(here, ()))
+        return False
+
+    return sorted(f"{name} imports {m}" for name, found in graph.items() for m, _ in found
+                  if m in graph and room(m) != room(name) and reaches(room(m), room(name)))
 
 
 def violations(graph: dict[str, list[tuple[str, bool]]]) -> list[str]:
@@ -96,6 +129,8 @@ def violations(graph: dict[str, list[tuple[str, bool]]]) -> list[str]:
 def test_the_import_graph_has_no_circle_and_no_import_that_runs_back_up():
     assert len(MODULES) > 40 and "trainer.checkpoint.format" in MODULES and "trainer.training.loop" in MODULES
     assert cycles(GRAPH) == []
+    assert cycles(GRAPH, of=room) == []
+    assert upward(GRAPH) == []
     assert violations(GRAPH) == []
 
 
@@ -105,6 +140,11 @@ def test_the_rules_catch_each_kind_of_wrong_import():
         return {**GRAPH, importer: GRAPH[importer] + [(imported, top)]}
 
     assert cycles(adding("trainer.checkpoint.format", "trainer.training.loop"))  # loop imports the format
+    assert cycles(adding("trainer.models.hf_sequence", "trainer.models.hf", top=False))  # inside a function too
+    assert "trainer.data.tokenized imports trainer.checks" in upward(adding("trainer.data.tokenized", "trainer.checks",
+                                                                            top=False))  # round 2's circle
+    assert cycles(adding("trainer.training.loop", "trainer.plan_activations"), of=room)  # the planner imports the loop's
+    assert not upward(adding("trainer.training.loop", "trainer.saved_bytes"))  # the counter stands below the loop
     assert violations(adding("trainer.checkpoint.convert", "trainer.training.loop", top=False))  # at run time
     assert violations(adding("trainer.checkpoint.manager", "trainer.strategies.base"))
     assert violations(adding("trainer.strategies.deepspeed", "trainer.models.hf", top=False))

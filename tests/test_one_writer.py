@@ -27,7 +27,7 @@ from tests.harness import (
 from trainer.checkpoint.resume import WRITER_LOCK, hold_checkpoint_dir
 from trainer.config import to_config
 from trainer.errors import CheckpointError
-from trainer.training.resumed import resume_notes
+from trainer.training.resume_notes import resume_notes
 
 HOLD = ("import sys, time; from pathlib import Path; from trainer.checkpoint.resume import hold_checkpoint_dir; "
         "held = hold_checkpoint_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(float(sys.argv[2]))")

@@ -112,24 +112,24 @@ def family_dir(root, family: str, config: dict):
 def test_what_ulysses_cannot_split_is_refused_in_one_line(tmp_path, name):
     from trainer.config import ModelConfig
     from trainer.errors import ConfigError
-    from trainer.models import hf_sequence
+    from trainer.models.checks import check_hf_sequence_parallel
 
     family, config, attention, sp, words = REFUSALS[name]
     cfg = ModelConfig(name="hf", kind="hf", path=str(family_dir(tmp_path, family, config)), seq_len=SEQ,
                       attn_implementation=attention)
     with pytest.raises(ConfigError) as refused:
-        hf_sequence.check(cfg, sp)
+        check_hf_sequence_parallel(cfg, sp)
     assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
 def test_families_ulysses_splits_pass_the_check(tmp_path):
     """Llama (rotary, GQA) and Mistral with its window longer than the rows: nothing to refuse."""
     from trainer.config import ModelConfig
-    from trainer.models import hf_sequence
+    from trainer.models.checks import check_hf_sequence_parallel
 
     for family, config in (("llama", {}), ("mistral", {"sliding_window": 64})):
         path = family_dir(tmp_path / family, family, config)
-        hf_sequence.check(ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ), 2)
+        check_hf_sequence_parallel(ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ), 2)
 
 
 # -- the trainer: fp32 losses at sp=2 are one rank's with the same global batch ----------------------

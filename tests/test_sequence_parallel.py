@@ -27,7 +27,7 @@ from tests.harness import (
 )
 from tests.test_chat import PACKED_RTOL, chat, chat_case, summed_loss  # noqa: F401 (chat: the fixture)
 from trainer.models.sequence import SequenceGroup
-from trainer.training.shares import share
+from trainer.training.sequence_shares import share
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 GLOBAL_BATCH = 8  # rows per step everywhere: 1 rank x 8, sp=2 (dp=1) x 8, dp=2 x sp=2 x 4

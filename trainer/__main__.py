@@ -28,7 +28,7 @@ from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
 from trainer.models.blocks import find_blocks
-from trainer.models.fused_loss import check_output_layer
+from trainer.models.checks import check_output_layer
 from trainer.plan import resolve_auto
 from trainer.strategies import preflight
 from trainer.sweep import check_sweep

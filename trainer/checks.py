@@ -1,11 +1,10 @@
 """The checks before any work: settings that Hydra's schema cannot reject alone (`validate`, the
-cross-field rules), overrides mistyped on the command line (`check_overrides`, before Hydra) and
-the optional Hugging Face libraries (`require_hf`). Each raises ConfigError naming the key.
+cross-field rules) and overrides mistyped on the command line (`check_overrides`, before Hydra).
+Each raises ConfigError naming the key.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import typing
 from enum import Enum
 from importlib import resources
@@ -29,16 +28,10 @@ from trainer.config import (
     profile_steps,
     unknown_key_message,
 )
+from trainer.data.mixture import EXAMPLE, check_mixture, check_source_nodes
 from trainer.errors import ConfigError
-
-
-def require_hf(key: str, module: str = "transformers", extra: str = "hf") -> None:
-    """The Hugging Face libraries are extras (hf; ft for peft): say how to get them, before any work."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"{key}: needs the `{module}` package, from the {extra!r} extra: "
-                          f"pip install 'strategy-trainer[{extra}]'")
+from trainer.extras import require_hf, require_hydra_plugin
+from trainer.models.checks import check_model_sequence_parallel
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -160,29 +153,7 @@ def check_sequence_parallel(cfg: Config, world_size: int, model: Any) -> None:
     _require(ObjectiveName(cfg.objective.name) is not ObjectiveName.dpo, "strategy.sp",
              "objective=dpo sums each response's log-probabilities over its tokens, which sequence parallelism "
              "splits over ranks: train DPO at strategy.sp=1")
-    kind = ModelKind(m.kind)
-    if kind is ModelKind.hf:
-        from trainer.models import hf_sequence  # transformers: imported where a Hugging Face model runs
-
-        hf_sequence.check(m, sp)
-    elif kind is ModelKind.reference:
-        _require(m.n_heads % sp == 0, "strategy.sp", f"model.n_heads={m.n_heads} must divide by strategy.sp={sp}: "
-                 "each rank attends with heads / sp of the attention heads")
-    elif kind is ModelKind.custom:
-        _require(getattr(type(model), "sequence_parallel", False) is True, "strategy.sp",
-                 f"{m.target} builds a {type(model).__name__}, which does not declare sequence parallelism: its "
-                 "attention must call trainer.models.sequence.attention(q, k, v), and its class say so with "
-                 "sequence_parallel = True (docs/long-context.md)")
-        parameters = inspect.signature(model.forward).parameters
-        _require("position_ids" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()),
-                 "strategy.sp", f"{type(model).__name__}.forward takes no position_ids: at strategy.sp > 1 a rank "
-                 "gets its share of the rows with their positions in the whole row")
-
-
-def check_mixture(cfg: Config) -> None:
-    from trainer.data.mixture import check_mixture as check  # trainer.data imports this module
-
-    check(cfg)
+    check_model_sequence_parallel(m, sp, model)
 
 
 def check_validation_rows(cfg: Config, rows: int) -> None:
@@ -233,18 +204,11 @@ def check_sources_override(key: str, value: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from trainer.data.mixture import EXAMPLE, check_source_nodes  # trainer.data imports this module
-
     try:
         nodes = OverridesParser.create().parse_overrides([f"{key}={value}"])[0].value()
     except OverrideParseException as e:
         raise ConfigError(f"{key}: {str(e).splitlines()[0]}; e.g. '{EXAMPLE}'") from None
     check_source_nodes(nodes, key)
-
-
-# The Hydra plugins behind our hydra/* config groups' options (conf/hydra/), and their extras.
-HYDRA_PLUGINS = {"hydra/sweeper": ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper", "sweep"),
-                 "hydra/launcher": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher", "launchers")}
 
 
 def check_grammar(args: list[str]) -> None:
@@ -263,20 +227,9 @@ def check_grammar(args: list[str]) -> None:
                               f"https://hydra.cc/docs/advanced/override_grammar/basic/): {str(e).splitlines()[0]}") from None
 
 
-def check_hydra_plugin(group: str, option: str) -> None:
-    import importlib.util
-
-    if group in HYDRA_PLUGINS and importlib.util.find_spec(HYDRA_PLUGINS[group][0]) is None:
-        _, package, extra = HYDRA_PLUGINS[group]
-        raise ConfigError(f"{group}={option}: needs the Hydra plugin {package}, from the {extra!r} extra: "
-                          f"pip install 'strategy-trainer[{extra}]'")
-
-
 def check_own_data_file(args: list[str], name: str) -> None:
     """data=NAME from the user's --config-dir: its data.sources, which Hydra would refuse in several lines."""
     import yaml
-
-    from trainer.data.mixture import check_source_nodes  # trainer.data imports this module
 
     dirs = [a.split("=", 1)[1] for a in args if a.startswith(("--config-dir=", "-cd="))]
     dirs += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config-dir", "-cd")]
@@ -304,7 +257,7 @@ def check_overrides(overrides: list[str]) -> None:
         added = key.startswith("+")
         key = key.lstrip("+~")
         if key.startswith("hydra"):
-            check_hydra_plugin(key, value)
+            require_hydra_plugin(key, value)
             continue  # Hydra's own settings and groups (its plugins add launchers and sweepers)
         if "." not in key and not added:  # a config group choice
             allowed = _group_options(key) if own_groups else []

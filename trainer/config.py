@@ -132,7 +132,7 @@ class LogLevel(str, Enum):
 
 
 class ModelKind(str, Enum):
-    reference = "reference"  # trainer/models/reference.py: tiny, small, gpt_125m, ...
+    reference = "reference"  # trainer/models/builtin.py: tiny, small, gpt_125m, ...
     hf = "hf"  # a local Hugging Face causal-LM folder
     custom = "custom"  # any nn.Module from a `_target_` factory
 

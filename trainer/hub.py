@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from trainer.errors import ConfigError
+from trainer.extras import require_hf
 from trainer.log import log
 
 # owner/name, as the Hub spells repository ids (letters, digits, `-`, `_`, `.`)
@@ -36,8 +37,6 @@ def local_folder(name: str, key: str, repo_type: str = "model", revision: str | 
     in the Hugging Face cache, downloaded into it where it is not there yet. Every failure (offline
     and not cached, no such repository or revision, a gated one without access) is one line that
     names `key`."""
-    from trainer.checks import require_hf
-
     require_hf(key, "huggingface_hub")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.activations import ActivationCount, planned
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
 from trainer.memory import DTYPE_BYTES, SHARDED, peak_gradient_bytes, per_rank_bytes, reduce_bytes
+from trainer.plan_activations import ActivationCount, planned
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
 GB = 1e9
@@ -188,7 +188,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
 
 
 def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool, sp: int = 1) -> ActivationCount:
-    """The activation bytes an option needs per rank (trainer/activations.py counts them on the
+    """The activation bytes an option needs per rank (trainer/plan_activations.py counts them on the
     meta device): those kept for backward, and with checkpointing one block's, recomputed in backward."""
     kept = planned(cfg, checkpointing, fused_loss, sp)
     if not checkpointing:

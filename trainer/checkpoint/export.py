@@ -1,13 +1,17 @@
 """A checkpoint's weights for inference; the command is `python -m trainer.export`."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from trainer.checkpoint.format import Portable, read_manifest, read_step_dir
+import torch
+
+from trainer.checkpoint.format import Portable, check_base, read_manifest, read_step_dir
 from trainer.checkpoint.resume import latest_checkpoint
 from trainer.errors import CheckpointError, ConfigError
 from trainer.models import lora
-from trainer.models.weights import save_safetensors
+from trainer.models.converted import Conversions
+from trainer.models.weights import SafetensorsWeights, safetensors_files, save_safetensors
 
 
 def export(checkpoint: Path, out: Path, merge: bool = False) -> str:
@@ -57,7 +61,7 @@ def write_weights(p: Portable, out: Path, merge: bool, checkpoint: Path, of: str
 
         if p.unsaved:
             try:
-                weights.update(hf.read_pretrained(source, p.base, list(p.unsaved), checkpoint))
+                weights.update(read_pretrained(source, p.base, list(p.unsaved), checkpoint))
             except ConfigError as e:
                 raise CheckpointError(f"--merge: {e}") from None
         config = hf.config_of(source)
@@ -83,3 +87,21 @@ def tokenizer_of(source: dict) -> tuple[Path | None, str]:
     if tokenizer is not None and not tokenizer.is_dir():
         return None, f"; the tokenizer at {source['tokenizer']} is gone: none copied"
     return tokenizer, ""
+
+
+def read_pretrained(source: dict, base: dict, names: list[str], checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Weights a checkpoint did not save (LoRA's frozen base), from the pretrained folder it
+    records, provided its files are still the ones trained on (`base`'s fingerprint: `check_base`)."""
+    from trainer.models import hf
+
+    config = hf.config_of(source)
+    with torch.device("meta"):
+        model = hf.model_class(config)(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if name in names}
+    path = Path(source["path"])
+    if not safetensors_files(path):
+        raise ConfigError(f"{path}: the frozen base weights of this checkpoint are gone (no *.safetensors)")
+    files = SafetensorsWeights(path, shapes, hf.checkpoint_key_renamer(model, shapes), None,
+                               hf.known_extra_keys(model), Conversions(model, shapes))
+    check_base(base, files.fingerprint, checkpoint)
+    return {name: files.read(name, 0, math.prod(shape)).view(shape) for name, shape in shapes.items()}

@@ -83,7 +83,7 @@ class TrainerState:
     input_tokens: int = 0  # cumulative non-padding tokens (before they were counted: `tokens`)
     # the data position: {"epoch", "samples_consumed", "fingerprint": the data's settings}
     data: dict = field(default_factory=lambda: {"epoch": 0, "samples_consumed": 0})
-    global_batch: int | None = None  # what a resume compares against (training.resumed.resume_notes)
+    global_batch: int | None = None  # what a resume compares against (training.resume_notes.resume_notes)
     schedule_steps: int | None = None  # the step where the learning-rate schedule ends
     run_dir: str | None = None
     early_stop: dict | None = None  # steps.EarlyStop.state_dict()

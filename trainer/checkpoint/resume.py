@@ -1,5 +1,5 @@
 """Which checkpoint a run starts from (checkpoint.resume, checkpoint.dir), found before any work, and
-whether its data position fits this run's data (what else a resume changes: training/resumed.py).
+whether its data position fits this run's data (what else a resume changes: training/resume_notes.py).
 
 A step dir counts once its manifest reads back whole: a save writes it last, before the rename
 that publishes the dir, so a save that died leaves none (trainer/checkpoint/format.py). One run

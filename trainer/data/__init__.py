@@ -29,7 +29,7 @@ from trainer.data.stream import BatchStream, eval_batches
 from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir
 from trainer.errors import ConfigError
 from trainer.log import log
-from trainer.models.packing import check_packing
+from trainer.models.checks import check_packing
 
 __all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data"]
 

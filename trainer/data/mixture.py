@@ -39,6 +39,7 @@ from trainer.config import (
     TokenDtype,
     TrainOn,
 )
+from trainer.data.chat import Conversations
 from trainer.data.sources import (
     IGNORE_INDEX,
     Documents,
@@ -51,8 +52,10 @@ from trainer.data.sources import (
     text_tokens,
     token_file,
 )
+from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir, open_dataset
 from trainer.errors import ConfigError
 from trainer.log import log
+from trainer.models.checks import check_packing
 
 # The keys each kind reads besides kind, path, name, weight and val_path; the others stay null.
 KIND_KEYS = {SourceKind.text: (), SourceKind.tokens: ("dtype",), SourceKind.hf: ("text_field", "tokenizer"),
@@ -177,9 +180,6 @@ def target_counts(tokens: Tokens, spans: np.ndarray) -> np.ndarray:
 
 
 def _tokenized(cfg: Config, s: SourceConfig, path: str, key: str):
-    from trainer.data.chat import Conversations
-    from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir
-
     d, tokenizer = cfg.data, shared_tokenizer(cfg)
     encoding = Conversations(s.train_on or TrainOn.assistant, s.chat_template) if SourceKind(s.kind) is SourceKind.chat \
         else TextDocuments(s.text_field or "text")
@@ -212,16 +212,12 @@ def check_mixture_data(cfg: Config) -> None:
             source = _tokenized(cfg, s, path, key)
             source.check(cfg.model.vocab_size)
             if not source.ready:
-                from trainer.data.tokenized import open_dataset
-
                 if len(open_dataset(source.path, key, source.cache_root)) == 0:
                     raise ConfigError(f"{key}: {path} has no rows: a source with no documents")
         elif not len(windows(len(_read(cfg, s, path, key)[0].ids), cfg.model.seq_len)):
             raise ConfigError(f"{key}: {path or 'the bundled text'} holds fewer than model.seq_len + 1 = "
                               f"{cfg.model.seq_len + 1} tokens: a source with no documents")
     if cfg.data.packing and ModelKind(cfg.model.kind) is not ModelKind.reference:
-        from trainer.models.packing import check_packing
-
         check_packing(cfg.model)  # the reference model keeps packed documents apart (tests/test_chat.py)
 
 

@@ -33,10 +33,10 @@ from typing import IO, Protocol
 
 import numpy as np
 
-from trainer.checks import require_hf
 from trainer.config import BadRows
 from trainer.data.sources import Tokens
 from trainer.errors import ConfigError
+from trainer.extras import require_hf
 from trainer.log import log
 
 FORMAT = 1

@@ -19,7 +19,8 @@ from torch import nn
 
 from trainer.config import ModelConfig, ModelKind, PeftConfig, model_node
 from trainer.models import custom, hf, lora
-from trainer.models.reference import Transformer, shape_of
+from trainer.models.builtin import Transformer, shape_of
+from trainer.models.custom import logits_of as logits_of  # trainer.models.logits_of, for every kind
 from trainer.models.weights import InitWeights, ShapeOf, WeightSource, canonical_name, tensor_shape
 
 
@@ -71,10 +72,6 @@ def resolve_model(cfg: ModelConfig) -> ModelConfig:
     if kind is ModelKind.custom:
         return custom.resolve(cfg)
     return cfg
-
-
-def logits_of(output) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output
 
 
 def param_shapes(model: nn.Module, shape_of: ShapeOf = tensor_shape) -> dict[str, tuple[int, ...]]:

@@ -46,8 +46,6 @@ def builder(cfg: ModelConfig) -> Callable[[], nn.Module]:
 def resolve(cfg: ModelConfig) -> ModelConfig:
     """The vocabulary from the model itself: the last dimension of its logits, from a forward
     on the meta device (no memory, no compute)."""
-    from trainer.models import logits_of
-
     with torch.device("meta"):
         model = builder(cfg)()
         try:
@@ -63,3 +61,7 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
                           f"for [1, 2] it gave {got}")
     cfg.vocab_size = logits.shape[-1]
     return cfg
+
+
+def logits_of(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output

@@ -8,8 +8,8 @@ forward and again in backward: ZeRO-3 gathers the layer's partitioned weight (a 
 read the weight outside the model's forward would read ZeRO-3's empty partition), FSDP2 unshards
 the root that holds it, and a tied weight is the embedding's own. The objective hands the targets
 in around the model's forward (`token_losses`); the layer's input must be the hidden states of
-those targets' tokens, and the model's logits its output unchanged: `check_output_layer` runs a
-forward of the model built small on the CPU to see so, before any work.
+those targets' tokens, and the model's logits its output unchanged: `check_output_layer`
+(models/checks.py) runs a forward of the model built small on the CPU to see so, before any work.
 
 Each token's loss (reduction="none", 0 where there is no target), summed by the caller in fp32:
 a bf16 or fp16 sum of a micro-batch's losses would round (fp16: overflow past 65504). torch's op
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig, ModelKind
 from trainer.errors import ConfigError
 from trainer.models.lora import output_layer
 
@@ -88,44 +87,3 @@ def fuse_output_layer(model: nn.Module, vocab_size: int) -> None:
     """The model's output layer, in place, computes the tokens' losses inside `token_losses`."""
     head = the_output_layer(model, vocab_size)
     head.__class__ = fused_class(type(head))
-
-
-def check_output_layer(cfg: ModelConfig, model: nn.Module) -> None:
-    """Before any work: the run's model (`model`, built on the meta device, with its adapters; left
-    as it is) has a torch Linear output layer, and its logits are that layer's output unchanged (no
-    scaling or capping after it: Gemma 2's softcap, Cohere's logit_scale) for that layer's input
-    [b, t, width] of token ids [b, t]: seen in a forward of the model built as data.packing's check
-    builds it (a Hugging Face model cut to one small layer; a custom model whole), on the CPU."""
-    from trainer.models import custom, hf, own_build_context
-
-    the_output_layer(model, cfg.vocab_size)
-    kind = ModelKind(cfg.kind)
-    if kind is ModelKind.reference:
-        return  # the built-in model: its logits are lm_head's output
-    build = hf.small_builder(cfg) if kind is ModelKind.hf else custom.builder(cfg)
-    with own_build_context(cfg):
-        probe = build()
-    vocab = probe.config.get_text_config().vocab_size if kind is ModelKind.hf else cfg.vocab_size
-    head = the_output_layer(probe, vocab)
-    seen, marker = {}, torch.empty(1, 2, vocab)
-
-    def replace(module, inputs, output):
-        seen["input"] = tuple(inputs[0].shape)
-        return marker
-
-    hook = head.register_forward_hook(replace)
-    what = type(probe).__name__
-    try:
-        with torch.no_grad():
-            output = probe(torch.zeros(1, 2, dtype=torch.long))
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError(f"train.fused_loss: {what}'s forward failed on the CPU, where its output layer is checked "
-                          f"({type(e).__name__}: {reason})") from None
-    finally:
-        hook.remove()
-    logits = output.logits if hasattr(output, "logits") else output
-    if logits is not marker or seen.get("input", ())[:2] != (1, 2):
-        raise ConfigError(f"train.fused_loss: {what}'s logits are not its output layer's output unchanged (scaled or "
-                          "capped after it, or the layer sees other positions), so the loss cannot be computed inside "
-                          "that layer; use train.fused_loss=false")

@@ -4,7 +4,6 @@ tokenizer files). Any architecture that AutoModelForCausalLM knows; its blocks c
 from __future__ import annotations
 
 import json
-import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -12,9 +11,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from trainer.checks import require_hf
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
+from trainer.extras import require_hf
 from trainer.models.converted import Conversions
 from trainer.models.weights import SafetensorsWeights, persistent_buffers, safetensors_files, save_safetensors
 
@@ -215,24 +214,6 @@ def description(cfg: ModelConfig, tokenizer: str | None, chat_template: str | No
     return {"kind": "hf", "config": config.to_dict(), "path": str(Path(cfg.path).resolve()),
             "tokenizer": str(found) if found else None,
             "chat_template": Path(chat_template).read_text() if chat_template else None}
-
-
-def read_pretrained(source: dict, base: dict, names: list[str], checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Weights a checkpoint did not save (LoRA's frozen base), from the pretrained folder it
-    records, provided its files are still the ones trained on (`base`'s fingerprint: `check_base`)."""
-    from trainer.checkpoint.format import check_base
-
-    config = config_of(source)
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if name in names}
-    path = Path(source["path"])
-    if not safetensors_files(path):
-        raise ConfigError(f"{path}: the frozen base weights of this checkpoint are gone (no *.safetensors)")
-    files = SafetensorsWeights(path, shapes, checkpoint_key_renamer(model, shapes), None, known_extra_keys(model),
-                               Conversions(model, shapes))
-    check_base(base, files.fingerprint, checkpoint)
-    return {name: files.read(name, 0, math.prod(shape)).view(shape) for name, shape in shapes.items()}
 
 
 def config_of(source: dict):

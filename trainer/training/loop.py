@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from trainer.activations import SavedBytes
 from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
@@ -26,15 +25,16 @@ from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
+from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
+from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
 from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
-from trainer.training.reference import build_objective
-from trainer.training.resumed import resume_notes
+from trainer.training.resume_notes import resume_notes
 from trainer.training.router_loss import AUX, language_loss, start_words, with_router_loss
 from trainer.training.schedule import lr_at
-from trainer.training.shares import share
+from trainer.training.sequence_shares import share
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
 
@@ -177,7 +177,7 @@ class Run:
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * strategy.dp_size
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
-        # Before a checkpoint is loaded: the policy as it starts is the reference (training/reference.py)
+        # Before a checkpoint is loaded: the policy as it starts is the reference (training/dpo_reference.py)
         self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
                                          weights.fingerprint)
         self.objective = with_router_loss(self.objective, self.model, strategy.sequence)  # where the config asks

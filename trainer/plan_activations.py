@@ -1,15 +1,7 @@
-"""Activation memory: the bytes autograd keeps from a forward for its backward.
-
-Measured (`mem.activations` in step records): `SavedBytes` around a micro-step's forward and loss
-sees every tensor autograd saves (saved-tensor hooks, on any device), counts each storage once and
-leaves parameters out (FSDP2's and ZeRO-3's gathered ones are parameters too, and so are their
-casts and views). Under activation checkpointing, torch's own hooks take the checkpointed blocks'
-saves, so only what is really kept is seen: the blocks' inputs. Tensors a custom autograd function
-keeps on its context rather than saving them (torch's `linear_cross_entropy` summed keeps the gradients it
-computed in the forward) are found by walking the loss's graph.
-
-Planned (`python -m trainer.plan`): the same counter around the model's forward and loss on the
-meta device (no memory, no compute), at three short lengths, gives bytes per token per layer and
+"""The planner's count of activation memory (`python -m trainer.plan`): the bytes autograd keeps
+from a forward for its backward, counted with the loop's own counter (trainer/saved_bytes.py:
+`SavedBytes`, what `mem.activations` measures) around the model's forward and loss on the meta
+device (no memory, no compute), at three short lengths. That gives bytes per token per layer and
 outside the layers (the logits' share apart), and any part that grows with the square of the
 length. On meta, attention is counted as a fused kernel keeps it (flash / memory-efficient, and
 torch's CPU kernel: queries, keys and values, the output and its log-sum-exp; never the
@@ -18,8 +10,10 @@ torch's CPU kernel: queries, keys and values, the output and its log-sum-exp; ne
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -27,94 +21,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Autograd nodes that only cast or re-view one tensor: a saved tensor reached through them from a
-# parameter is that parameter (autocast's copies of weights, the transposed weight of a matmul).
-_CAST_OR_VIEW = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-                 "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "AliasBackward0",
-                 "UnsafeViewBackward0", "ReshapeAliasBackward0"}
-
-
-def is_parameter(t: torch.Tensor) -> bool:
-    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a frozen weight's view has no grad_fn
-        return True
-    node = t.grad_fn
-    while node is not None and type(node).__name__ in _CAST_OR_VIEW:
-        inputs = [n for n, _ in node.next_functions if n is not None]
-        node = inputs[0] if len(inputs) == 1 else None
-    return node is not None and type(node).__name__ == "AccumulateGrad" and isinstance(node.variable, nn.Parameter)
-
-
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata  # the storage itself: views of one storage share it, also on meta
-
-
-class SavedBytes:
-    """Within: the bytes of every storage autograd saves for backward, once each, parameters left
-    out: also a detached alias of one (an op that takes a weight as a plain tensor: torch's
-    linear_cross_entropy), seen by its storage among `model`'s parameters' storages."""
-
-    def __init__(self, model: nn.Module | None = None):
-        self.model = model
-        self.storages: dict[int, int] = {}  # storage -> bytes
-        self.elements: dict[int, int] = {}
-        self.where: dict[int, str] = {}  # storage -> "layers" (saved inside a block) or "outside"
-        self.part = "outside"
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor):
-        if not is_parameter(t) and not (t.grad_fn is None and self._shares_a_parameter(t)):
-            self._count(t)
-        return t
-
-    def _shares_a_parameter(self, t: torch.Tensor) -> bool:
-        if self.model is None or not t.is_floating_point():
-            return False
-        key = storage_key(t)
-        for p in self.model.parameters():
-            try:
-                if storage_key(p) == key:
-                    return True
-            except (RuntimeError, NotImplementedError):  # a parameter without a plain storage (a DTensor shard)
-                continue
-        return False
-
-    def _count(self, t: torch.Tensor) -> None:
-        key = storage_key(t)
-        if key not in self.storages:
-            self.storages[key] = t.untyped_storage().nbytes()
-            self.elements[key] = self.storages[key] // t.element_size()
-            self.where[key] = self.part
-
-    def kept_by_functions(self, output: torch.Tensor) -> None:
-        """Tensors that custom autograd functions in `output`'s graph keep as attributes of their
-        context (not through save_for_backward, so no hook saw them)."""
-        seen, todo = set(), [output.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            for value in getattr(node, "__dict__", {}).values():
-                if isinstance(value, torch.Tensor) and not is_parameter(value):
-                    self._count(value)
-            todo.extend(n for n, _ in node.next_functions)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def bytes_of(self, part: str, elements_at_least: int = 0) -> int:
-        return sum(n for k, n in self.storages.items() if self.where[k] == part and self.elements[k] >= elements_at_least)
-
-
-# ---- the planner's count, on the meta device ----
+from trainer.config import model_node
+from trainer.memory import DTYPE_BYTES
+from trainer.models import build_model, sequence
+from trainer.models.blocks import apply_checkpointing, find_blocks
+from trainer.models.fused_loss import fuse_output_layer
+from trainer.saved_bytes import SavedBytes
+from trainer.training.objectives import NextToken
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -188,10 +101,6 @@ def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: i
     """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
     blocks apart; at sp > 1, as rank 0 of a sequence-parallel group holding `tokens` of each row
     (attention over the whole row for 1 / sp of the heads, models/sequence.py)."""
-    from unittest import mock
-
-    from trainer.models import sequence
-
     saved = SavedBytes(model)
     handles = [h for block in blocks for h in (
         block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
@@ -237,15 +146,6 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     block, with train.fused_loss the output layer that gives each token's loss
     (models/fused_loss.py), at strategy.sp=`sp` the rank's share of each row through Ulysses
     attention (the all-to-alls exchanged for a copy of the same shape)."""
-    import json
-
-    from trainer.config import model_node
-    from trainer.memory import DTYPE_BYTES
-    from trainer.models import build_model
-    from trainer.models.blocks import apply_checkpointing, find_blocks
-    from trainer.models.fused_loss import fuse_output_layer
-    from trainer.training.objectives import NextToken
-
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
                       sp], default=str)
@@ -258,7 +158,7 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
             apply_checkpointing(model, blocks)
         objective = NextToken(fused=fused_loss)
 
-        def loss_of(m, ids):  # at sp > 1 a rank's share carries its positions in the whole row (training/shares.py)
+        def loss_of(m, ids):  # at sp > 1 a rank's share carries its positions in the whole row (training/sequence_shares.py)
             positions = [torch.arange(ids.shape[1], device=ids.device).expand_as(ids)] if sp > 1 else []
             return objective.loss_sum(m, [ids, ids, *positions])[0]
 
