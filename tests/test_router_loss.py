@@ -32,6 +32,7 @@ def hf_model(path):
 
     config = AutoConfig.from_pretrained(str(path))
     config._attn_implementation = "eager"
+    config.use_cache = False  # as the trainer builds it: transformers keeps packed documents apart only then
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float()
 
@@ -72,6 +73,29 @@ def test_statistics_are_per_row_and_padding_routes_nowhere(folders):
     assert abs(together - (32 * alone_a + 24 * alone_b) / 56) <= 1e-6 * together
     transformers_way = model(input_ids=x, output_router_logits=True).aux_loss  # f and P over the micro-batch
     assert abs(together - transformers_way) > 1e-4
+
+
+def test_a_packed_row_gives_its_conversations_padded_loss_and_aux_loss(folders):
+    """Statistics per document: two conversations packed in one row (position ids restarting at the
+    second, a padded tail of its own) give the summed loss and aux of the same two padded rows; a
+    conversation's prompt (no targets) routes, its padding does not."""
+    model = hf_model(folders["mixtral"])
+    objective = with_router_loss(NextToken(), model, ONE_RANK)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, VOCAB, (20,), generator=g), torch.randint(0, VOCAB, (13,), generator=g)
+    y_b = b[1:].clone()
+    y_b[:4] = IGNORE_INDEX  # b's prompt
+    x = torch.full((1, 32), 0)
+    y = torch.full((1, 32), IGNORE_INDEX)
+    x[0, :19], y[0, :19], x[0, 19:31], y[0, 19:31] = a[:-1], a[1:], b[:-1], y_b
+    positions = torch.cat([torch.arange(19), torch.arange(12), torch.arange(1)])[None]
+    packed_loss, packed_stats = objective.loss_sum(model, [x, y, positions])
+    padded_x, padded_y = torch.full((2, 32), 0), torch.full((2, 32), IGNORE_INDEX)
+    padded_x[0, :19], padded_y[0, :19], padded_x[1, :12], padded_y[1, :12] = a[:-1], a[1:], b[:-1], y_b
+    padded_loss, padded_stats = objective.loss_sum(model, [padded_x, padded_y])
+    assert abs(packed_loss - padded_loss) <= 1e-5 * padded_loss
+    assert abs(packed_stats[-1] - padded_stats[-1]) <= 1e-5 * padded_stats[-1]
+    assert packed_stats[-1] / 27 > 1.0  # 27 targets: a real term
 
 
 def test_the_setting_turns_it_on_and_off_and_is_refused_where_there_is_no_such_loss(folders):
