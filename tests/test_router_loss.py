@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.tiny_hf import VOCAB, make_model_dir
+from examples.tiny_hf import (
+    VOCAB,
+    conversations,
+    documents,
+    make_model_dir,
+    preference_pairs,
+    train_chat_tokenizer,
+    write_rows,
+)
 from tests.harness import assert_close, case, losses, on_ranks, records, resuming, saving, train_cases, with_overrides
 from trainer.data.sources import IGNORE_INDEX
 from trainer.models.sequence import SequenceGroup
@@ -24,7 +32,8 @@ def folders(tmp_path_factory):
     return {"mixtral": make_model_dir(root / "mixtral", "mixtral", weights=False, **on),
             "gpt_oss": make_model_dir(root / "gpt_oss", "gpt_oss", weights=True, **on),
             "qwen3_moe_off": make_model_dir(root / "qwen3_moe_off", "qwen3_moe", weights=False),
-            "deepseek_v3": make_model_dir(root / "deepseek_v3", "deepseek_v3", weights=False)}
+            "deepseek_v3": make_model_dir(root / "deepseek_v3", "deepseek_v3", weights=False),
+            "root": root}
 
 
 def hf_model(path):
@@ -32,6 +41,7 @@ def hf_model(path):
 
     config = AutoConfig.from_pretrained(str(path))
     config._attn_implementation = "eager"
+    config.use_cache = False  # as the trainer builds it: transformers keeps packed documents apart only then
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float()
 
@@ -72,6 +82,29 @@ def test_statistics_are_per_row_and_padding_routes_nowhere(folders):
     assert abs(together - (32 * alone_a + 24 * alone_b) / 56) <= 1e-6 * together
     transformers_way = model(input_ids=x, output_router_logits=True).aux_loss  # f and P over the micro-batch
     assert abs(together - transformers_way) > 1e-4
+
+
+def test_a_packed_row_gives_its_conversations_padded_loss_and_aux_loss(folders):
+    """Statistics per document: two conversations packed in one row (position ids restarting at the
+    second, a padded tail of its own) give the summed loss and aux of the same two padded rows; a
+    conversation's prompt (no targets) routes, its padding does not."""
+    model = hf_model(folders["mixtral"])
+    objective = with_router_loss(NextToken(), model, ONE_RANK)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, VOCAB, (20,), generator=g), torch.randint(0, VOCAB, (13,), generator=g)
+    y_b = b[1:].clone()
+    y_b[:4] = IGNORE_INDEX  # b's prompt
+    x = torch.full((1, 32), 0)
+    y = torch.full((1, 32), IGNORE_INDEX)
+    x[0, :19], y[0, :19], x[0, 19:31], y[0, 19:31] = a[:-1], a[1:], b[:-1], y_b
+    positions = torch.cat([torch.arange(19), torch.arange(12), torch.arange(1)])[None]
+    packed_loss, packed_stats = objective.loss_sum(model, [x, y, positions])
+    padded_x, padded_y = torch.full((2, 32), 0), torch.full((2, 32), IGNORE_INDEX)
+    padded_x[0, :19], padded_y[0, :19], padded_x[1, :12], padded_y[1, :12] = a[:-1], a[1:], b[:-1], y_b
+    padded_loss, padded_stats = objective.loss_sum(model, [padded_x, padded_y])
+    assert abs(packed_loss - padded_loss) <= 1e-5 * padded_loss
+    assert abs(packed_stats[-1] - padded_stats[-1]) <= 1e-5 * padded_stats[-1]
+    assert packed_stats[-1] / 27 > 1.0  # 27 targets: a real term
 
 
 def test_the_setting_turns_it_on_and_off_and_is_refused_where_there_is_no_such_loss(folders):
@@ -119,17 +152,58 @@ TWO_RANKS = {  # name: (strategy, micro, accum, overrides): global batch 4 each
     "zero3_offload": ("zero3", 1, 2, {"strategy__offload_optimizer": True, "strategy__offload_params": True}),
     "zero2_fused_loss": ("zero2", 2, 1, {"train__fused_loss": True}),
     "fsdp_sp2": ("fsdp", 4, 1, {"strategy__sp": 2}),  # dp=1: the whole global batch on each rank, half its tokens
+    "ddp_compile": ("ddp", 2, 1, {"train__compile": True}),
+}
+
+
+def text_data(root):
+    """A chat tokenizer, 24 conversations and 16 preference pairs on it, and its cache."""
+    texts = documents()
+    return {"data__tokenizer": str(train_chat_tokenizer(root / "tokenizer", texts)),
+            "data__cache_dir": str(root / "cache"),
+            "chat": str(write_rows(root / "chat.jsonl", conversations(texts, n=24))),
+            "pairs": str(write_rows(root / "pairs.jsonl", preference_pairs(texts, 16)))}
+
+
+def chat_case(path, data: dict, strategy: str, micro: int, accum: int = 1, steps: int = STEPS, **overrides) -> dict:
+    """The tiny Mixtral on data=chat (packed unless data__packing=False) rows of 256 tokens."""
+    chat = {"data__name": "chat", "data__path": data["chat"], **{k: v for k, v in data.items() if k.startswith("data__")}}
+    cfg = with_overrides(moe_case(path, strategy, micro, accum), train__max_steps=steps, model__seq_len=256,
+                         **{**chat, **overrides})
+    del cfg["data"]["num_samples"]
+    return cfg
+
+
+def dpo_case(path, data: dict, strategy: str, micro: int, accum: int = 1, **overrides) -> dict:
+    """objective=dpo on the pairs (packed, a pair's two sequences in a row), against a frozen copy."""
+    return chat_case(path, data, strategy, micro, accum, data__name="preference", data__path=data["pairs"],
+                     objective__name="dpo", **overrides)
+
+
+# 2 ranks of each against one rank: (strategy, micro, accum, overrides), global batch 2 rows (4 for dpo)
+CHAT_TWO_RANKS = {
+    "chat_packed_fsdp": ("fsdp", 1, 1, {}),
+    "chat_packed_zero2_sp2": ("zero2", 2, 1, {"strategy__sp": 2}),  # documents numbered across the group
+    "chat_padded_ddp_sp2": ("ddp", 2, 1, {"strategy__sp": 2, "data__packing": False}),
 }
 
 
 @pytest.fixture(scope="module")
 def trained(folders, tmp_path_factory):
     out = tmp_path_factory.mktemp("router_runs")
-    mixtral = folders["mixtral"]
+    mixtral, data = folders["mixtral"], text_data(folders["root"])
     ones = {"baseline": moe_case(mixtral, "ddp", 4),
             "accumulated": moe_case(mixtral, "ddp", 1, 4),
-            "off": moe_case(mixtral, "ddp", 4, model__router_aux_loss=False)}
+            "off": moe_case(mixtral, "ddp", 4, model__router_aux_loss=False),
+            # one epoch at lr 0, packed and padded: the same conversations' losses (a step per row)
+            "chat_epoch_packed": chat_case(mixtral, data, "ddp", 1, steps=0, optim__lr=0.0),
+            "chat_epoch_padded": chat_case(mixtral, data, "ddp", 1, steps=0, optim__lr=0.0, data__packing=False),
+            "chat_packed": chat_case(mixtral, data, "ddp", 2),
+            "chat_padded": chat_case(mixtral, data, "ddp", 2, data__packing=False),
+            "dpo": dpo_case(mixtral, data, "ddp", 4)}
     twos = {name: moe_case(mixtral, s, micro, accum, **o) for name, (s, micro, accum, o) in TWO_RANKS.items()}
+    twos |= {name: chat_case(mixtral, data, s, micro, accum, **o) for name, (s, micro, accum, o) in CHAT_TWO_RANKS.items()}
+    twos["dpo_zero2"] = dpo_case(mixtral, data, "zero2", 1, 2)
     twos["zero3_saved"] = saving(twos["zero3"], out / "ckpt", 2)
     on_ranks(1, train_cases, ones, str(out))
     on_ranks(2, train_cases, twos, str(out))
@@ -168,3 +242,56 @@ def test_a_checkpoint_of_two_ranks_on_zero3_resumes_at_one_rank_on_fsdp(trained)
     assert [r["step"] for r in resumed] == [3, 4]
     assert_close(losses(resumed), losses(base)[2:], "resumed", rtol=1e-6)
     assert_close(aux(resumed), aux(base)[2:], "resumed: aux_loss", rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_packed_chat_rows_give_the_padded_rows_loss_and_aux_loss_over_an_epoch(trained):
+    """Statistics per conversation: one epoch at lr 0, summed over the target tokens, is the same packed
+    (several conversations a row) and padded (one a row)."""
+    from tests.test_chat import PACKED_RTOL, summed_loss
+
+    packed, padded = trained / "chat_epoch_packed", trained / "chat_epoch_padded"
+    (packed_loss, packed_tokens, packed_rows), (padded_loss, padded_tokens, padded_rows) = \
+        summed_loss(packed), summed_loss(padded)
+    assert packed_tokens == padded_tokens > 0 and packed_rows < padded_rows / 2
+    assert abs(packed_loss - padded_loss) <= PACKED_RTOL * padded_loss
+    tokens = {run: [0] + [r["tokens"] for r in records(run)] for run in (packed, padded)}
+    summed_aux = {run: sum(r["aux_loss"] * (t - before) for r, before, t in zip(records(run), tokens[run], tokens[run][1:]))
+                  for run in (packed, padded)}
+    assert abs(summed_aux[packed] - summed_aux[padded]) <= PACKED_RTOL * summed_aux[padded]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*CHAT_TWO_RANKS, "dpo_zero2"])
+def test_chat_and_dpo_rows_on_two_ranks_give_one_ranks_losses_with_the_term_on(trained, name):
+    one = {"chat_packed_fsdp": "chat_packed", "chat_packed_zero2_sp2": "chat_packed",
+           "chat_padded_ddp_sp2": "chat_padded", "dpo_zero2": "dpo"}[name]
+    base, two = records(trained / one), records(trained / name)
+    assert len(base) == STEPS and all(a > 1.0 for a in aux(base))
+    assert_close(losses(two), losses(base), name, rtol=1e-6)
+    assert_close(aux(two), aux(base), f"{name}: aux_loss", rtol=1e-6)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def test_the_cli_trains_with_the_term_asked_for_and_refuses_it_in_one_line(folders, tmp_path):
+    """`trainer model=hf model.router_aux_loss=true` on a folder whose config.json leaves it off: on,
+    said at the start, in the records; on DeepSeek-V3 (no such loss) and with a value that is no
+    boolean: exit 2 and one line, before any work."""
+    from tests.harness import assert_refused, run_cli
+
+    model = ("model=hf", "model.attn_implementation=eager", "model.seq_len=32", f"model.vocab_size={VOCAB}")
+    run = ("data=synthetic", "data.num_samples=64", "train.max_steps=2", "train.micro_batch_size=2",
+           "train.log_every=1", "train.precision=fp32")
+    result = run_cli(*model, f"model.path={folders['qwen3_moe_off']}", "model.router_aux_loss=true", *run,
+                     f"hydra.run.dir={tmp_path / 'on'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "router_aux_loss=on (coef 0.001, top-2 of 4 experts" in result.stdout + result.stderr
+    assert [r["aux_loss"] > 1.0 for r in records(tmp_path / "on")] == [True, True]
+    refused = run_cli(*model, f"model.path={folders['deepseek_v3']}", "model.router_aux_loss=true", *run,
+                      f"hydra.run.dir={tmp_path / 'deepseek'}")
+    assert_refused(refused, "model.router_aux_loss: this model has no router load-balancing loss")
+    assert not (tmp_path / "deepseek" / "metrics.jsonl").exists()
+    bad = run_cli(*model, f"model.path={folders['mixtral']}", "model.router_aux_loss=maybe", *run,
+                  f"hydra.run.dir={tmp_path / 'bad'}")
+    assert_refused(bad, "model.router_aux_loss")

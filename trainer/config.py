@@ -410,7 +410,7 @@ def model_config(node: dict | ModelConfig) -> ModelConfig:
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
     except OmegaConfBaseException as e:
-        raise ConfigError(f"model.{e.key}: {e.msg}") from None
+        raise ConfigError(f"model.{e.key}: {e.msg.splitlines()[0]}") from None  # OmegaConf adds lines
 
 
 def model_node(m: ModelConfig) -> dict:

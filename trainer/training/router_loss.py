@@ -8,14 +8,16 @@ eqs. 4-6): over all MoE layers' tokens, f_e the fraction of top-k choices that w
 P_e the mean router probability of e, aux = E * sum_e f_e P_e. None of these families defines a
 router z-loss; DeepSeek-V3 balances with a routing bias and has no such loss (refused if asked for).
 
-How the statistics are taken here: per sequence (each row of the micro-batch: f and P over the
-row's own tokens, up to its last target: padding routes nowhere). transformers takes them over the
+How the statistics are taken here: per sequence (each document of each row: f and P over the
+document's own tokens, up to its last target: padding routes nowhere; a packed row's documents are
+told apart by their position ids, which restart at each one). transformers takes them over the
 micro-batch it is given, which makes the loss depend on how rows are grouped into micro-batches, so
-on micro_batch_size and, at a fixed global batch, on the world size. Per row, the loss is the same
-at any world size and accumulation, and a micro-batch of one row gives transformers' own number.
-A row's aux counts in the step's mean as its token losses do: weighted by its units (target tokens;
-pairs for dpo), so `loss` = (sum of token losses + coef * sum of units_row * aux_row) / units of the
-step, all ranks, which the loop already divides by. Global-batch statistics (arXiv 2501.11873: f
+on micro_batch_size and, at a fixed global batch, on the world size, and on packing. Per document,
+the loss is the same at any world size and accumulation, packed or padded, and a micro-batch of one
+unpacked row gives transformers' own number. A row's aux is its documents' aux weighted by their
+target tokens. A row's aux counts in the step's mean as its token losses do: weighted by its units
+(target tokens; pairs for dpo), so `loss` = (sum of token losses + coef * sum of units_row *
+aux_row) / units of the step, all ranks, which the loop already divides by. Global-batch statistics (arXiv 2501.11873: f
 all-reduced over data-parallel ranks) are not offered: exact, they need every micro-batch's routing
 before the first backward (a second forward); approximated per micro-batch, they change with the
 accumulation. At strategy.sp > 1 a row's tokens are spread over the sequence-parallel group: its
@@ -76,30 +78,50 @@ def first_output(module: nn.Module) -> Iterator[list]:
         handle.remove()
 
 
-def real_tokens(targets: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
-    """[b, t] 1.0 where a row's token is not padding: up to the row's last target (of the whole row:
-    at sp > 1 the last target may be on a later rank of the group)."""
+def documents(batch, group: SequenceGroup) -> tuple[torch.Tensor, int]:
+    """([b, t] each token's document within its whole row, the most documents a row has). Packed rows
+    (chat, dpo) carry position ids, restarting at 0 at each document; other rows are one document.
+    At sp > 1 the documents begun on the group's earlier ranks are counted in."""
+    if len(batch) < 3:  # rows without position ids (at sp > 1 every share carries them)
+        return torch.zeros_like(batch[1]), 1
+    number = (batch[2] == 0).long().cumsum(-1)
+    begun = number[:, -1].contiguous()  # [b] the documents begun in this share
+    earlier, total = torch.zeros_like(begun), begun
+    if group.size > 1:
+        counts = [torch.empty_like(begun) for _ in range(group.size)]
+        dist.all_gather(counts, begun, group=group.group)
+        earlier, total = sum(counts[:group.rank], earlier), sum(counts)
+    return number + earlier[:, None] - 1, int(total.max())
+
+
+def real_tokens(targets: torch.Tensor, docs: torch.Tensor, n_docs: int, group: SequenceGroup) -> torch.Tensor:
+    """[b, t] 1.0 where a token is not padding: up to its document's last target (of the whole row:
+    at sp > 1 the last target may be on a later rank of the group). Padding routes nowhere."""
     t = targets.shape[1]
-    positions = torch.arange(t, device=targets.device) + group.rank * t  # within the whole row
-    last = torch.where(targets != IGNORE_INDEX, positions, -1).amax(dim=1)
+    positions = (torch.arange(t, device=targets.device) + group.rank * t).expand_as(targets)  # within the whole row
+    last = torch.full((targets.shape[0], n_docs), -1, device=targets.device, dtype=positions.dtype)
+    last = last.scatter_reduce(1, docs, torch.where(targets != IGNORE_INDEX, positions, -1), "amax")
     if group.size > 1:
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group.group)
-    return (positions <= last[:, None]).float()
+    return (positions <= last.gather(1, docs)).float()
 
 
-def balance_sums(router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor, top_k: int, experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row, over all MoE layers: (top-k choices per expert [b, E], without gradient; the summed
-    router probabilities per expert [b, E]; the routed tokens [b], each token once per layer)."""
+def balance_sums(router_logits: tuple[torch.Tensor, ...], docs: torch.Tensor, n_docs: int, mask: torch.Tensor,
+                 top_k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per document of each row, over all MoE layers: (top-k choices per expert [b, D, E], without
+    gradient; the summed router probabilities per expert [b, D, E]; the routed tokens [b, D], each
+    token once per layer)."""
     b, t = mask.shape
-    choices = torch.zeros(b, experts, device=mask.device)
-    probs = torch.zeros(b, experts, device=mask.device)
+    index = docs[..., None].expand(b, t, experts)
+    choices = torch.zeros(b, n_docs, experts, device=mask.device)
+    probs = torch.zeros(b, n_docs, experts, device=mask.device)
     for layer in router_logits:
         p = F.softmax(layer.float(), dim=-1).view(b, t, experts)
         chosen = torch.zeros_like(p).scatter_(-1, torch.topk(p, top_k, dim=-1).indices, 1.0)
-        choices += (chosen * mask[..., None]).sum(1)
-        probs = probs + (p * mask[..., None]).sum(1)
-    return choices, probs, mask.sum(1) * len(router_logits)
+        choices.scatter_add_(1, index, chosen * mask[..., None])
+        probs = probs.scatter_add(1, index, p * mask[..., None])
+    tokens = torch.zeros(b, n_docs, device=mask.device).scatter_add(1, docs, mask)
+    return choices, probs, tokens * len(router_logits)
 
 
 class RouterBalanced:
@@ -125,17 +147,23 @@ class RouterBalanced:
         return loss + self.coef * aux, torch.cat([stats, aux.detach().view(1).to(stats.dtype)])
 
     def weighted_aux(self, router_logits, batch) -> torch.Tensor:
-        """sum over rows of units_row * aux_row: this rank's share of it (all of it at sp=1)."""
-        mask = real_tokens(batch[1], self.group)
-        choices, probs, tokens = balance_sums(router_logits, mask, self.top_k, self.experts)
+        """sum over rows of units_row * aux_row: this rank's share of it (all of it at sp=1). A row's aux
+        is its documents' aux, weighted by their target tokens (one document: its own aux)."""
+        docs, n_docs = documents(batch, self.group)
+        mask = real_tokens(batch[1], docs, n_docs, self.group)
+        choices, probs, tokens = balance_sums(router_logits, docs, n_docs, mask, self.top_k, self.experts)
+        targets = torch.zeros_like(tokens).scatter_add(1, docs, (batch[1] != IGNORE_INDEX).float())
         units = torch.stack([self.inner.count([field[i:i + 1] for field in batch]) for i in range(mask.shape[0])])
-        whole = torch.cat([choices, tokens[:, None], units[:, None].float()], dim=1)
-        if self.group.size > 1:  # the whole row's counts; the probabilities stay this rank's share
+        b, e = mask.shape[0], self.experts
+        whole = torch.cat([choices.flatten(), tokens.flatten(), targets.flatten(), units.float()])
+        if self.group.size > 1:  # the whole rows' counts; the probabilities stay this rank's share
             dist.all_reduce(whole, group=self.group.group)
-        choices, tokens, units = whole[:, :-2], whole[:, -2], whole[:, -1]
-        tokens = tokens.clamp(min=1)  # a row without tokens has no units either: it adds 0
-        aux = self.experts * ((choices / tokens[:, None]) * (probs / tokens[:, None])).sum(1)
-        return (units * aux).sum()
+        choices, tokens, targets, units = whole.split([b * n_docs * e, b * n_docs, b * n_docs, b])
+        choices, tokens, targets = choices.view(b, n_docs, e), tokens.view(b, n_docs), targets.view(b, n_docs)
+        tokens = tokens.clamp(min=1)  # a document without tokens has no targets either: it adds 0
+        aux = self.experts * ((choices / tokens[..., None]) * (probs / tokens[..., None])).sum(-1)  # [b, D]
+        row_aux = (targets * aux).sum(1) / targets.sum(1).clamp(min=1)
+        return (units * row_aux).sum()
 
 
 def with_router_loss(objective, model: nn.Module, group: SequenceGroup):
