@@ -104,8 +104,31 @@ def test_flops_count_the_parameters_a_token_activates_and_params_count_all(folde
     lookups = VOCAB * MOE_FAMILIES[family]["hidden_size"]  # the input embedding (untied): no multiplication
     attention = 12 * facts.n_layers * facts.d_model * SEQ
     assert facts.flops_per_token == 6 * (facts.active - lookups) + attention
-    # the planner's step time is facts.flops_per_token x tokens (trainer/plan.py); make_plan itself fails on
-    # these models today (its activation trace: torch's meta grouped_mm asks for bf16), so it is not run here
+
+
+# --- the planner ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_the_planner_counts_activations_and_times_the_active_parameters(folders, family):
+    """make_plan on the meta device: the experts' grouped matmul traced in fp32 (torch's meta function
+    asks for bf16), the step time from the active parameters; with LoRA on the experts too (peft folds
+    the delta into the stacked weight under an autocast of the weight's device: meta)."""
+    from trainer.plan import make_plan
+
+    cfg, model = meta(folders[family])
+    plan = make_plan(cfg, 1, 10 ** 12)
+    assert plan.activations.per_token_per_layer > 0 and plan.activations.logits_per_token > 0
+    ddp = next(o for o in plan.options if o.name == "ddp" and not o.activation_checkpointing and not o.offload)
+    routed, used = routed_by_hand(family)
+    spec = MOE_FAMILIES[family]
+    active = sum(p.numel() for p in model.parameters()) - (spec["num_hidden_layers"] - spec.get("first_k_dense_replace", 0)) \
+        * (routed - used)
+    per_token = 6 * (active - VOCAB * spec["hidden_size"]) + 12 * spec["num_hidden_layers"] * spec["hidden_size"] * SEQ
+    tokens = cfg.train.micro_batch_size * SEQ  # 1 rank: no communication, the step is its compute
+    assert ddp.step_s == pytest.approx(per_token * tokens / cfg.plan.flops_per_s, rel=1e-12)
+    lora, _ = meta(folders[family], LORA)
+    adapted = make_plan(lora, 1, 10 ** 12)
+    assert adapted.trainable < plan.trainable and adapted.activations.per_token > 0
 
 
 def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
