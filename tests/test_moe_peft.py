@@ -86,6 +86,33 @@ def test_dropout_on_experts_is_refused_in_one_line(folders):
         meta(folders["mixtral"], {**LORA, "dropout": 0.1})
 
 
+def test_dpo_from_an_adapter_on_experts_is_refused_without_a_precomputed_reference(tmp_path):
+    """objective=dpo's reference from peft.init adds the starting adapters to linear layers' outputs,
+    which an expert adapter is not: refused before any work, unless the reference is precomputed."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from trainer.checks import check_objective
+    from trainer.errors import ConfigError
+
+    def dpo(folder: Path, precompute_ref: bool):
+        return to_config({"objective": {"name": "dpo", "precompute_ref": precompute_ref},
+                          "data": {"name": "preference", "path": str(tmp_path / "pairs.jsonl")},
+                          "peft": {**LORA, "init": str(folder)}})
+
+    for name, experts in (("experts", ["experts.down_proj"]), ("linear", None)):
+        (tmp_path / name).mkdir()
+        settings = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+                    **({"target_parameters": experts} if experts else {})}
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(settings))
+        save_file({}, str(tmp_path / name / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match=r"objective.precompute_ref: false: .*experts.down_proj.*precompute_ref=true"):
+        check_objective(dpo(tmp_path / "experts", False))
+    check_objective(dpo(tmp_path / "experts", True))
+    check_objective(dpo(tmp_path / "linear", False))
+
+
 # --- active parameters -------------------------------------------------------------------------
 
 def routed_by_hand(family: str) -> tuple[int, int]:
