@@ -254,18 +254,28 @@ STRATEGIES = ("ddp", "fsdp", "zero3")
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def trained_then_logits(env, cases: dict, out: str, step: str, cfg: dict, ids: torch.Tensor) -> torch.Tensor:
+def trained_then_logits(env, cases: dict, out: str, step: str, cfg: dict, adapter: str,
+                        ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`cases` trained in turn, then the logits of `ids` from checkpoint `step` (loaded as the trainer
-    loads it), in one launch."""
+    loads it), and from the model `cfg` starts with peft.init=`adapter`, in one launch."""
+    from tests.test_core_behaviour import build
+
     train_cases(env, cases, out)
-    return trainer_logits(env, step, cfg, ids)
+    strategy, model, _ = build(env, with_overrides(cfg, peft__init=adapter))
+    with torch.no_grad():
+        started = model(ids).logits
+    strategy.teardown()
+    return trainer_logits(env, step, cfg, ids), started
 
 
 @pytest.fixture(scope="module")
 def lora_runs(folders, tmp_path_factory) -> tuple[Path, torch.Tensor]:
     """Two launches (about 2 minutes here): 3 LoRA steps at 2 ranks under ddp, fsdp and zero3, each saving
-    steps 2 and 3, and zero3 resumed from its step 2; then at 1 rank (ddp) the same 3 steps, zero3's step 2
-    resumed, and the trainer's logits of zero3's step 3. Global batch 8 throughout."""
+    steps 2 and 3, and zero3 resumed from its step 2; zero3's step 3 exported as a PEFT folder; then at 1
+    rank (ddp) the same 3 steps, zero3's step 2 resumed, and the trainer's logits of zero3's step 3 and of
+    a model started from the PEFT folder (peft.init). Global batch 8 throughout."""
+    from trainer.export import main as export
+
     root = tmp_path_factory.mktemp("moe_lora")
     folder = folders[LORA_FAMILY]
     two = {f"{s}@2": saving(moe_case(folder, s, 2, steps=3, peft=LORA), root / f"ckpt_{s}", 2) for s in STRATEGIES}
@@ -274,7 +284,9 @@ def lora_runs(folders, tmp_path_factory) -> tuple[Path, torch.Tensor]:
     one = {"ddp@1": moe_case(folder, "ddp", 1, steps=3, peft=LORA),
            "ddp@1-from-zero3@2": resuming(moe_case(folder, "ddp", 1, steps=3, peft=LORA), root / "ckpt_zero3", 2)}
     step = root / "ckpt_zero3" / "step_00000003"
-    logits = on_ranks(1, trained_then_logits, one, str(root), str(step), moe_case(folder, "ddp", 1, peft=LORA), IDS)[0]
+    export([str(step), str(root / "adapter")])
+    logits = on_ranks(1, trained_then_logits, one, str(root), str(step), moe_case(folder, "ddp", 1, peft=LORA),
+                      str(root / "adapter"), IDS)[0]
     return root, logits
 
 
@@ -311,14 +323,13 @@ def test_lora_on_experts_exports_a_peft_folder_that_peft_loads_with_our_logits(l
 
     from trainer.export import main as export
 
-    root, expected = lora_runs
+    root, (expected, started) = lora_runs
     step = root / "ckpt_zero3" / "step_00000003"
-    export([str(step), str(tmp_path / "adapter")])
     export([str(step), str(tmp_path / "merged"), "--merge"])
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(str(folders[LORA_FAMILY]), attn_implementation="eager").eval()
         before = plain(IDS).logits
-        adapted = PeftModel.from_pretrained(plain, str(tmp_path / "adapter")).eval()
+        adapted = PeftModel.from_pretrained(plain, str(root / "adapter")).eval()
         own = {n: w for n, w in read_step_dir(step, moments=False).weights.items() if ".lora_" in n}
         peft_state = {n.replace(".default.", "."): p for n, p in adapted.base_model.model.named_parameters()
                       if ".lora_" in n}
@@ -331,3 +342,4 @@ def test_lora_on_experts_exports_a_peft_folder_that_peft_loads_with_our_logits(l
     assert torch.allclose(logits, expected, atol=1e-5), (logits - expected).abs().max()
     assert torch.allclose(merged_logits, expected, atol=1e-5), (merged_logits - expected).abs().max()
     assert not torch.allclose(expected, before, atol=1e-4)  # the adapters changed the model
+    assert torch.allclose(started, expected, atol=1e-6), (started - expected).abs().max()  # peft.init=the folder
