@@ -137,6 +137,17 @@ def check_objective(cfg: Config) -> None:
     if not dpo:
         return
     _require(o.beta > 0, "objective.beta", f"must be > 0, got {o.beta}")
+    p = cfg.peft
+    if PeftName(p.name) is PeftName.lora and p.init and not o.precompute_ref:
+        from trainer.models.lora import read_adapter_folder
+
+        # models.lora.StartingAdapters adds the starting adapter to a layer's output, as for a linear
+        # layer; peft adds an expert adapter to the stacked weight instead
+        experts = read_adapter_folder(Path(p.init)).get("target_parameters")
+        _require(not experts, "objective.precompute_ref",
+                 f"false: the reference of peft.init={p.init} adds its adapters to linear layers only, and it adapts "
+                 f"stacked expert parameters ({', '.join(experts or [])}); set objective.precompute_ref=true "
+                 "(the reference's log-probabilities computed once, by the model as it starts)")
 
 
 def check_sequence_parallel(cfg: Config, world_size: int, model: Any) -> None:

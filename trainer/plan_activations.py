@@ -60,9 +60,16 @@ class _AsFusedKernels(TorchFunctionMode):
 
 
 class _MetaItems(TorchDispatchMode):
+    """On meta: a data-dependent read (`.item()`) answers 1; torch's grouped matmul (a mixture of
+    experts' experts: transformers' grouped_mm) runs in any float dtype, as its CPU kernel does,
+    where its meta function asks for bf16 (torch 2.13): it is shaped in bf16, returned in the inputs' dtype."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return 1
+        if func is torch.ops.aten._grouped_mm.default and args[0].is_meta and args[0].dtype != torch.bfloat16:
+            a, b, *rest = args
+            return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **(kwargs or {})).to(a.dtype)
         return func(*args, **(kwargs or {}))
 
 
@@ -97,6 +104,16 @@ def _same_shape_exchange(output: torch.Tensor, input: torch.Tensor, group=None) 
     return input.clone()
 
 
+def _autocast_on_meta(device_type: str, *args, **kwargs) -> torch.autocast:
+    """torch.autocast, where a meta tensor's device asks for one: the CPU's (meta has no autocast
+    dtype). peft 0.21's LoRA on stacked expert parameters folds its delta into the weight under
+    `torch.autocast(device_type=W.device.type, enabled=False)`."""
+    return _AUTOCAST("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+_AUTOCAST = torch.autocast
+
+
 def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: int = 1) -> SavedBytes:
     """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
     blocks apart; at sp > 1, as rank 0 of a sequence-parallel group holding `tokens` of each row
@@ -109,7 +126,7 @@ def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: i
     sharded = sequence.sharded(sequence.SequenceGroup(None, sp, 0), None)
     try:
         with _MetaItems(), _AsFusedKernels(), mock.patch.object(sequence, "all_to_all_single", _same_shape_exchange), \
-                sharded, saved:
+                mock.patch.object(torch, "autocast", _autocast_on_meta), sharded, saved:
             loss = loss_of(model, ids)
         saved.kept_by_functions(loss)
     finally:
