@@ -138,7 +138,8 @@ def check_objective(cfg: Config) -> None:
         return
     _require(o.beta > 0, "objective.beta", f"must be > 0, got {o.beta}")
     p = cfg.peft
-    if PeftName(p.name) is PeftName.lora and p.init and not o.precompute_ref:
+    # a folder that is not there yet (a docs example's earlier step writes it) is refused where it is read (models/lora.py)
+    if PeftName(p.name) is PeftName.lora and p.init and not o.precompute_ref and Path(p.init).is_dir():
         from trainer.models.lora import read_adapter_folder
 
         # models.lora.StartingAdapters adds the starting adapter to a layer's output, as for a linear
