@@ -169,6 +169,7 @@ def test_the_planner_counts_activations_and_times_the_active_parameters(folders,
 
 
 def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
+    from trainer.models import model_facts
     from trainer.models.active_params import short_count
     from trainer.training.loop import describe
 
@@ -182,7 +183,7 @@ def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
             return []
 
     cfg, model = meta(folders["mixtral"])
-    line = describe(cfg, Env(), Strategy(), 4)
+    line = describe(cfg, Env(), Strategy(), 4, model_facts(cfg.model, cfg.strategy.wrap, cfg.peft))
     routed, used = routed_by_hand("mixtral")
     total = sum(p.numel() for p in model.parameters())
     assert f"({short_count(total)} parameters, {short_count(total - 2 * (routed - used))} active)" in line, line

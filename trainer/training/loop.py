@@ -20,7 +20,7 @@ from trainer.config import Config, ModelKind, OptimConfig, PeftName
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
-from trainer.models import build_model, description, initial_weights, model_facts
+from trainer.models import ModelFacts, build_model, description, initial_weights, model_facts
 from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
@@ -92,8 +92,8 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
     return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
 
 
-def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) -> str:
-    """What will run, resolved: the start line."""
+def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, facts: ModelFacts) -> str:
+    """What will run, resolved: the start line; `facts`: the model's (`model_facts`)."""
     s, t = cfg.strategy, cfg.train
     offload = "+".join(what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on)
     dp = strategy.dp_size
@@ -101,7 +101,7 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int) ->
     ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
     sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
     attention = [f"attn_implementation={cfg.model.attn_implementation}"] if cfg.model.kind == ModelKind.hf else []
-    facts = model_facts(cfg.model, s.wrap, cfg.peft)  # a mixture of experts: all its parameters, and those a token uses
+    # a mixture of experts: all its parameters, and those a token uses
     active = f" ({short_count(facts.params)} parameters, {short_count(facts.active)} active)" \
         if facts.active < facts.params else ""
     return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}{active}",
@@ -199,13 +199,14 @@ class Run:
                 stream.load_state_dict(position)
             if state.early_stop:
                 self.early_stop.load_state_dict(state.early_stop)
-        self.meter = StepMeter(env.device, model_facts(cfg.model, cfg.strategy.wrap, cfg.peft).flops_per_token,
+        self.facts = model_facts(cfg.model, cfg.strategy.wrap, cfg.peft)  # a model built on meta: once a run
+        self.meter = StepMeter(env.device, self.facts.flops_per_token,
                                t.peak_flops or peak_flops(env.device, t.precision), env.world_size,
                                tokens=state.tokens, input_tokens=state.input_tokens)
         self.announce(resume_from, state, weights)
 
     def announce(self, resume_from: Path | None, state: TrainerState, weights: WeightSource) -> None:
-        log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps)}{start_words(self.objective)}; "
+        log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps, self.facts)}{start_words(self.objective)}; "
                  f"run dir: {self.run_dir}")
         if describe_sources := getattr(self.stream.dataset, "describe", None):  # data=mixture: each source
             self.records.log({"event": "sources", "step": self.step, "sources": describe_sources()})
