@@ -32,6 +32,7 @@ from trainer.data.mixture import EXAMPLE, check_mixture, check_source_nodes
 from trainer.errors import ConfigError
 from trainer.extras import require_hf, require_hydra_plugin
 from trainer.models.checks import check_model_sequence_parallel
+from trainer.models.lora import read_adapter_folder
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -140,8 +141,6 @@ def check_objective(cfg: Config) -> None:
     p = cfg.peft
     # a folder that is not there yet (a docs example's earlier step writes it) is refused where it is read (models/lora.py)
     if PeftName(p.name) is PeftName.lora and p.init and not o.precompute_ref and Path(p.init).is_dir():
-        from trainer.models.lora import read_adapter_folder
-
         # models.lora.StartingAdapters adds the starting adapter to a layer's output, as for a linear
         # layer; peft adds an expert adapter to the stacked weight instead
         experts = read_adapter_folder(Path(p.init)).get("target_parameters")
