@@ -6,6 +6,11 @@ PY := $(VENV)/bin/python
 ARGS ?=
 # make test's wall-time budget where CI sets CI=1 (.ci/run): past it tests/conftest.py fails the run.
 TEST_BUDGET_S := 360
+# Tests run in TEST_WORKERS processes (pytest-xdist), a test file at a time each, so that a file's
+# shared runs (module fixtures) are made once: a launch leaves a core idle while ranks start and
+# wait on each other, and a second worker fills it (`make test TEST_WORKERS=1` runs them in turn).
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: setup train test test-all test-docs lint bench soak clean
 
@@ -33,10 +38,10 @@ train: $(VENV)/.core
 	$(PY) -m trainer $(ARGS)
 
 test: setup  # every unit test, one multi-process run of each strategy, parity and resume (minutes)
-	TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest -q -p no:cacheprovider --durations=15 -m "not slow and not docs_in_order"
+	TEST_BUDGET_S=$(TEST_BUDGET_S) $(PYTEST) -m "not slow and not docs_in_order"
 
 test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults); what CI runs
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m "not docs_in_order"
+	$(PYTEST) -m "not docs_in_order"
 
 test-docs: setup  # the docs' commands in reading order in one fresh dir, as a new user runs them (tests/test_docs_in_order.py)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m docs_in_order

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -140,6 +141,10 @@ def run_cli(*overrides: str, launcher: list[str] | None = None, timeout: int = 6
             cwd: Path = REPO):
     cmd = (launcher or [sys.executable, "-m", "trainer"]) + list(overrides)
     full_env = {**os.environ, **CPU_ONLY, **(env or {})}
+    if launcher is None and cwd == REPO and not any(o.startswith("hydra.run.dir=") for o in overrides):
+        # A run dir of its own, not outputs/DATE/TIME of the repo: tests in parallel workers
+        # (make test's `-n`) may start in the same second.
+        full_env.setdefault("TRAINER_RUN_DIR", tempfile.mkdtemp(prefix="trainer-test-run-"))
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 

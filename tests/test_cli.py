@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.harness import assert_refused, records, run_cli
+from tests.harness import assert_refused, records, refusal, run_cli
 from trainer.config import to_config
 
 
@@ -64,6 +64,14 @@ BAD_INPUT = {
 
 @pytest.mark.parametrize("overrides", list(BAD_INPUT))
 def test_bad_input_fails_before_any_work_with_a_message(tmp_path, overrides):
+    error = refusal(tmp_path, *overrides.split(), "nproc=2")
+    assert all(fragment in error for fragment in BAD_INPUT[overrides]), error
+
+
+# What the command line does with such an error, once for a setting Hydra refuses while composing
+# and once for one refused by the checks before work (the same path every refusal above takes).
+@pytest.mark.parametrize("overrides", ["strategy=zero4", "strategy=fsdp strategy.wrap=[Block]"])
+def test_bad_input_on_the_command_line_is_one_line_and_no_rank_starts(tmp_path, overrides):
     result = run_cli(*overrides.split(), "nproc=2", f"hydra.run.dir={tmp_path}")
     assert_refused(result, *BAD_INPUT[overrides])
     errors = [line for line in result.stderr.splitlines() if line.strip()]

@@ -49,11 +49,27 @@ def gradient_collectives_per_micro_step(env, strategy_name: str) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero1", marks=pytest.mark.slow), "zero2",
-                                      pytest.param("zero3", marks=pytest.mark.slow)])  # the quick suite: one DeepSpeed stage
-def test_micro_steps_issue_no_gradient_collective_before_the_final_micro_step(strategy):
-    counts = on_ranks(2, gradient_collectives_per_micro_step, strategy)
-    for rank, per_step in counts.items():
+def behaviours(env) -> dict:
+    """Every strategy's gradient collectives per micro-step and block forwards per step (without
+    and with activation checkpointing), and FSDP's units: one launch serves the tests below."""
+    return {"collectives": {s: gradient_collectives_per_micro_step(env, s) for s in MICRO_STEP_STRATEGIES},
+            "block_forwards": {s: block_forwards_per_step(env, s) for s in CHECKPOINTING_STRATEGIES},
+            "fsdp_units": fsdp_units(env)}
+
+
+MICRO_STEP_STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+CHECKPOINTING_STRATEGIES = ["ddp", "fsdp", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def observed():
+    return on_ranks(2, behaviours)
+
+
+@pytest.mark.parametrize("strategy", MICRO_STEP_STRATEGIES)
+def test_micro_steps_issue_no_gradient_collective_before_the_final_micro_step(observed, strategy):
+    for rank, per_rank in observed.items():
+        per_step = per_rank["collectives"][strategy]
         assert per_step[:3] == [0, 0, 0], f"rank {rank}: gradient collectives on non-final micro-steps {per_step}"
         assert per_step[3] > 0, f"rank {rank}: the final micro-step must reduce gradients {per_step}"
 
@@ -75,23 +91,24 @@ def block_forwards_per_step(env, strategy_name: str) -> dict[bool, int]:
     return calls
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero3", marks=pytest.mark.slow)])
-def test_activation_checkpointing_recomputes_every_block(strategy):
-    calls = on_ranks(2, block_forwards_per_step, strategy)[0]
+@pytest.mark.parametrize("strategy", CHECKPOINTING_STRATEGIES)
+def test_activation_checkpointing_recomputes_every_block(observed, strategy):
+    calls = observed[0]["block_forwards"][strategy]
     assert calls[False] == 2  # tiny: 2 blocks, one forward each
     assert calls[True] == 2 * calls[False]  # each block's forward runs again in backward
 
 
-def fsdp_units(env) -> tuple[int, int]:
+def fsdp_units(env) -> tuple[int, int, bool]:
     from torch.distributed.fsdp import FSDPModule
 
     strategy, model, blocks = build(env, case("fsdp"))
-    return sum(isinstance(b, FSDPModule) for b in blocks), len(blocks), isinstance(model, FSDPModule)
+    units = sum(isinstance(b, FSDPModule) for b in blocks), len(blocks), isinstance(model, FSDPModule)
+    strategy.teardown()
+    return units
 
 
-def test_every_block_is_its_own_fsdp_unit():
-    sharded, total, root = on_ranks(2, fsdp_units)[0]
-    assert (sharded, total, root) == (2, 2, True)
+def test_every_block_is_its_own_fsdp_unit(observed):
+    assert observed[0]["fsdp_units"] == (2, 2, True)
 
 
 OPTION_CASES = {
