@@ -7,6 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
+# One thread per process, for this process and every rank and command the tests start: the tests'
+# models are tiny, and the suite runs several processes at once on few cores (two workers, each
+# launching ranks), where ops split over threads wait for each other (8 tiny zero3 steps: 0.9 s on
+# one thread, 5.6 s on two, measured with a second worker busy). Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 _STARTED = time.monotonic()
 
 

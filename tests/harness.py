@@ -41,6 +41,21 @@ def mlflow_runs(run_dir: Path) -> tuple:
     return client, client.search_runs([client.get_experiment_by_name("trainer").experiment_id])
 
 
+# The crossings of features the tests run: the pairs listed where a test gives them (every value of
+# each axis at least once, the pairs that once broke), or the full product with
+# TRAINER_TEST_FULL_MATRIX=1 (`make test-matrix`): a cell the list leaves out adds launch time to
+# every run and, on its own, found nothing the listed cells did not.
+FULL_MATRIX = os.environ.get("TRAINER_TEST_FULL_MATRIX") == "1"
+
+
+def crossings(axes: tuple[list, list], listed: list[tuple]) -> list[tuple]:
+    """`listed` (each pair from the two axes), or every pair of the axes under FULL_MATRIX."""
+    first, second = axes
+    assert {a for a, _ in listed} == set(first) and {b for _, b in listed} == set(second), \
+        f"every value of each axis at least once: {listed}"
+    return [(a, b) for a in first for b in second] if FULL_MATRIX else list(listed)
+
+
 # The parity tolerance of fp32 losses. Measured here (tiny model, 8 steps): the largest relative loss
 # difference between backends, world sizes and accumulation splits was 3e-7 (ZeRO-3: another
 # reduction order); DDP/FSDP/ZeRO-1/2 gave equal losses.
