@@ -12,7 +12,7 @@ TEST_BUDGET_S := 360
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup train test test-all test-docs lint bench soak clean
+.PHONY: setup train test test-all test-matrix test-docs lint bench soak clean
 
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
@@ -42,6 +42,9 @@ test: setup  # every unit test, one multi-process run of each strategy, parity a
 
 test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults); what CI runs
 	$(PYTEST) -m "not docs_in_order"
+
+test-matrix: setup  # test-all with every crossing a test lists pairs of as the full product (tests/harness.py: crossings)
+	TRAINER_TEST_FULL_MATRIX=1 $(PYTEST) -m "not docs_in_order"
 
 test-docs: setup  # the docs' commands in reading order in one fresh dir, as a new user runs them (tests/test_docs_in_order.py)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m docs_in_order

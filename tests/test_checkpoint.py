@@ -32,8 +32,6 @@ STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 # (source strategy, source world size) -> (target strategy, target world size)
 CROSS = [("fsdp", 2, "zero3", 2), ("zero3", 2, "fsdp", 1), ("zero2", 2, "ddp", 1), ("ddp", 1, "zero3", 2),
          ("zero1", 2, "fsdp", 2), ("fsdp", 2, "zero1", 2)]
-# The quick suite moves state into and out of DeepSpeed once each way; make test-all also from fsdp into ZeRO-1/3.
-MOVES = [pytest.param(*move, marks=pytest.mark.slow) if move[0] == "fsdp" else move for move in CROSS]
 
 
 def at_world(cfg: dict, world: int) -> dict:
@@ -105,12 +103,26 @@ def reload_and_save(env, source: str, strategy: str, dest: str) -> None:
     strategy_obj.teardown()
 
 
-@pytest.mark.parametrize("source,n,target,m", MOVES)
-def test_optimizer_state_per_parameter_name_survives_the_move(runs, source, n, target, m):
+def reload_and_save_each(env, moves: list[tuple[str, str, str]]) -> None:
+    for source, strategy, dest in moves:
+        reload_and_save(env, source, strategy, dest)
+
+
+@pytest.fixture(scope="module")
+def moved(runs):
+    """Each move of CROSS: the source's step 6 loaded under the target and saved again at once, in
+    one launch per target world size."""
     root, _ = runs
-    src = root / f"{source}@{n}" / "step_00000006"
-    dest = root / f"moved-{source}{n}-{target}{m}"
-    on_ranks(m, reload_and_save, str(src), target, str(dest))
+    for world in sorted({m for *_, m in CROSS}):
+        on_ranks(world, reload_and_save_each, [(str(root / f"{a}@{n}" / "step_00000006"), b, str(root / f"moved-{a}{n}-{b}{m}"))
+                                               for a, n, b, m in CROSS if m == world])
+    return root
+
+
+@pytest.mark.parametrize("source,n,target,m", CROSS)
+def test_optimizer_state_per_parameter_name_survives_the_move(moved, source, n, target, m):
+    src = moved / f"{source}@{n}" / "step_00000006"
+    dest = moved / f"moved-{source}{n}-{target}{m}"
     before, after = PieceReader(src, read_manifest(src)), PieceReader(dest / "step_00000006",
                                                                      read_manifest(dest / "step_00000006"))
     for key in ("optim.blocks.1.attn.qkv.weight.exp_avg", "optim.blocks.0.mlp.up.bias.exp_avg_sq",
