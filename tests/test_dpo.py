@@ -212,25 +212,41 @@ def test_dpo_starts_at_ln2_and_two_ranks_equal_one_on_every_strategy(parity):
                         (run.name, mine["step"], key, mine[key], base[key])
 
 
+# (kind, first strategy and world size, then strategy and world size, the token cache of the resume)
+RESUMES = [("lora", ("zero3", 2), ("ddp", 1), "same"), ("full", ("fsdp", 2), ("zero2", 1), "same"),
+           ("full", ("zero3", 2), ("fsdp", 1), "fresh"), ("copy", ("zero3", 2), ("ddp", 1), "same"),
+           ("init", ("zero2", 2), ("fsdp", 1), "same")]
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(pairs, tmp_path_factory):
+    """Each of RESUMES trained 4 steps, checkpointed at 2, and resumed from there: the runs of one
+    world size in one launch."""
+    from tests.harness import on_ranks, resuming, saving, train_cases
+
+    out = tmp_path_factory.mktemp("dpo_resumes")
+    straight, resumed = {}, {}
+    for i, (kind, (s1, w1), (s2, w2), cache) in enumerate(RESUMES):
+        ckpt = out / f"ckpt{i}"
+        straight[w1, f"straight{i}"] = saving(kind_case(pairs, kind, s1, w1, steps=4), ckpt, 2)
+        fresh = {"data__cache_dir": str(out / f"fresh_cache{i}")} if cache == "fresh" else {}
+        resumed[w2, f"resumed{i}"] = resuming(kind_case(pairs, kind, s2, w2, steps=4, **fresh), ckpt, 2)
+    for runs in (straight, resumed):
+        for world in sorted({w for w, _ in runs}):
+            on_ranks(world, train_cases, {name: cfg for (w, name), cfg in runs.items() if w == world}, str(out))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, first, then, cache", [("lora", ("zero3", 2), ("ddp", 1), "same"),
-                                                      ("full", ("fsdp", 2), ("zero2", 1), "same"),
-                                                      ("full", ("zero3", 2), ("fsdp", 1), "fresh"),
-                                                      ("copy", ("zero3", 2), ("ddp", 1), "same"),
-                                                      ("init", ("zero2", 2), ("fsdp", 1), "same")])
-def test_dpo_resumes_under_another_strategy_and_world_size(pairs, tmp_path, kind, first, then, cache):
+@pytest.mark.parametrize("i", range(len(RESUMES)), ids=["-".join(map(str, [k, *f, *t, c])) for k, f, t, c in RESUMES])
+def test_dpo_resumes_under_another_strategy_and_world_size(resumed_runs, i):
     """The reference is rebuilt (adapters off; the frozen copy from model.path, not from the
     checkpoint's trained weights; the starting adapter from peft.init's folder), read back (precomputed, in the cache), or computed again without
     the cache, on the starting weights: the uninterrupted run's losses."""
-    from tests.harness import assert_resumes, on_ranks, records, resuming, saving, train_cases
+    from tests.harness import assert_resumes, records
 
-    (s1, w1), (s2, w2) = first, then
-    ckpt = tmp_path / "ckpt"
-    on_ranks(w1, train_cases, {"straight": saving(kind_case(pairs, kind, s1, w1, steps=4), ckpt, 2)}, str(tmp_path))
-    fresh = {"data__cache_dir": str(tmp_path / "fresh_cache")} if cache == "fresh" else {}
-    on_ranks(w2, train_cases, {"resumed": resuming(kind_case(pairs, kind, s2, w2, steps=4, **fresh), ckpt, 2)},
-             str(tmp_path))
-    assert_resumes(records(tmp_path / "resumed"), records(tmp_path / "straight"), 2, kind, rtol=DPO_RTOL)
+    assert_resumes(records(resumed_runs / f"resumed{i}"), records(resumed_runs / f"straight{i}"), 2, RESUMES[i][0],
+                   rtol=DPO_RTOL)
 
 
 BAD = {

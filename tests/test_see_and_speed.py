@@ -448,11 +448,14 @@ def first_weights(env, strategy: str) -> dict:
     return weights
 
 
+def first_weights_each(env, strategies: list[str]) -> dict:
+    return {strategy: first_weights(env, strategy) for strategy in strategies}
+
+
 @pytest.mark.slow
 def test_every_strategy_starts_from_the_same_cpu_seeded_weights():
     expected = on_ranks(1, first_weights, "ddp")[0]
-    for strategy in ("fsdp", "zero3"):
-        got = on_ranks(2, first_weights, strategy)[0]
+    for strategy, got in on_ranks(2, first_weights_each, ["fsdp", "zero3"])[0].items():
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[k], expected[k]) for k in expected), strategy
 
