@@ -14,9 +14,9 @@ Rows: each sequence is cut to its first `seq_len + 1` tokens (TRL's `max_length`
 a response cut so is counted (or its pair dropped: `data.drop_long`), and a pair whose prompt
 leaves either response no token is left out (TRL drops those too). A row is `2 x seq_len` wide
 and holds whole pairs, chosen then rejected, position ids restarting at each sequence (attention
-stays within it); packed, as many pairs as fit, else one pair per row. Each position also carries
-the number of its sequence in the split (2 p for pair p's chosen, 2 p + 1 for its rejected, -1
-for padding), so the objective can sum each sequence's log-probabilities and find its reference.
+stays within it; padding's positions stay below `seq_len` too); packed, as many pairs as fit, else
+one pair per row. Each position also carries the number of its sequence in the split (2 p for pair
+p's chosen, 2 p + 1 for its rejected, -1 for padding), so the objective can sum each sequence's log-probabilities and find its reference.
 """
 from __future__ import annotations
 
@@ -143,7 +143,9 @@ class PairRows(DocumentRows):
                 x[at:at + n], y[at:at + n] = inputs, targets
                 position_ids[at:at + n], sequence[at:at + n] = torch.arange(n), 2 * int(p) + k
                 at += n
-        position_ids[at:] = torch.arange(width - at)
+        # padding (no target, no sequence) in runs of at most seq_len: its positions stay within the
+        # model's position table (the built-in model's, GPT-2's n_positions), as a row is 2 x seq_len wide
+        position_ids[at:] = torch.arange(width - at) % self.seq_len
         return x, y, position_ids, sequence
 
 

@@ -1,0 +1,23 @@
+"""Issue 43: preference rows a model can take. A row of pairs is 2 x seq_len wide; its padding's
+positions stay within the model's position table, packed or not."""
+from __future__ import annotations
+
+import torch
+
+from tests.test_dpo import pair_tokens
+from trainer.config import ModelConfig, ModelKind
+from trainer.data.preference import PairRows
+from trainer.models import build_model
+
+
+def test_unpacked_pairs_give_positions_the_built_in_model_has():
+    """One short pair per row leaves most of the 2 x seq_len row to padding: its positions
+    restart so that the built-in model (positions 0 .. seq_len - 1) forwards every row."""
+    seq_len = 10
+    rows = PairRows(pair_tokens([(2, 3, 2), (4, 6, 5), (3, 10, 2)]), seq_len, 64, pad_id=0, packing=False)
+    positions = torch.stack([rows[i][2] for i in range(len(rows))])
+    assert positions.shape == (3, 2 * seq_len) and positions.max() == seq_len - 1, positions
+    model = build_model(ModelConfig(name="tiny", kind=ModelKind.reference, seq_len=seq_len, vocab_size=64, d_model=16,
+                                    n_layers=1, n_heads=2, d_ff=32), torch.device("cpu"))
+    x = torch.stack([rows[i][0] for i in range(len(rows))])
+    assert model(x, position_ids=positions).shape == (3, 2 * seq_len, 64)
