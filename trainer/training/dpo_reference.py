@@ -29,7 +29,7 @@ from trainer.config import Config, ObjectiveName, PeftName
 from trainer.data import data_fingerprint, eval_batches, token_keys
 from trainer.data.tokenized import default_cache_dir
 from trainer.log import log
-from trainer.models import build_model, description, initial_weights
+from trainer.models import build_model, description, disable_dropout, initial_weights
 from trainer.strategies import Strategy
 from trainer.strategies.base import DTYPES
 from trainer.training.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
@@ -129,6 +129,8 @@ def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_row
     o = cfg.objective
     if ObjectiveName(o.name) is ObjectiveName.lm:
         return NextToken(fused=cfg.train.fused_loss)
+    if o.disable_dropout:  # else step 1 is not ln 2 and the rewards are noise (TRL disables it too)
+        disable_dropout(model)
     if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
         adapters = starting_adapters(cfg, strategy) if cfg.peft.init else None
         return DirectPreference(o, Reference(autocast=strategy.autocast, adapters=adapters))
