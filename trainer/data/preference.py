@@ -8,7 +8,9 @@ prompt + chosen + EOS and prompt + rejected + EOS with the tokenizer's own speci
 response begins where the tokens of the prompt alone and those of prompt + response first differ
 (the shorter of the two pairs' common prefixes), and runs to the end: its tokens, the end-of-turn
 token and whatever the template renders after it, are the targets. In the token cache a pair is
-two documents in a row, prompt + chosen then prompt + rejected, each with its target mask.
+two documents in a row, prompt + chosen then prompt + rejected, each with its target mask. Rows of
+`{chosen, rejected}` alone (hh-rlhf's: the prompt inside both) have their prompt cut off first, as
+TRL's `extract_prompt` does for a dataset without a `prompt` column (`implicit_prompt`).
 
 Rows: each sequence is cut to its first `seq_len + 1` tokens (TRL's `max_length`, keep_start),
 a response cut so is counted (or its pair dropped: `data.drop_long`), and a pair whose prompt
@@ -20,6 +22,7 @@ p's chosen, 2 p + 1 for its rejected, -1 for padding), so the objective can sum 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +36,26 @@ from trainer.errors import ConfigError
 COLUMNS = ("prompt", "chosen", "rejected")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
             break
         n += 1
     return n
+
+
+def implicit_prompt(chosen, rejected) -> tuple:
+    """(prompt, chosen, rejected) of a row whose prompt is inside both responses (strings, or lists
+    of messages): what they share at the start, as TRL 1.16's `extract_prompt` cuts it (a string
+    gives the space before the first difference to the responses; where one response is the
+    other's start, the last shared item goes to them)."""
+    shared, shortest = common_prefix(chosen, rejected), min(len(chosen), len(rejected))
+    if shared == shortest:
+        cut = max(shortest - 1, 0)
+    else:
+        cut = shared - 1 if shared and chosen[shared - 1] == " " else shared
+    return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
 def is_messages(value) -> bool:
@@ -58,20 +74,24 @@ class PreferencePairs:
         return {"rows": "preference", "chat_template": self.template}
 
     def check(self, dataset, tokenizer, path: Path) -> None:
-        missing = [c for c in COLUMNS if c not in dataset.column_names]
+        missing = [c for c in COLUMNS[1:] if c not in dataset.column_names]
         if missing:
             raise ConfigError(f"data.path: {path} has no {', '.join(f'`{c}`' for c in missing)} column; a preference "
-                              f"row is {{prompt, chosen, rejected}}; columns: {', '.join(dataset.column_names)}")
-        conversational = len(dataset) > 0 and isinstance(dataset[0]["prompt"], list)
+                              f"row is {{prompt, chosen, rejected}} (or {{chosen, rejected}} with the prompt inside "
+                              f"both); columns: {', '.join(dataset.column_names)}")
+        conversational = len(dataset) > 0 and isinstance(dataset[0]["chosen"], list)
         if conversational and self.template is None and not tokenizer.chat_template:
             raise ConfigError(f"data.chat_template: the tokenizer {tokenizer.name_or_path} has no chat template to "
                               f"render the conversations of {path}; give one: data.chat_template=FILE.jinja")
 
     def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document | BadRow]:
         out = []
-        for j in range(len(rows["prompt"])):
+        for j in range(len(rows["chosen"])):
+            row = {c: rows[c][j] for c in COLUMNS if c in rows}
+            if "prompt" not in row:
+                row = dict(zip(COLUMNS, implicit_prompt(row["chosen"], row["rejected"])))
             try:
-                out += self.pair(tokenizer, {c: rows[c][j] for c in COLUMNS}, first + j)
+                out += self.pair(tokenizer, row, first + j)
             except BadRow as bad:
                 out.append(bad)
         return out
