@@ -145,6 +145,10 @@ class PairRows(DocumentRows):
         self.long, self.untargeted = int(pair_long.sum()), int((~pair_targeted).sum())
         widths = (ends - starts - 1).reshape(-1, 2).sum(1)[self.pairs]  # the positions a pair fills
         self.row_starts = packed_row_starts(widths.tolist(), 2 * seq_len) if packing else list(range(len(widths) + 1))
+        # a TRL user counts pairs (per_device_train_batch_size); a sample here is a row
+        self.sample_words = (f" (rows of {2 * seq_len} tokens holding {len(self.pairs):,} pairs packed; "
+                             "train.micro_batch_size counts rows: data.packing=false makes each row one pair)"
+                             if packing and len(self) < len(self.pairs) else "")
 
     def __len__(self) -> int:
         return len(self.row_starts) - 1
