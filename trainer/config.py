@@ -216,8 +216,8 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.text
-    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf, chat: a file, folder or Hub name
-    revision: Optional[str] = None  # hf, chat: a Hub dataset name's branch, tag or commit; None: main
+    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf, chat, preference: a file, folder or Hub name
+    revision: Optional[str] = None  # hf, chat, preference: a Hub dataset name's branch, tag or commit; None: main
     num_samples: int = 2048  # synthetic only
     dtype: TokenDtype = TokenDtype.uint16  # tokens only
     text_field: str = "text"  # hf only
