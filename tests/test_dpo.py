@@ -453,7 +453,8 @@ def test_the_plan_counts_the_frozen_copy_and_rows_of_two_sequences():
     for key, gpu in lm.items():
         name, checkpointing, offload = key
         sharded = name in ("fsdp", "zero3")
-        assert copy[key]["params"] - precomputed[key]["params"] == reference // (world if sharded else 1), key
+        held = 2 * reference if name == "ddp" else reference  # ddp's copy is fp32, as its policy (issue 43)
+        assert copy[key]["params"] - precomputed[key]["params"] == held // (world if sharded else 1), key
         assert precomputed[key]["params"] == gpu["params"] and lora[key]["params"] == lora_lm[key]["params"], key
         two_rows = activation_need(cfg, checkpointing, False).bytes(2 * cfg.model.seq_len, 2)
         assert precomputed[key]["activations"] == two_rows > gpu["activations"], key

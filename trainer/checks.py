@@ -181,7 +181,7 @@ def check_lora(p: PeftConfig) -> None:
     require_hf("peft=lora", "peft", extra="ft")
     _require(p.r >= 1, "peft.r", f"the adapters' rank must be >= 1, got {p.r}")
     _require(p.alpha > 0, "peft.alpha", f"must be > 0, got {p.alpha}")
-    _require(0 <= p.dropout < 1, "peft.dropout", f"must be in [0, 1), got {p.dropout}")
+    _require(p.dropout is None or 0 <= p.dropout < 1, "peft.dropout", f"must be in [0, 1), got {p.dropout}")
     targets = p.target_modules
     _require(targets == "all-linear" or (isinstance(targets, list) and targets and all(
         isinstance(t, str) and t for t in targets)), "peft.target_modules",

@@ -183,7 +183,7 @@ class PeftConfig:
     name: PeftName = PeftName.none
     r: int = 16  # the adapters' rank
     alpha: float = 32.0  # scaling alpha / r
-    dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
+    dropout: Optional[float] = None  # dropout on the adapters' input, in [0, 1); null: 0, or peft.init's own
     target_modules: Any = "all-linear"  # or a list of module names (a name matches itself and names ending in .name)
     init: Optional[str] = None  # an existing PEFT adapter folder to continue training (its r, alpha, targets)
 
@@ -194,6 +194,7 @@ class ObjectiveConfig:
     beta: float = 0.1  # dpo: how far the policy may move from the reference
     loss: DpoLoss = DpoLoss.sigmoid
     precompute_ref: bool = False  # dpo: the reference's log-probs of every pair in one pass before training
+    disable_dropout: bool = True  # dpo: no dropout in the policy (TRL's DPOConfig default); false keeps the model's
 
 
 @dataclass
@@ -215,8 +216,8 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.text
-    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf, chat: a file, folder or Hub name
-    revision: Optional[str] = None  # hf, chat: a Hub dataset name's branch, tag or commit; None: main
+    path: Optional[str] = None  # text: a file (None: the bundled corpus); tokens: a .bin; hf, chat, preference: a file, folder or Hub name
+    revision: Optional[str] = None  # hf, chat, preference: a Hub dataset name's branch, tag or commit; None: main
     num_samples: int = 2048  # synthetic only
     dtype: TokenDtype = TokenDtype.uint16  # tokens only
     text_field: str = "text"  # hf only

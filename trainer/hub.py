@@ -75,9 +75,10 @@ def local_folder(name: str, key: str, repo_type: str = "model", revision: str | 
 
 def resolve_names(cfg, data_too: bool = True) -> None:
     """Replace the Hub names among the settings that name folders (model.path, data.path,
-    data.val_path, data.tokenizer) with their snapshot folders, in `cfg` (Hydra's, which the ranks
-    get): everything after reads local files. `model.revision` / `data.revision` pick the revision.
-    `data_too=False`: the model alone (the planner reads no data)."""
+    data.val_path, data.tokenizer, a mixture source's path and val_path) with their snapshot
+    folders, in `cfg` (Hydra's, which the ranks get): everything after reads local files.
+    `model.revision` / `data.revision` pick the revision. `data_too=False`: the model alone (the
+    planner reads no data)."""
     model, data = cfg.model, cfg.data
     if model.get("kind") == "hf" and is_hub_name(model.get("path")):
         name = model.path
@@ -88,9 +89,16 @@ def resolve_names(cfg, data_too: bool = True) -> None:
         log.info(f"model.path: {name} is {model.path}")
     if data_too and is_hub_name(data.get("tokenizer")):  # a tokenizer's repository is a model repository
         data.tokenizer = local_folder(data.tokenizer, "data.tokenizer", "model")
-    if data_too and data.get("name") in ("hf", "chat"):
+    if not data_too:
+        return
+    # the data sets read with `datasets` (tokenized.py); a mixture's sources of those kinds
+    read = ("hf", "chat", "preference")
+    folders = [(data, "data")] if data.get("name") in read else []
+    folders += [(source, f"data.sources[{i}]") for i, source in enumerate(data.get("sources") or [])
+                if source.get("kind") in read]
+    for node, where in folders:
         for key in ("path", "val_path"):
-            if is_hub_name(data.get(key)):
-                name = data[key]
-                data[key] = local_folder(name, f"data.{key}", "dataset", data.get("revision"))
-                log.info(f"data.{key}: {name} is {data[key]}")
+            if is_hub_name(node.get(key)):
+                name = node[key]
+                node[key] = local_folder(name, f"{where}.{key}", "dataset", data.get("revision"))
+                log.info(f"{where}.{key}: {name} is {node[key]}")

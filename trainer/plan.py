@@ -140,7 +140,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
     plan = Plan(n_params, trainable, world_size, gpu_memory_bytes, precision.value, cfg.plan.master_weights,
                 cfg.plan.flops_per_s, cfg.plan.link_gbps, cfg.plan.pcie_gbps, memory_source=memory_source)
     # objective=dpo: a row holds a pair's two sequences (2 x seq_len wide); full fine-tuning without
-    # precompute_ref holds a frozen copy of the model, its parameters in the training dtype, sharded
+    # precompute_ref holds a frozen copy of the model, its parameters in the training dtype (ddp: fp32), sharded
     # where the policy's are (LoRA's reference is the base with the adapters off: nothing more; with
     # peft.init, the starting adapter: the adapters' parameters again, whole on every rank)
     dpo = ObjectiveName(cfg.objective.name) is ObjectiveName.dpo
@@ -157,7 +157,9 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
             for checkpointing in (False, True):
                 held = per_rank_bytes(stage, trainable, world_size, precision, master_weights=cfg.plan.master_weights,
                                       reduce_dtype=cfg.strategy.reduce_dtype)
-                held["params"] += DTYPE_BYTES[precision] * (frozen + reference) // (
+                # ddp's copy is fp32, as the policy's parameters (Strategy.frozen_dtype)
+                copy_bytes = 4 if stage is StrategyName.ddp else DTYPE_BYTES[precision]
+                held["params"] += (DTYPE_BYTES[precision] * frozen + copy_bytes * reference) // (
                     world_size if "params" in SHARDED[stage] else 1) + DTYPE_BYTES[precision] * starting_adapter
                 held["grads"] = peak_gradient_bytes(stage, held["grads"], trainable, t.grad_accum_steps,
                                                     cfg.strategy.grad_reduce, precision)

@@ -31,7 +31,7 @@ from trainer.errors import ConfigError
 from trainer.log import log
 from trainer.models.checks import check_packing
 
-__all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data"]
+__all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data", "token_keys"]
 
 TOKENIZED = (DataName.hf, DataName.chat, DataName.preference)
 # How the training samples are read or held out for validation, not which they are
@@ -55,6 +55,14 @@ def data_fingerprint(cfg: Config) -> dict:
     if DataName(d.name) is DataName.synthetic:
         settings.update({"train.seed": cfg.train.seed, "model.vocab_size": m.vocab_size})
     return settings
+
+
+def token_keys(cfg: Config) -> dict[str, str]:
+    """The token cache's key of every split that is tokenised (data.path, data.val_path): what its
+    tokens follow from (the files by size and mtime, the tokenizer's files, the template)."""
+    if DataName(cfg.data.name) not in TOKENIZED:
+        return {}
+    return {key: _tokenized(cfg, path, key).dir.name for key, path in _paths(cfg)}
 
 
 def _tokenized(cfg: Config, path: str | None, key: str) -> TokenizedText:

@@ -8,18 +8,21 @@ prompt + chosen + EOS and prompt + rejected + EOS with the tokenizer's own speci
 response begins where the tokens of the prompt alone and those of prompt + response first differ
 (the shorter of the two pairs' common prefixes), and runs to the end: its tokens, the end-of-turn
 token and whatever the template renders after it, are the targets. In the token cache a pair is
-two documents in a row, prompt + chosen then prompt + rejected, each with its target mask.
+two documents in a row, prompt + chosen then prompt + rejected, each with its target mask. Rows of
+`{chosen, rejected}` alone (hh-rlhf's: the prompt inside both) have their prompt cut off first, as
+TRL's `extract_prompt` does for a dataset without a `prompt` column (`implicit_prompt`).
 
 Rows: each sequence is cut to its first `seq_len + 1` tokens (TRL's `max_length`, keep_start),
 a response cut so is counted (or its pair dropped: `data.drop_long`), and a pair whose prompt
 leaves either response no token is left out (TRL drops those too). A row is `2 x seq_len` wide
 and holds whole pairs, chosen then rejected, position ids restarting at each sequence (attention
-stays within it); packed, as many pairs as fit, else one pair per row. Each position also carries
-the number of its sequence in the split (2 p for pair p's chosen, 2 p + 1 for its rejected, -1
-for padding), so the objective can sum each sequence's log-probabilities and find its reference.
+stays within it; padding's positions stay below `seq_len` too); packed, as many pairs as fit, else
+one pair per row. Each position also carries the number of its sequence in the split (2 p for pair
+p's chosen, 2 p + 1 for its rejected, -1 for padding), so the objective can sum each sequence's log-probabilities and find its reference.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +36,26 @@ from trainer.errors import ConfigError
 COLUMNS = ("prompt", "chosen", "rejected")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
             break
         n += 1
     return n
+
+
+def implicit_prompt(chosen, rejected) -> tuple:
+    """(prompt, chosen, rejected) of a row whose prompt is inside both responses (strings, or lists
+    of messages): what they share at the start, as TRL 1.16's `extract_prompt` cuts it (a string
+    gives the space before the first difference to the responses; where one response is the
+    other's start, the last shared item goes to them)."""
+    shared, shortest = common_prefix(chosen, rejected), min(len(chosen), len(rejected))
+    if shared == shortest:
+        cut = max(shortest - 1, 0)
+    else:
+        cut = shared - 1 if shared and chosen[shared - 1] == " " else shared
+    return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
 def is_messages(value) -> bool:
@@ -58,20 +74,24 @@ class PreferencePairs:
         return {"rows": "preference", "chat_template": self.template}
 
     def check(self, dataset, tokenizer, path: Path) -> None:
-        missing = [c for c in COLUMNS if c not in dataset.column_names]
+        missing = [c for c in COLUMNS[1:] if c not in dataset.column_names]
         if missing:
             raise ConfigError(f"data.path: {path} has no {', '.join(f'`{c}`' for c in missing)} column; a preference "
-                              f"row is {{prompt, chosen, rejected}}; columns: {', '.join(dataset.column_names)}")
-        conversational = len(dataset) > 0 and isinstance(dataset[0]["prompt"], list)
+                              f"row is {{prompt, chosen, rejected}} (or {{chosen, rejected}} with the prompt inside "
+                              f"both); columns: {', '.join(dataset.column_names)}")
+        conversational = len(dataset) > 0 and isinstance(dataset[0]["chosen"], list)
         if conversational and self.template is None and not tokenizer.chat_template:
             raise ConfigError(f"data.chat_template: the tokenizer {tokenizer.name_or_path} has no chat template to "
                               f"render the conversations of {path}; give one: data.chat_template=FILE.jinja")
 
     def encode(self, tokenizer, rows: dict[str, list], first: int) -> list[Document | BadRow]:
         out = []
-        for j in range(len(rows["prompt"])):
+        for j in range(len(rows["chosen"])):
+            row = {c: rows[c][j] for c in COLUMNS if c in rows}
+            if "prompt" not in row:
+                row = dict(zip(COLUMNS, implicit_prompt(row["chosen"], row["rejected"])))
             try:
-                out += self.pair(tokenizer, {c: rows[c][j] for c in COLUMNS}, first + j)
+                out += self.pair(tokenizer, row, first + j)
             except BadRow as bad:
                 out.append(bad)
         return out
@@ -125,6 +145,10 @@ class PairRows(DocumentRows):
         self.long, self.untargeted = int(pair_long.sum()), int((~pair_targeted).sum())
         widths = (ends - starts - 1).reshape(-1, 2).sum(1)[self.pairs]  # the positions a pair fills
         self.row_starts = packed_row_starts(widths.tolist(), 2 * seq_len) if packing else list(range(len(widths) + 1))
+        # a TRL user counts pairs (per_device_train_batch_size); a sample here is a row
+        self.sample_words = (f" (rows of {2 * seq_len} tokens holding {len(self.pairs):,} pairs packed; "
+                             "train.micro_batch_size counts rows: data.packing=false makes each row one pair)"
+                             if packing and len(self) < len(self.pairs) else "")
 
     def __len__(self) -> int:
         return len(self.row_starts) - 1
@@ -143,7 +167,9 @@ class PairRows(DocumentRows):
                 x[at:at + n], y[at:at + n] = inputs, targets
                 position_ids[at:at + n], sequence[at:at + n] = torch.arange(n), 2 * int(p) + k
                 at += n
-        position_ids[at:] = torch.arange(width - at)
+        # padding (no target, no sequence) in runs of at most seq_len: its positions stay within the
+        # model's position table (the built-in model's, GPT-2's n_positions), as a row is 2 x seq_len wide
+        position_ids[at:] = torch.arange(width - at) % self.seq_len
         return x, y, position_ids, sequence
 
 

@@ -51,13 +51,14 @@ class BatchStream:
     spans two epochs (the tail that cannot fill a whole step is dropped, the same on all ranks)."""
 
     @staticmethod
-    def check_size(samples: int, micro_batch_size: int, grad_accum_steps: int, world_size: int) -> int:
-        """Steps per epoch (each rank takes len // world_size samples, the sampler's drop_last); at least one."""
+    def check_size(samples: int, micro_batch_size: int, grad_accum_steps: int, world_size: int, what: str = "") -> int:
+        """Steps per epoch (each rank takes len // world_size samples, the sampler's drop_last); at least one.
+        `what`: what a sample is, where a user would count something else (data=preference's packed pairs)."""
         steps = samples // world_size // (micro_batch_size * grad_accum_steps)
         if steps == 0:
             raise ConfigError(
                 f"train.micro_batch_size: {micro_batch_size} x grad_accum_steps {grad_accum_steps} x world size "
-                f"{world_size} exceeds the {samples} samples of one epoch: the data set is too small for one step")
+                f"{world_size} exceeds the {samples} samples of one epoch{what}: the data set is too small for one step")
         return steps
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, grad_accum_steps: int, rank: int, world_size: int,
@@ -90,7 +91,8 @@ class BatchStream:
     def steps_in(self, epoch: int) -> int:
         if epoch not in self._steps:
             rows = self.dataset.rows_in(epoch) if self.planned else len(self.dataset)
-            self._steps[epoch] = self.check_size(rows, self.micro_batch_size, self.grad_accum_steps, self.world_size)
+            self._steps[epoch] = self.check_size(rows, self.micro_batch_size, self.grad_accum_steps, self.world_size,
+                                                 getattr(self.dataset, "sample_words", ""))
         return self._steps[epoch]
 
     def steps_for(self, epochs: int) -> int:

@@ -297,7 +297,8 @@ class TokenizedText:
         for name, size in sizes.items():
             with open(self._tmp / f"{name}.bin", "ab") as f:
                 f.truncate(size)
-        log.info(f"tokenising {len(dataset):,} documents of {self.path} with {self.tokenizer_dir} (once; cached in "
+        # rows, as the file counts them (a preference row becomes two documents, its pair's sequences)
+        log.info(f"tokenising {len(dataset):,} rows of {self.path} with {self.tokenizer_dir} (once; cached in "
                  f"{self.dir})" + (f", continuing after {done['documents']:,}" if done["documents"] else ""))
         total, bad_rows, said = written, done["bad_rows"], time.monotonic()
         with ExitStack() as stack:
@@ -321,7 +322,7 @@ class TokenizedText:
                 (self._tmp / "progress.json").write_text(json.dumps({"documents": documents, "bad_rows": bad_rows,
                                                                      "ids_bytes": files["ids"].tell()}))
                 if time.monotonic() - said >= PROGRESS_EVERY_S:
-                    log.info(f"tokenised {documents:,} of {len(dataset):,} documents")
+                    log.info(f"tokenised {documents:,} of {len(dataset):,} rows")
                     said = time.monotonic()
         if not total:
             raise ConfigError(f"{self.key}: {self.path} has no {self.encoding.what}")
@@ -336,7 +337,7 @@ class TokenizedText:
                 **self.encoding.key()}
         (self._tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         self._tmp.rename(self.dir)  # published whole: readers look for dir/meta.json
-        log.info(f"tokenised: {len(doc_starts):,} documents, {total:,} tokens in "
+        log.info(f"tokenised: {len(dataset):,} rows into {len(doc_starts):,} documents, {total:,} tokens in "
                  f"{time.perf_counter() - started:.1f} s" + (f"; {bad_rows:,} bad rows skipped" if bad_rows else ""))
 
     def tokens(self) -> tuple[Tokens, int]:

@@ -46,6 +46,18 @@ def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftCon
         return lora.add_adapters(model, peft, cfg.vocab_size) if lora.enabled(peft) else model
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """No dropout anywhere in `model`, in place: every nn.Dropout's p (TRL's disable_dropout_in_model:
+    the model's own, LoRA's lora_dropout) and the probabilities Hugging Face attention reads from a
+    float attribute in train mode (`attention_dropout`, `dropout_p`, ...), which TRL's misses."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "drop" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
 def own_build_context(cfg: ModelConfig) -> AbstractContextManager:
     """What a family needs around its own build, whatever the strategy's context: a Hugging Face
     model skips transformers' weight init (`hf.without_initialisation`), the values come afterwards."""

@@ -144,7 +144,7 @@ def add_adapters(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> nn.Modul
 
 
 def adapter_settings(model: nn.Module, cfg: PeftConfig, vocab_size: int) -> dict:
-    settings = {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout,
+    settings = {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout or 0.0,
                 "target_modules": target_modules(model, cfg, vocab_size)}
     experts = target_parameters(model, cfg)
     if experts and cfg.dropout:  # peft's ParamWrapper raises a ValueError deep in the build
@@ -179,11 +179,14 @@ def read_adapter_folder(path: Path) -> dict:
 
 def from_init(cfg: PeftConfig) -> dict:
     """peft.init=DIR: the folder's settings, which the adapters' shapes and names follow. A peft.r,
-    alpha, dropout or target_modules set to something else (not its default) would be ignored
-    without a word: refused, naming both values."""
+    alpha or target_modules set to something else (not its default) would be ignored without a
+    word: refused, naming both values. Dropout is no part of the adapters: peft.dropout, where
+    given, replaces the folder's."""
     settings = read_adapter_folder(Path(cfg.init))
+    if cfg.dropout is not None:
+        settings["dropout"] = cfg.dropout
     defaults = PeftConfig()
-    given = {"r": cfg.r, "alpha": cfg.alpha, "dropout": cfg.dropout, "target_modules": cfg.target_modules}
+    given = {"r": cfg.r, "alpha": cfg.alpha, "target_modules": cfg.target_modules}
     for key, value in given.items():
         saved = settings[key]
         if value == getattr(defaults, key):

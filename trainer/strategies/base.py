@@ -101,13 +101,19 @@ class Strategy(ABC):
 
     def setup_frozen(self, model: nn.Module, weights: WeightSource) -> nn.Module:
         """A model that never trains (objective=dpo's reference under full fine-tuning), built in
-        `model_init_context` like the policy: frozen, held in the training dtype, filled from
-        `weights`, in eval mode, in no optimizer. Here replicated on every rank (ddp, zero1/2)."""
+        `model_init_context` like the policy: frozen, held in `frozen_dtype`, filled from `weights`,
+        in eval mode, in no optimizer. Here replicated on every rank (ddp, zero1/2)."""
         model.requires_grad_(False)
-        hold_in(model, DTYPES[self.precision], frozen_only=True)
+        hold_in(model, self.frozen_dtype(), frozen_only=True)
         allocate(model, self.device)
         fill(model, weights)
         return model.to(self.device).eval()  # .to: the buffers
+
+    def frozen_dtype(self) -> torch.dtype:
+        """The dtype of a frozen copy's parameters: the one the policy's training parameters are
+        held in where the forward reads them (DeepSpeed's bf16/fp16 module), so that the copy
+        computes as the policy does at its start."""
+        return DTYPES[self.precision]
 
     def holds(self, model: nn.Module) -> None:
         """`model`, held on this rank outside the policy (objective=dpo's reference: a frozen copy,

@@ -31,6 +31,11 @@ class DDPStrategy(TorchStrategy):
             return nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
+    def frozen_dtype(self):
+        # the policy computes from fp32 parameters under autocast: norms and embeddings in fp32; a
+        # copy in bf16 would round them, and its log-probs would differ from the policy's at step 1
+        return torch.float32
+
     @property
     def module(self):
         return self.model.module

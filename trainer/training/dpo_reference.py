@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from trainer.config import Config, ObjectiveName, PeftName
-from trainer.data import data_fingerprint, eval_batches
+from trainer.data import data_fingerprint, eval_batches, token_keys
 from trainer.data.tokenized import default_cache_dir
 from trainer.log import log
-from trainer.models import build_model, description, initial_weights
+from trainer.models import build_model, description, disable_dropout, initial_weights
 from trainer.strategies import Strategy
 from trainer.strategies.base import DTYPES
 from trainer.training.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
@@ -38,7 +38,8 @@ from trainer.training.objectives import DirectPreference, NextToken, Reference, 
 def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
     """What the reference's log-probabilities follow from: the model (its settings and where its
     weights come from: pretrained files by fingerprint, else the seed that initialises it), a
-    starting adapter by its files, the tokenised pairs and how they are cut, the precision."""
+    starting adapter by its files, the pairs of every split (their token cache keys: the files by
+    size and mtime, the tokenizer's files, the template) and how they are cut, the precision."""
     p = cfg.peft
     start = None
     if PeftName(p.name) is PeftName.lora and p.init:
@@ -49,7 +50,7 @@ def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
         start = h.hexdigest()
     settings = {"model": description(cfg.model, cfg.data.tokenizer), "weights": weights_fingerprint,
                 "seed": cfg.train.seed if weights_fingerprint is None else None, "adapter": start,
-                "data": data_fingerprint(cfg), "precision": cfg.train.precision.value}
+                "data": data_fingerprint(cfg), "tokens": token_keys(cfg), "precision": cfg.train.precision.value}
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -73,15 +74,25 @@ def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict,
                 weights_fingerprint: str | None) -> dict[str, torch.Tensor]:
     """{split: table} for the splits' rows, read from the cache or computed now (and cached by rank 0)."""
     root = (Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()) / "reference"
-    entry = root / reference_key(cfg, weights_fingerprint)
+    return cached_tables(root / reference_key(cfg, weights_fingerprint), model, strategy, splits,
+                         cfg.train.micro_batch_size)
+
+
+def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dict, micro_batch_size: int
+                  ) -> dict[str, torch.Tensor]:
+    """{split: table}: rank 0's file in `entry`, else computed now by every rank and written by rank 0.
+    Rank 0 decides for all: with a cache on each node's own disk, the ranks of a node without the
+    file would run the pass's collectives while rank 0 reads (a hang); they get rank 0's table."""
     tables = {}
     for split, rows in splits.items():
         file = entry / f"{split}.pt"
-        if file.is_file():
-            tables[split] = torch.load(file)
+        on_rank0 = strategy.all_reduce(torch.tensor(int(strategy.is_main and file.is_file()), device=strategy.device))
+        if on_rank0.item():
+            table = torch.load(file) if strategy.is_main else torch.zeros(2 * rows.n_pairs, dtype=torch.float64)
+            tables[split] = strategy.all_reduce(table.to(strategy.device)).cpu()  # the others' zeros: rank 0's
             continue
         log.info(f"objective.precompute_ref: the reference's log-probs of {rows.n_pairs:,} {split} pairs, once")
-        tables[split] = reference_logps(model, strategy, rows, cfg.train.micro_batch_size)
+        tables[split] = reference_logps(model, strategy, rows, micro_batch_size)
         if strategy.is_main:
             entry.mkdir(parents=True, exist_ok=True)
             tmp = file.with_suffix(f".tmp{os.getpid()}")
@@ -118,6 +129,8 @@ def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_row
     o = cfg.objective
     if ObjectiveName(o.name) is ObjectiveName.lm:
         return NextToken(fused=cfg.train.fused_loss)
+    if o.disable_dropout:  # else step 1 is not ln 2 and the rewards are noise (TRL disables it too)
+        disable_dropout(model)
     if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
         adapters = starting_adapters(cfg, strategy) if cfg.peft.init else None
         return DirectPreference(o, Reference(autocast=strategy.autocast, adapters=adapters))

@@ -16,7 +16,7 @@ from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
 from trainer.checks import check_validation_rows
-from trainer.config import Config, ModelKind, OptimConfig, PeftName
+from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
@@ -101,13 +101,17 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
     ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
     sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
     attention = [f"attn_implementation={cfg.model.attn_implementation}"] if cfg.model.kind == ModelKind.hf else []
+    o = cfg.objective
+    dpo = [f"objective=dpo beta={o.beta:g} loss={o.loss.value}" + ("" if o.disable_dropout else " dropout=kept")] \
+        if o.name is ObjectiveName.dpo else []
     # a mixture of experts: all its parameters, and those a token uses
     active = f" ({short_count(facts.params)} parameters, {short_count(facts.active)} active)" \
         if facts.active < facts.params else ""
     return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}{active}",
                      *attention,
-                     f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(),
-                     # peft=lora brings its own (conf/peft/lora.yaml): said, so nobody trains at a rate they did not expect
+                     f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(), *dpo,
+                     # peft=lora and objective=dpo bring their own (conf/peft/lora.yaml, conf/objective/dpo.yaml):
+                     # said, so nobody trains at a rate they did not expect
                      f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
                      f"offload={offload or 'none'}",
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",

@@ -9,7 +9,10 @@ divided the same way where a step is logged.
 DPO (TRL 1.16's DPOTrainer): a response's log-probability is the sum over its own target tokens;
 with the reference's, the log-ratios r_c = logp_c - ref_c and r_r = logp_r - ref_r give
 sigmoid: -log sigmoid(beta (r_c - r_r)); ipo: ((r_c / n_c - r_r / n_r) - 1 / (2 beta))^2, n the
-response's tokens. Rewards are beta r_c and beta r_r; accuracy is reward_c > reward_r.
+response's tokens. Rewards are beta r_c and beta r_r; accuracy is reward_c > reward_r. As TRL's
+step records: `logps/*` the policy's log-probabilities of the responses, means over the pairs;
+`logits/*` the mean over the vocabulary of the policy's logits at each response token, means over
+the tokens.
 """
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ from trainer.models import logits_of
 from trainer.models.fused_loss import token_losses
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+# summed per micro-batch like the rewards; logits/* are means over the responses' tokens, summed
+# beside them (tokens/*, not recorded), the others means over the pairs
+DPO_STATS = (*REWARDS, "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "tokens/chosen",
+             "tokens/rejected")
+PER_TOKEN = {"logits/chosen": "tokens/chosen", "logits/rejected": "tokens/rejected"}
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -81,19 +89,26 @@ class NextToken:
         return self
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the summed log-probability of each sequence's targets, its number of targets, its number),
+def per_sequence(values: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the sum of `values` [b, t] over each sequence's targets, its number of targets, its number),
     for the sequences of the micro-batch that have targets, in the order of their numbers: a pair's
     chosen (2 p) then its rejected (2 p + 1). Positions without a target count for nothing (a
     validation slot that repeats a row without targets, too)."""
-    token_logps = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="none")
     targeted = targets.flatten() != IGNORE_INDEX
     numbers, which = torch.unique(sequence.flatten()[targeted], return_inverse=True)
-    logps = torch.zeros(len(numbers), dtype=token_logps.dtype, device=logits.device)
-    logps = logps.index_add(0, which, token_logps[targeted])
-    return logps, torch.bincount(which, minlength=len(numbers)), numbers
+    sums = torch.zeros(len(numbers), dtype=values.dtype, device=values.device)
+    sums = sums.index_add(0, which, values.flatten()[targeted])
+    return sums, torch.bincount(which, minlength=len(numbers)), numbers
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the summed log-probability of each sequence's targets, its number of targets, its number):
+    `per_sequence` of the token log-probabilities."""
+    token_logps = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="none")
+    return per_sequence(token_logps.view(targets.shape), targets, sequence)
 
 
 def pair_count(batch) -> torch.Tensor:
@@ -142,8 +157,8 @@ class Reference:
 
 
 class DirectPreference:
-    """objective=dpo: the summed pair losses of a micro-batch, and its summed rewards (REWARDS)."""
-    stats = REWARDS
+    """objective=dpo: the summed pair losses of a micro-batch, and its summed statistics (DPO_STATS)."""
+    stats = DPO_STATS
 
     def __init__(self, cfg: ObjectiveConfig, reference: Reference, splits: dict | None = None):
         self.cfg, self.beta, self.loss = cfg, cfg.beta, DpoLoss(cfg.loss)
@@ -158,7 +173,9 @@ class DirectPreference:
         return DirectPreference(self.cfg, self.splits.get(split, self.reference), self.splits)
 
     def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, lengths, numbers = sequence_logps(forward(model, batch), batch[1], batch[3])
+        logits = forward(model, batch)
+        logps, lengths, numbers = sequence_logps(logits, batch[1], batch[3])
+        mean_logits = per_sequence(logits.detach().float().mean(-1), batch[1], batch[3])[0].view(-1, 2)
         ref = self.reference.logps(model, batch, numbers)
         ratios = (logps - ref).view(-1, 2)  # [pair, chosen | rejected]
         if self.loss is DpoLoss.sigmoid:
@@ -166,12 +183,16 @@ class DirectPreference:
         else:  # ipo: per-token log-ratios (TRL normalises by the response's tokens)
             per_token = ratios / lengths.view(-1, 2).clamp(min=1)
             losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * self.beta)) ** 2
-        rewards = self.beta * ratios.detach()
+        rewards, pair_logps = self.beta * ratios.detach(), logps.detach().view(-1, 2)
         stats = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] > rewards[:, 1]).float().sum(),
-                             (rewards[:, 0] - rewards[:, 1]).sum()])
+                             (rewards[:, 0] - rewards[:, 1]).sum(), *pair_logps.sum(0), *mean_logits.sum(0),
+                             *lengths.view(-1, 2).sum(0).to(rewards.dtype)])
         return losses.sum(), stats
 
 
 def record(stats: tuple[str, ...], sums: torch.Tensor, units: torch.Tensor) -> dict:
-    """An objective's statistics as step-record fields: their means over the units of all ranks."""
-    return {name: (value / units).item() for name, value in zip(stats, sums)}
+    """An objective's statistics as step-record fields: their means over the units of all ranks, or
+    (PER_TOKEN) over the tokens summed beside them, which are not recorded."""
+    summed = dict(zip(stats, sums))
+    return {name: (value / (summed[PER_TOKEN[name]] if name in PER_TOKEN else units)).item()
+            for name, value in summed.items() if name not in PER_TOKEN.values()}
