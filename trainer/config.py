@@ -79,6 +79,13 @@ class Exhausted(str, Enum):
     stop = "stop"  # gives each once: its share ends there
 
 
+class LongDocuments(str, Enum):
+    """data=mixture: an hf or chat source's document longer than model.seq_len + 1 tokens."""
+    split = "split"  # hf only: cut into windows of seq_len + 1 tokens (as data=hf's packing keeps every token)
+    truncate = "truncate"  # its first seq_len + 1 tokens
+    drop = "drop"  # left out
+
+
 class TokenDtype(str, Enum):
     uint16 = "uint16"
     uint32 = "uint32"
@@ -210,6 +217,9 @@ class SourceConfig:
     tokenizer: Optional[str] = None  # hf, chat: must be the run's one tokenizer (default: data.tokenizer)
     train_on: Optional[TrainOn] = None  # chat (default: assistant)
     chat_template: Optional[str] = None  # chat
+    # hf, chat: a document longer than seq_len + 1 tokens (default: data.drop_long=true drops it, else
+    # an hf document is split into windows, a conversation truncated)
+    long_documents: Optional[LongDocuments] = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ from trainer.config import (
     Config,
     DataName,
     Exhausted,
+    LongDocuments,
     ModelKind,
     SourceConfig,
     SourceKind,
@@ -48,7 +49,9 @@ from trainer.data.sources import (
     TokenWindows,
     as_long,
     document_spans,
+    document_windows,
     packed_row_starts,
+    spans_as_documents,
     text_tokens,
     token_file,
 )
@@ -58,11 +61,12 @@ from trainer.log import log
 from trainer.models.checks import check_packing
 
 # The keys each kind reads besides kind, path, name, weight and val_path; the others stay null.
-KIND_KEYS = {SourceKind.text: (), SourceKind.tokens: ("dtype",), SourceKind.hf: ("text_field", "tokenizer"),
-             SourceKind.chat: ("tokenizer", "train_on", "chat_template")}
+KIND_KEYS = {SourceKind.text: (), SourceKind.tokens: ("dtype",),
+             SourceKind.hf: ("text_field", "tokenizer", "long_documents"),
+             SourceKind.chat: ("tokenizer", "train_on", "chat_template", "long_documents")}
 COMMON_KEYS = ("kind", "path", "name", "weight", "val_path")
 KIND_ONLY_KEYS = tuple(dict.fromkeys(k for keys in KIND_KEYS.values() for k in keys))
-ENUMS = {"kind": SourceKind, "dtype": TokenDtype, "train_on": TrainOn}
+ENUMS = {"kind": SourceKind, "dtype": TokenDtype, "train_on": TrainOn, "long_documents": LongDocuments}
 TOKENIZED = (SourceKind.hf, SourceKind.chat)
 # The data.* keys a mixture does not read: each source has its own (or the kind's default).
 NOT_FOR_MIXTURES = ("path", "val_path", "chat_template")
@@ -131,6 +135,12 @@ def check_mixture(cfg: Config) -> None:
         if s.path is None and kind is not SourceKind.text:
             raise ConfigError(f"{key}.path: a kind={kind.value} source needs its file, e.g. "
                               f"{{kind:{kind.value},path:{'train.bin' if kind is SourceKind.tokens else 'a.jsonl'}}}")
+        if kind is SourceKind.chat and s.long_documents == LongDocuments.split:
+            raise ConfigError(f"{key}.long_documents: split is for hf sources (a conversation is not cut into "
+                              "windows); truncate or drop")
+        if s.val_path is not None and d.val_fraction:
+            raise ConfigError(f"{key}.val_path: give a source's val_path or data.val_fraction (which holds out that "
+                              "fraction of every source), not both")
         if names[i] in names[:i]:
             raise ConfigError(f"{key}.name: {names[i]!r} names two sources (the file's stem unless given); give each its own name")
     kinds = {SourceKind(s.kind) for s in d.sources}
@@ -177,6 +187,26 @@ def target_counts(tokens: Tokens, spans: np.ndarray) -> np.ndarray:
         return spans[:, 1] - spans[:, 0] - 1
     seen = np.concatenate([[0], np.cumsum(tokens.targets, dtype=np.int64)])
     return seen[spans[:, 1]] - seen[np.minimum(spans[:, 0] + 1, spans[:, 1])]
+
+
+def long_documents(s: SourceConfig, drop_long: bool) -> LongDocuments:
+    """What becomes of an hf or chat source's documents longer than a row: its own setting, else
+    dropped with data.drop_long, else an hf document split into windows, a conversation truncated."""
+    if s.long_documents is not None:
+        return LongDocuments(s.long_documents)
+    if drop_long:
+        return LongDocuments.drop
+    return LongDocuments.split if SourceKind(s.kind) is SourceKind.hf else LongDocuments.truncate
+
+
+def cut_documents(tokens: Tokens, rule: LongDocuments | None, seq_len: int) -> tuple[np.ndarray, int, int]:
+    """A source's documents as [start, end) spans of at most a row's worth (seq_len + 1 tokens), and
+    how many were longer and how many had no target."""
+    if tokens.doc_starts is None:
+        return windows(len(tokens.ids), seq_len), 0, 0
+    if rule is LongDocuments.split:
+        return document_windows(tokens, seq_len + 1)
+    return document_spans(tokens, seq_len + 1, rule is LongDocuments.drop)
 
 
 def _tokenized(cfg: Config, s: SourceConfig, path: str, key: str):
@@ -236,22 +266,22 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
         val = _read(cfg, s, s.val_path, f"{key}.val_path")[0] if s.val_path else None
         if d.val_fraction:
             tokens, val = tokens.split(d.val_fraction)
-        long = untargeted = 0
-        if tokens.doc_starts is None:
-            spans = windows(len(tokens.ids), m.seq_len)
-        else:
-            spans, long, untargeted = document_spans(tokens, m.seq_len + 1, d.drop_long)
+        rule = long_documents(s, d.drop_long) if kind in TOKENIZED else None
+        spans, long, untargeted = cut_documents(tokens, rule, m.seq_len)
         if not len(spans):
             raise ConfigError(f"{key}: {s.path or 'the bundled text'} ({name}) holds no document with a target "
                               f"within model.seq_len + 1 = {m.seq_len + 1} tokens: a source with no documents")
         if val is not None:
-            val = held_out_rows(val, kind, cfg, pad_id)
+            val = held_out_rows(val, rule, cfg, pad_id)
             if not len(val):
                 raise ConfigError(f"{key}.{'val_path' if s.val_path else 'path'}: the validation split of {name} "
                                   f"holds no row of model.seq_len={m.seq_len} tokens with a target")
         out.append(Source(name, kind, float(s.weight), tokens, spans, target_counts(tokens, spans), pad_id, val))
-        notes = [f"{long:,} longer than {m.seq_len + 1} tokens " + ("dropped" if d.drop_long else "truncated")
-                 ] if long else []
+        cut = {LongDocuments.split: "split into windows", LongDocuments.truncate: "truncated",
+               LongDocuments.drop: "dropped"}
+        notes = [f"{long:,} longer than {m.seq_len + 1} tokens {cut[rule]}"
+                 + ("" if rule is LongDocuments.split else f": {lost_targets(tokens, out[-1].targets):,} target "
+                    "tokens left out")] if long else []
         notes += [f"{untargeted:,} without a target left out"] if untargeted else []
         notes += [f"{tokens.bad_rows:,} bad rows skipped"] if tokens.bad_rows else []
         log.info(f"data source {name} ({kind.value}): {len(spans):,} "
@@ -260,14 +290,25 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
     return out
 
 
-def held_out_rows(tokens: Tokens, kind: SourceKind, cfg: Config, pad_id: int) -> Dataset:
-    """A source's validation rows, as data=<kind> would cut them."""
+def lost_targets(tokens: Tokens, kept: np.ndarray) -> int:
+    """The target tokens of a source's documents (each after its document's first token) that its
+    spans (with `kept` targets each) leave out."""
+    firsts = tokens.doc_starts.astype(np.int64)
+    offered = len(tokens.ids) - len(firsts) if tokens.targets is None else \
+        int(tokens.targets.sum(dtype=np.int64)) - int(tokens.targets[firsts].sum(dtype=np.int64))
+    return offered - int(kept.sum())
+
+
+def held_out_rows(tokens: Tokens, rule: LongDocuments | None, cfg: Config, pad_id: int) -> Dataset:
+    """A source's validation rows, cut as its training documents are (`rule`: its long documents)."""
     d, m = cfg.data, cfg.model
     if tokens.doc_starts is None:
         windows = TokenWindows(tokens, m.seq_len, m.vocab_size)
         return WithPositions(windows) if d.packing else windows
+    if rule is LongDocuments.split:
+        tokens = spans_as_documents(tokens, document_windows(tokens, m.seq_len + 1)[0])
     rows = PackedDocuments if d.packing else Documents
-    return rows(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long)
+    return rows(tokens, m.seq_len, m.vocab_size, pad_id, rule is LongDocuments.drop)
 
 
 def allocate(total: int, weights: np.ndarray) -> np.ndarray:
@@ -329,19 +370,41 @@ class MixtureRows(Dataset):
         self.sources, self.seq_len, self.vocab_size, self.packing = sources, seq_len, vocab_size, packing
         self.names = [s.name for s in sources]
         self.seed = seed % 2 ** 63
-        sizes = np.array([len(s.spans) for s in sources], dtype=np.int64)
-        self.shares = allocate(epoch_samples or int(sizes.sum()), np.array([s.weight for s in sources]))
-        # What each source gives per epoch: its share, or at most its documents once (stop).
-        self.per_epoch = self.shares if Exhausted(exhausted) is Exhausted.repeat else np.minimum(self.shares, sizes)
+        self.sizes = np.array([len(s.spans) for s in sources], dtype=np.int64)
+        self.epoch_samples = epoch_samples or int(self.sizes.sum())
+        self.weights = np.array([s.weight for s in sources], dtype=np.float64)
+        self.exhausted = Exhausted(exhausted)
+        # Where each epoch's draws start in each source's stream of passes: row e, epochs 0..e-1's draws.
+        self._starts = np.zeros((1, len(sources)), dtype=np.int64)
         self._plans: dict[int, EpochPlan] = {}
         self._passes: dict[tuple[int, int], np.ndarray] = {}
 
+    def shares(self, epoch: int) -> np.ndarray:
+        """Each source's documents in the epoch: what the allocation of all epochs so far gives, less
+        that of the epochs before, so that the rounding does not add up: after E epochs each
+        source has drawn within 1 of weight x epoch_samples x E (as Megatron's blending keeps it)."""
+        return (allocate(self.epoch_samples * (epoch + 1), self.weights)
+                - allocate(self.epoch_samples * epoch, self.weights))
+
+    def per_epoch(self, epoch: int) -> np.ndarray:
+        """What each source gives in the epoch: its share, or at most its documents once (stop)."""
+        shares = self.shares(epoch)
+        return shares if self.exhausted is Exhausted.repeat else np.minimum(shares, self.sizes)
+
+    def stream_starts(self, epoch: int) -> np.ndarray:
+        """Each source's place in its stream of passes at the start of the epoch."""
+        if self.exhausted is Exhausted.repeat:
+            return allocate(self.epoch_samples * epoch, self.weights)
+        while len(self._starts) <= epoch:  # stop: a sum over the epochs before (each capped at the sizes)
+            self._starts = np.vstack([self._starts, self._starts[-1] + self.per_epoch(len(self._starts) - 1)])
+        return self._starts[epoch]
+
     def describe(self) -> list[dict]:
-        """Each source: its documents, target tokens, weight and documents drawn per epoch (the start record)."""
-        total = sum(s.weight for s in self.sources)
+        """Each source: its documents, target tokens, weight and documents drawn in the first epoch (the start record)."""
+        total = float(self.weights.sum())
         return [{"name": s.name, "kind": s.kind.value, "documents": len(s.spans), "tokens": int(s.targets.sum()),
                  "weight": s.weight, "fraction": s.weight / total, "per_epoch": int(n)}
-                for s, n in zip(self.sources, self.per_epoch)]
+                for s, n in zip(self.sources, self.per_epoch(0))]
 
     def pass_order(self, i: int, p: int) -> np.ndarray:
         """Source i's documents in the order of its pass p over them."""
@@ -366,12 +429,12 @@ class MixtureRows(Dataset):
         return self._plans[epoch]
 
     def _plan(self, epoch: int) -> EpochPlan:
-        counts = self.per_epoch
+        counts, starts = self.per_epoch(epoch), self.stream_starts(epoch)
         source = np.repeat(np.arange(len(self.sources)), counts)
         source = source[np.random.default_rng([self.seed, 0, epoch]).permutation(len(source))]
         document = np.empty(len(source), dtype=np.int64)
-        for i, n in enumerate(counts):
-            document[source == i] = self.drawn_documents(i, epoch * int(n), (epoch + 1) * int(n))
+        for i, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
+            document[source == i] = self.drawn_documents(i, start, start + n)
         if not self.packing:
             return EpochPlan(source, document, np.arange(len(source) + 1))
         # A document of n tokens fills n - 1 positions; a new row where the next does not fit.
@@ -430,7 +493,7 @@ def load_mixture(cfg: Config, local_rank: int) -> tuple[MixtureRows, SourcesVali
     sources = load_sources(cfg, local_rank)
     rows = MixtureRows(sources, m.seq_len, m.vocab_size, d.packing, cfg.train.seed, d.epoch_samples,
                        Exhausted(d.exhausted))
-    log.info(f"data: a mixture of {len(sources)} sources, {int(rows.per_epoch.sum()):,} documents an epoch ("
+    log.info(f"data: a mixture of {len(sources)} sources, {int(rows.per_epoch(0).sum()):,} documents an epoch ("
              + ", ".join(f"{s['name']} {s['per_epoch']:,}" for s in rows.describe())
              + f") in {len(rows):,} {'packed' if d.packing else 'padded'} rows of {m.seq_len} tokens in the first")
     held_out = {s.name: s.val for s in sources if s.val is not None}
