@@ -120,3 +120,19 @@ def test_the_rounding_of_the_shares_is_carried_across_epochs(weights, epoch_samp
         n = len(s.spans)
         for p in range(len(seen) // n):
             assert sorted(seen[p * n:(p + 1) * n].tolist()) == list(range(n))
+
+
+def test_a_source_of_weight_0_is_off_and_not_read(tmp_path):
+    from trainer.checks import validate
+    from trainer.data import check_data
+    from trainer.errors import ConfigError
+
+    (np.arange(3000) % 256).astype(np.uint16).tofile(tmp_path / "a.bin")
+    cfg = mixture_config([{"kind": "tokens", "path": str(tmp_path / "a.bin")},
+                          {"kind": "tokens", "path": str(tmp_path / "missing.bin"), "weight": 0}])
+    validate(cfg)
+    check_data(cfg, 1)  # the file of a source that is off is not looked for
+    rows, _ = load_mixture(cfg, local_rank=0)
+    assert rows.names == ["a"] and rows.per_epoch(0).tolist() == [len(rows.sources[0].spans)]
+    with pytest.raises(ConfigError, match="data.sources: every weight is 0"):
+        validate(mixture_config([{"kind": "tokens", "path": "a.bin", "weight": 0}]))

@@ -130,8 +130,8 @@ def check_mixture(cfg: Config) -> None:
             if getattr(s, name) is not None and name not in KIND_KEYS[kind]:
                 raise ConfigError(f"{key}.{name}: not a key of a kind={kind.value} source; its keys: "
                                   f"{', '.join(COMMON_KEYS + KIND_KEYS[kind])}")
-        if not (isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight > 0):
-            raise ConfigError(f"{key}.weight: must be > 0, got {s.weight}")
+        if not (isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight >= 0):
+            raise ConfigError(f"{key}.weight: must be >= 0 (0: the source is off), got {s.weight}")
         if s.path is None and kind is not SourceKind.text:
             raise ConfigError(f"{key}.path: a kind={kind.value} source needs its file, e.g. "
                               f"{{kind:{kind.value},path:{'train.bin' if kind is SourceKind.tokens else 'a.jsonl'}}}")
@@ -143,6 +143,8 @@ def check_mixture(cfg: Config) -> None:
                               "fraction of every source), not both")
         if names[i] in names[:i]:
             raise ConfigError(f"{key}.name: {names[i]!r} names two sources (the file's stem unless given); give each its own name")
+    if not any(s.weight > 0 for s in d.sources):
+        raise ConfigError("data.sources: every weight is 0 (off): give one source a weight > 0")
     kinds = {SourceKind(s.kind) for s in d.sources}
     if SourceKind.text in kinds and kinds - {SourceKind.text}:
         raise ConfigError("data.sources: mixed tokenizers: kind=text sources are bytes, kind="
@@ -218,8 +220,9 @@ def _tokenized(cfg: Config, s: SourceConfig, path: str, key: str):
 
 
 def _files(cfg: Config) -> list[tuple[SourceConfig, str, str]]:
-    """(source, path, key) of every file the mixture reads: each source's data and held-out data."""
-    return [(s, path, f"data.sources[{i}].{what}") for i, s in enumerate(cfg.data.sources)
+    """(source, path, key) of every file the mixture reads: each source's data and held-out data
+    (a source of weight 0 is off: none of its files)."""
+    return [(s, path, f"data.sources[{i}].{what}") for i, s in enumerate(cfg.data.sources) if s.weight > 0
             for what, path in (("path", s.path), ("val_path", s.val_path)) if path is not None or what == "path"]
 
 
@@ -262,6 +265,9 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
     out = []
     for i, (s, name) in enumerate(zip(d.sources, source_names(d.sources))):
         key, kind = f"data.sources[{i}]", SourceKind(s.kind)
+        if not s.weight:
+            log.info(f"data source {name} ({kind.value}): weight 0, off (not read)")
+            continue
         tokens, pad_id = _read(cfg, s, s.path, f"{key}.path")
         val = _read(cfg, s, s.val_path, f"{key}.val_path")[0] if s.val_path else None
         if d.val_fraction:
