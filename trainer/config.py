@@ -210,8 +210,8 @@ class SourceConfig:
     kind: Optional[SourceKind] = None  # required
     path: Optional[str] = None  # as data.path of data=<kind> (text: null reads the bundled corpus)
     name: Optional[str] = None  # in metrics.jsonl; null: the file's stem
-    weight: float = 1.0  # relative: the fraction of each epoch's documents is weight / the sum of the weights
-    val_path: Optional[str] = None  # this source's held-out data (or data.val_fraction of each source)
+    weight: float = 1.0  # relative: the fraction of each epoch's documents is weight / the sum of the weights; 0: off
+    val_path: Optional[str] = None  # this source's held-out data (data.val_fraction holds out a part of each source instead)
     text_field: Optional[str] = None  # hf (default: text)
     dtype: Optional[TokenDtype] = None  # tokens (default: uint16)
     tokenizer: Optional[str] = None  # hf, chat: must be the run's one tokenizer (default: data.tokenizer)

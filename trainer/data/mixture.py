@@ -1,10 +1,11 @@
 """data=mixture: several sources, each one of data=text|tokens|hf|chat, drawn by weight.
 
 An epoch draws `data.epoch_samples` documents (default: the sum of the sources' documents), each
-source its share by weight, exactly: the largest-remainder allocation of the epoch's documents,
-not a coin flip per document, so the shares hold on small data too. Each source's documents come
-as a stream of passes over them, each pass a fresh permutation (seeded by train.seed, the source's
-place in the list and the pass): epoch e takes the e-th run of the source's share from its stream.
+source its share by weight, exactly: the largest-remainder allocation of all the epochs' documents
+so far less that of the epochs before (so the rounding never adds up), not a coin flip per
+document, so the shares hold on small data too. Each source's documents come as a stream of
+passes over them, each pass a fresh permutation (seeded by train.seed, the source's place in the
+list and the pass): epoch e takes the source's share from where epoch e - 1's ended.
 A source drawn below its size so shows other documents each epoch; one whose share is more than
 its documents goes round again (data.exhausted=repeat) or gives each once, its share ending there
 (stop). The epoch's draws of all sources are then shuffled together (seeded by train.seed and the
@@ -14,8 +15,9 @@ position ids restarting at each (data.packing), or one padded row each.
 All of this follows from the seed, the epoch and the sources' document lengths: the rows and
 their order are the same at any world size, and a resume finds its place from the data position
 alone (trainer/data/stream.py), reading no token. An hf source's documents are its texts (each
-ended by EOS), a chat source's its conversations; a text or tokens source, one running text, is cut
-into windows of model.seq_len + 1 tokens, each a document that fills a row.
+ended by EOS; one longer than a row is cut into windows of a row, unless its long_documents says
+truncate or drop), a chat source's its conversations; a text or tokens source, one running text,
+is cut into windows of model.seq_len + 1 tokens, each a document that fills a row.
 """
 from __future__ import annotations
 
@@ -501,6 +503,6 @@ def load_mixture(cfg: Config, local_rank: int) -> tuple[MixtureRows, SourcesVali
                        Exhausted(d.exhausted))
     log.info(f"data: a mixture of {len(sources)} sources, {int(rows.per_epoch(0).sum()):,} documents an epoch ("
              + ", ".join(f"{s['name']} {s['per_epoch']:,}" for s in rows.describe())
-             + f") in {len(rows):,} {'packed' if d.packing else 'padded'} rows of {m.seq_len} tokens in the first")
+             + f") in {len(rows):,} {'packed' if d.packing else 'padded'} rows of {m.seq_len} tokens in the first epoch")
     held_out = {s.name: s.val for s in sources if s.val is not None}
     return rows, SourcesValidation(held_out) if held_out else None
