@@ -212,6 +212,10 @@ class SourceConfig:
     name: Optional[str] = None  # in metrics.jsonl; null: the file's stem
     weight: float = 1.0  # relative: the fraction of each epoch's documents is weight / the sum of the weights; 0: off
     val_path: Optional[str] = None  # this source's held-out data (data.val_fraction holds out a part of each source instead)
+    max_samples: Optional[int] = None  # only its first N documents (LLaMA-Factory's max_samples, per source); null: all
+    # each epoch draws repeat x its documents (MosaicML's Stream repeat: 0.5 half, 2 twice), in place of
+    # weights: all sources give it or none; null: weights
+    repeat: Optional[float] = None
     text_field: Optional[str] = None  # hf (default: text)
     dtype: Optional[TokenDtype] = None  # tokens (default: uint16)
     tokenizer: Optional[str] = None  # hf, chat: must be the run's one tokenizer (default: data.tokenizer)

@@ -8,8 +8,10 @@ passes over them, each pass a fresh permutation (seeded by train.seed, the sourc
 list and the pass): epoch e takes the source's share from where epoch e - 1's ended.
 A source drawn below its size so shows other documents each epoch; one whose share is more than
 its documents goes round again (data.exhausted=repeat) or gives each once, its share ending there
-(stop). The epoch's draws of all sources are then shuffled together (seeded by train.seed and the
-epoch) and cut into rows: whole documents of any source packed into rows of model.seq_len, their
+(stop). A source's max_samples keeps its first documents only; repeat on every source
+(MosaicML's) replaces the weights: each epoch draws repeat x the source's documents. The epoch's
+draws of all sources are then shuffled together (seeded by train.seed and the epoch) and cut into
+rows: whole documents of any source packed into rows of model.seq_len, their
 position ids restarting at each (data.packing), or one padded row each.
 
 All of this follows from the seed, the epoch and the sources' document lengths: the rows and
@@ -33,6 +35,7 @@ from torch.utils.data import Dataset
 from trainer.config import (
     BadRows,
     Config,
+    DataConfig,
     DataName,
     Exhausted,
     LongDocuments,
@@ -66,7 +69,7 @@ from trainer.models.checks import check_packing
 KIND_KEYS = {SourceKind.text: (), SourceKind.tokens: ("dtype",),
              SourceKind.hf: ("text_field", "tokenizer", "long_documents"),
              SourceKind.chat: ("tokenizer", "train_on", "chat_template", "long_documents")}
-COMMON_KEYS = ("kind", "path", "name", "weight", "val_path")
+COMMON_KEYS = ("kind", "path", "name", "weight", "val_path", "max_samples", "repeat")
 KIND_ONLY_KEYS = tuple(dict.fromkeys(k for keys in KIND_KEYS.values() for k in keys))
 ENUMS = {"kind": SourceKind, "dtype": TokenDtype, "train_on": TrainOn, "long_documents": LongDocuments}
 TOKENIZED = (SourceKind.hf, SourceKind.chat)
@@ -134,6 +137,9 @@ def check_mixture(cfg: Config) -> None:
                                   f"{', '.join(COMMON_KEYS + KIND_KEYS[kind])}")
         if not (isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight >= 0):
             raise ConfigError(f"{key}.weight: must be >= 0 (0: the source is off), got {s.weight}")
+        if s.max_samples is not None and s.max_samples < 1:
+            raise ConfigError(f"{key}.max_samples: must be >= 1 (null: all its documents), got {s.max_samples}")
+        check_repeat(s, key, d)
         if s.path is None and kind is not SourceKind.text:
             raise ConfigError(f"{key}.path: a kind={kind.value} source needs its file, e.g. "
                               f"{{kind:{kind.value},path:{'train.bin' if kind is SourceKind.tokens else 'a.jsonl'}}}")
@@ -145,6 +151,9 @@ def check_mixture(cfg: Config) -> None:
                               "fraction of every source), not both")
         if names[i] in names[:i]:
             raise ConfigError(f"{key}.name: {names[i]!r} names two sources (the file's stem unless given); give each its own name")
+    if len({s.repeat is None for s in d.sources if s.weight}) > 1:
+        raise ConfigError("data.sources: repeat on some sources and not on others: give every source its repeat "
+                          "(each epoch draws repeat x its documents) or none (weights share data.epoch_samples)")
     if not any(s.weight > 0 for s in d.sources):
         raise ConfigError("data.sources: every weight is 0 (off): give one source a weight > 0")
     kinds = {SourceKind(s.kind) for s in d.sources}
@@ -177,12 +186,30 @@ class Source:
     targets: np.ndarray
     pad_id: int
     val: Dataset | None = None
+    repeat: float | None = None  # each epoch draws repeat x its documents (else: its weight's share)
 
 
 def windows(n_tokens: int, seq_len: int) -> np.ndarray:
     """A running text's documents: non-overlapping windows of seq_len + 1 tokens (as TokenWindows)."""
     starts = np.arange(max(0, (n_tokens - 1) // seq_len), dtype=np.int64) * seq_len
     return np.stack([starts, starts + seq_len + 1], axis=1)
+
+
+def check_repeat(s: SourceConfig, key: str, d: DataConfig) -> None:
+    """A source's repeat: MosaicML's absolute count of an epoch (repeat x its documents), so in
+    place of a weight and of data.epoch_samples."""
+    if s.repeat is None:
+        return
+    if not (math.isfinite(s.repeat) and s.repeat > 0):
+        raise ConfigError(f"{key}.repeat: must be > 0 (weight 0 switches a source off), got {s.repeat}")
+    if s.weight not in (0, 1):
+        raise ConfigError(f"{key}.repeat: give a weight (a share of the epoch) or repeat (its documents x repeat "
+                          f"an epoch), not both; weight {s.weight:g}")
+    if d.epoch_samples:
+        raise ConfigError(f"{key}.repeat: the sources' repeats make the epoch; data.epoch_samples must stay 0")
+    if s.repeat > 1 and Exhausted(d.exhausted) is Exhausted.stop:
+        raise ConfigError(f"{key}.repeat: {s.repeat:g} draws documents again, which data.exhausted=stop forbids; "
+                          "data.exhausted=repeat")
 
 
 def target_counts(tokens: Tokens, spans: np.ndarray) -> np.ndarray:
@@ -276,6 +303,8 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
             tokens, val = tokens.split(d.val_fraction)
         rule = long_documents(s, d.drop_long) if kind in TOKENIZED else None
         spans, long, untargeted = cut_documents(tokens, rule, m.seq_len)
+        beyond = max(0, len(spans) - s.max_samples) if s.max_samples else 0
+        spans = spans[:len(spans) - beyond]
         if not len(spans):
             raise ConfigError(f"{key}: {s.path or 'the bundled text'} ({name}) holds no document with a target "
                               f"within model.seq_len + 1 = {m.seq_len + 1} tokens: a source with no documents")
@@ -284,7 +313,8 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
             if not len(val):
                 raise ConfigError(f"{key}.{'val_path' if s.val_path else 'path'}: the validation split of {name} "
                                   f"holds no row of model.seq_len={m.seq_len} tokens with a target")
-        out.append(Source(name, kind, float(s.weight), tokens, spans, target_counts(tokens, spans), pad_id, val))
+        out.append(Source(name, kind, float(s.weight), tokens, spans, target_counts(tokens, spans), pad_id, val,
+                          s.repeat))
         cut = {LongDocuments.split: "split into windows", LongDocuments.truncate: "truncated",
                LongDocuments.drop: "dropped"}
         notes = [f"{long:,} longer than {m.seq_len + 1} tokens {cut[rule]}"
@@ -292,9 +322,11 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
                     "tokens left out")] if long else []
         notes += [f"{untargeted:,} without a target left out"] if untargeted else []
         notes += [f"{tokens.bad_rows:,} bad rows skipped"] if tokens.bad_rows else []
+        notes += [f"the {beyond:,} after the first {s.max_samples:,} left out (max_samples)"] if beyond else []
         log.info(f"data source {name} ({kind.value}): {len(spans):,} "
                  f"{'windows' if tokens.doc_starts is None else 'documents'}, {int(out[-1].targets.sum()):,} "
-                 f"target tokens, weight {s.weight:g}" + "".join(f"; {note}" for note in notes))
+                 f"target tokens, " + (f"weight {s.weight:g}" if s.repeat is None else f"repeat {s.repeat:g}")
+                 + "".join(f"; {note}" for note in notes))
     return out
 
 
@@ -379,20 +411,29 @@ class MixtureRows(Dataset):
         self.names = [s.name for s in sources]
         self.seed = seed % 2 ** 63
         self.sizes = np.array([len(s.spans) for s in sources], dtype=np.int64)
-        self.epoch_samples = epoch_samples or int(self.sizes.sum())
-        self.weights = np.array([s.weight for s in sources], dtype=np.float64)
+        if sources[0].repeat is not None:  # each source repeat x its documents an epoch (MosaicML's repeat)
+            self.weights = np.array([s.repeat for s in sources], dtype=np.float64) * self.sizes
+            self.epoch_draws = float(self.weights.sum())
+        else:  # each source its weight's share of data.epoch_samples
+            self.weights = np.array([s.weight for s in sources], dtype=np.float64)
+            self.epoch_draws = float(epoch_samples or self.sizes.sum())
         self.exhausted = Exhausted(exhausted)
         # Where each epoch's draws start in each source's stream of passes: row e, epochs 0..e-1's draws.
         self._starts = np.zeros((1, len(sources)), dtype=np.int64)
         self._plans: dict[int, EpochPlan] = {}
         self._passes: dict[tuple[int, int], np.ndarray] = {}
 
+    def drawn_by(self, epochs: int) -> np.ndarray:
+        """Each source's documents in the first `epochs` epochs together: their draws (whole, the
+        rest rounded down) split in proportion to the weights."""
+        return allocate(math.floor(self.epoch_draws * epochs + 1e-9), self.weights)
+
     def shares(self, epoch: int) -> np.ndarray:
         """Each source's documents in the epoch: what the allocation of all epochs so far gives, less
         that of the epochs before, so that the rounding does not add up: after E epochs each
-        source has drawn within 1 of weight x epoch_samples x E (as Megatron's blending keeps it)."""
-        return (allocate(self.epoch_samples * (epoch + 1), self.weights)
-                - allocate(self.epoch_samples * epoch, self.weights))
+        source has drawn within 1 of its share x E (weight x epoch_samples, or repeat x its
+        documents; as Megatron's blending keeps it)."""
+        return self.drawn_by(epoch + 1) - self.drawn_by(epoch)
 
     def per_epoch(self, epoch: int) -> np.ndarray:
         """What each source gives in the epoch: its share, or at most its documents once (stop)."""
@@ -402,17 +443,19 @@ class MixtureRows(Dataset):
     def stream_starts(self, epoch: int) -> np.ndarray:
         """Each source's place in its stream of passes at the start of the epoch."""
         if self.exhausted is Exhausted.repeat:
-            return allocate(self.epoch_samples * epoch, self.weights)
+            return self.drawn_by(epoch)
         while len(self._starts) <= epoch:  # stop: a sum over the epochs before (each capped at the sizes)
             self._starts = np.vstack([self._starts, self._starts[-1] + self.per_epoch(len(self._starts) - 1)])
         return self._starts[epoch]
 
     def describe(self) -> list[dict]:
-        """Each source: its documents, target tokens, weight and documents drawn in the first epoch (the start record)."""
-        total = float(self.weights.sum())
+        """Each source: its documents, target tokens, weight (or repeat), fraction of the draws and
+        documents drawn in the first epoch (the start record)."""
+        fractions = self.weights / self.weights.sum()
         return [{"name": s.name, "kind": s.kind.value, "documents": len(s.spans), "tokens": int(s.targets.sum()),
-                 "weight": s.weight, "fraction": s.weight / total, "per_epoch": int(n)}
-                for s, n in zip(self.sources, self.per_epoch(0))]
+                 "weight": s.weight, **({} if s.repeat is None else {"repeat": s.repeat}),
+                 "fraction": float(f), "per_epoch": int(n)}
+                for s, f, n in zip(self.sources, fractions, self.per_epoch(0))]
 
     def pass_order(self, i: int, p: int) -> np.ndarray:
         """Source i's documents in the order of its pass p over them."""
