@@ -1,6 +1,8 @@
-"""Issue 43, item 13: a mixture source's `max_samples` (LLaMA-Factory's: only its first N documents)
-and `repeat` (MosaicML's Stream repeat: each epoch draws repeat x its documents, in place of
-weights), read in process from token files whose windows each hold one token value."""
+"""Issue 43, item 13: how much of each source an epoch draws: a source's `max_samples` (LLaMA-Factory's:
+only its first N documents), `repeat` (MosaicML's Stream repeat: each epoch draws repeat x its
+documents, in place of weights), and HF interleave_datasets' stopping strategies
+(`data.exhausted=first_exhausted|all_exhausted`), read in process from token files whose windows
+each hold one token value."""
 from __future__ import annotations
 
 import numpy as np
@@ -54,7 +56,29 @@ def test_repeat_draws_that_many_times_each_sources_documents_an_epoch(token_file
     assert [round(s["fraction"], 4) for s in rows.describe()] == [round(2.5 / 14.5, 4), round(12 / 14.5, 4)]
 
 
+@pytest.mark.parametrize("weights,first_exhausted,all_exhausted", [
+    # a (10 documents) and b (6) run out at 20 and 12 draws: epochs of 12 or 20
+    ((1.0, 1.0), {"a": [6, 6, 6], "b": [6, 6, 6]}, {"a": [10, 10, 10], "b": [10, 10, 10]}),
+    # at 13.3 and 24 draws: epochs of 13 (9.75 and 3.25, the rounding carried) or 24
+    ((3.0, 1.0), {"a": [10, 10, 9], "b": [3, 3, 4]}, {"a": [18, 18, 18], "b": [6, 6, 6]}),
+])
+def test_hfs_stopping_strategies_end_the_epoch_as_the_first_or_the_last_source_runs_out(
+        token_files, weights, first_exhausted, all_exhausted):
+    for strategy, expected in (("first_exhausted", first_exhausted), ("all_exhausted", all_exhausted)):
+        rows = mixture(token_files, {"weight": weights[0]}, {"weight": weights[1]}, data__exhausted=strategy)
+        assert drawn(rows, 3) == expected, strategy
+        plan = rows.plan(0)
+        for i, size in enumerate((10, 6)):
+            documents = plan.document[plan.source == i]
+            if strategy == "first_exhausted":  # no document twice; the first source through is through
+                assert len(set(documents.tolist())) == len(documents)
+            else:  # every document at least once
+                assert set(documents.tolist()) == set(range(size))
+
+
 @pytest.mark.parametrize("a,b,overrides,message", [
+    ({"repeat": 1.0}, {"repeat": 1.0}, {"data__exhausted": "all_exhausted"}, r"the repeats size the epoch"),
+    ({}, {}, {"data__exhausted": "first_exhausted", "data__epoch_samples": 10}, r"data.epoch_samples: .* sizes the epoch"),
     ({"repeat": 2.0}, {}, {}, r"data.sources: repeat on some sources and not on others"),
     ({"repeat": 2.0, "weight": 3.0}, {"repeat": 1.0}, {}, r"data.sources\[0\].repeat: give a weight .* or repeat"),
     ({"repeat": 0.0}, {"repeat": 1.0}, {}, r"data.sources\[0\].repeat: must be > 0"),

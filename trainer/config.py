@@ -74,9 +74,12 @@ class SourceKind(str, Enum):
 
 
 class Exhausted(str, Enum):
-    """data=mixture: a source whose share of an epoch is more than its documents."""
+    """data=mixture: a source whose share of an epoch is more than its documents, or (HF
+    interleave_datasets' stopping strategies) an epoch sized by when the sources run out."""
     repeat = "repeat"  # goes through its documents again, in a fresh order
     stop = "stop"  # gives each once: its share ends there
+    first_exhausted = "first_exhausted"  # the epoch ends as the first source has given all its documents
+    all_exhausted = "all_exhausted"  # the epoch ends as every source has given each of its documents; the others go round again
 
 
 class LongDocuments(str, Enum):
@@ -251,7 +254,7 @@ class DataConfig:
     cache_dir: Optional[str] = None  # tokenised data (hf); None: $XDG_CACHE_HOME/trainer or ~/.cache/trainer
     sources: List[SourceConfig] = field(default_factory=list)  # mixture: the sources and their weights
     epoch_samples: int = 0  # mixture: documents drawn per epoch; 0: the sum of the sources' documents
-    exhausted: Exhausted = Exhausted.repeat  # mixture: a source with fewer documents than its share
+    exhausted: Exhausted = Exhausted.repeat  # mixture: a source with fewer documents than its share, or the epoch sized by when the sources run out (HF stopping strategies)
 
 
 @dataclass

@@ -8,7 +8,8 @@ passes over them, each pass a fresh permutation (seeded by train.seed, the sourc
 list and the pass): epoch e takes the source's share from where epoch e - 1's ended.
 A source drawn below its size so shows other documents each epoch; one whose share is more than
 its documents goes round again (data.exhausted=repeat) or gives each once, its share ending there
-(stop). A source's max_samples keeps its first documents only; repeat on every source
+(stop); HF's stopping strategies size the epoch instead: it ends as the first source is through its
+documents (first_exhausted) or as every source is (all_exhausted). A source's max_samples keeps its first documents only; repeat on every source
 (MosaicML's) replaces the weights: each epoch draws repeat x the source's documents. The epoch's
 draws of all sources are then shuffled together (seeded by train.seed and the epoch) and cut into
 rows: whole documents of any source packed into rows of model.seq_len, their
@@ -73,6 +74,8 @@ COMMON_KEYS = ("kind", "path", "name", "weight", "val_path", "max_samples", "rep
 KIND_ONLY_KEYS = tuple(dict.fromkeys(k for keys in KIND_KEYS.values() for k in keys))
 ENUMS = {"kind": SourceKind, "dtype": TokenDtype, "train_on": TrainOn, "long_documents": LongDocuments}
 TOKENIZED = (SourceKind.hf, SourceKind.chat)
+# HF interleave_datasets' stopping strategies: the epoch's size follows from the sources' sizes.
+EPOCH_SIZED = (Exhausted.first_exhausted, Exhausted.all_exhausted)
 # The data.* keys a mixture does not read: each source has its own (or the kind's default).
 NOT_FOR_MIXTURES = ("path", "val_path", "chat_template")
 EXAMPLE = "data.sources=[{kind:hf,path:a.jsonl,weight:0.7},{kind:hf,path:b.jsonl,weight:0.3}]"
@@ -122,6 +125,9 @@ def check_mixture(cfg: Config) -> None:
             raise ConfigError(f"data.{key}: data=mixture reads each source's own (data.sources[i].{key})")
     if TrainOn(d.train_on) is not TrainOn.assistant:
         raise ConfigError("data.train_on: data=mixture reads each chat source's own (data.sources[i].train_on)")
+    if d.epoch_samples and Exhausted(d.exhausted) in EPOCH_SIZED:
+        raise ConfigError(f"data.epoch_samples: data.exhausted={Exhausted(d.exhausted).value} sizes the epoch by the sources; "
+                          "leave epoch_samples 0")
     if d.epoch_samples < 0:
         raise ConfigError(f"data.epoch_samples: must be >= 0 (0: the sum of the sources' documents), got "
                           f"{d.epoch_samples}")
@@ -207,6 +213,9 @@ def check_repeat(s: SourceConfig, key: str, d: DataConfig) -> None:
                           f"an epoch), not both; weight {s.weight:g}")
     if d.epoch_samples:
         raise ConfigError(f"{key}.repeat: the sources' repeats make the epoch; data.epoch_samples must stay 0")
+    if Exhausted(d.exhausted) in EPOCH_SIZED:
+        raise ConfigError(f"{key}.repeat: the repeats size the epoch, as data.exhausted={Exhausted(d.exhausted).value} would: "
+                          "give one")
     if s.repeat > 1 and Exhausted(d.exhausted) is Exhausted.stop:
         raise ConfigError(f"{key}.repeat: {s.repeat:g} draws documents again, which data.exhausted=stop forbids; "
                           "data.exhausted=repeat")
@@ -417,7 +426,14 @@ class MixtureRows(Dataset):
         else:  # each source its weight's share of data.epoch_samples
             self.weights = np.array([s.weight for s in sources], dtype=np.float64)
             self.epoch_draws = float(epoch_samples or self.sizes.sum())
+        # HF's stopping strategies: the most draws in which no source gives a document twice, or the
+        # fewest in which every source gives each of its documents (the shares are within 1 of exact).
         self.exhausted = Exhausted(exhausted)
+        runs_out = self.sizes * self.weights.sum() / self.weights  # the epoch's draws at which each source is through
+        if self.exhausted is Exhausted.first_exhausted:
+            self.epoch_draws = float(np.floor(runs_out.min() + 1e-9))
+        elif self.exhausted is Exhausted.all_exhausted:
+            self.epoch_draws = float(np.ceil(runs_out.max() - 1e-9))
         # Where each epoch's draws start in each source's stream of passes: row e, epochs 0..e-1's draws.
         self._starts = np.zeros((1, len(sources)), dtype=np.int64)
         self._plans: dict[int, EpochPlan] = {}
@@ -438,11 +454,11 @@ class MixtureRows(Dataset):
     def per_epoch(self, epoch: int) -> np.ndarray:
         """What each source gives in the epoch: its share, or at most its documents once (stop)."""
         shares = self.shares(epoch)
-        return shares if self.exhausted is Exhausted.repeat else np.minimum(shares, self.sizes)
+        return np.minimum(shares, self.sizes) if self.exhausted is Exhausted.stop else shares
 
     def stream_starts(self, epoch: int) -> np.ndarray:
         """Each source's place in its stream of passes at the start of the epoch."""
-        if self.exhausted is Exhausted.repeat:
+        if self.exhausted is not Exhausted.stop:
             return self.drawn_by(epoch)
         while len(self._starts) <= epoch:  # stop: a sum over the epochs before (each capped at the sizes)
             self._starts = np.vstack([self._starts, self._starts[-1] + self.per_epoch(len(self._starts) - 1)])
