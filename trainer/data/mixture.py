@@ -386,11 +386,17 @@ class WithPositions(Dataset):
 
 class SourcesValidation(Dataset):
     """The sources' validation rows one after the other, and each apart (`by_source`), for a val
-    loss per source."""
+    loss per source; `fractions`: each source's fraction of the training draws, to blend them."""
 
-    def __init__(self, by_source: dict[str, Dataset]):
-        self.by_source = by_source
+    def __init__(self, by_source: dict[str, Dataset], fractions: dict[str, float]):
+        self.by_source, self.fractions = by_source, fractions
         self.ends = np.cumsum([len(rows) for rows in by_source.values()])
+
+    def blended(self, losses: dict[str, float]) -> float:
+        """The sources' val losses weighted as training draws them (Megatron's and MosaicML's blend):
+        the loss of the mixture itself, where the plain `loss` weights each source by its held-out tokens."""
+        total = sum(self.fractions[name] for name in losses)
+        return sum(self.fractions[name] * loss for name, loss in losses.items()) / total
 
     def __len__(self) -> int:
         return int(self.ends[-1])
@@ -564,4 +570,5 @@ def load_mixture(cfg: Config, local_rank: int) -> tuple[MixtureRows, SourcesVali
              + ", ".join(f"{s['name']} {s['per_epoch']:,}" for s in rows.describe())
              + f") in {len(rows):,} {'packed' if d.packing else 'padded'} rows of {m.seq_len} tokens in the first epoch")
     held_out = {s.name: s.val for s in sources if s.val is not None}
-    return rows, SourcesValidation(held_out) if held_out else None
+    fractions = {s["name"]: s["fraction"] for s in rows.describe()}
+    return rows, SourcesValidation(held_out, fractions) if held_out else None
