@@ -212,6 +212,10 @@ def main(out: Path) -> None:
 
     hf_logging.disable_progress_bar()  # "Writing model shards" for a model of one small file
 
+    if (out / "pairs.jsonl").is_file():  # the last file written: the folder is whole
+        # Written again, every file would get a new time, and each data set a new tokenised cache entry.
+        print(f"{out}: already made, left as it is (remove the folder to make it again)")
+        return
     texts = documents()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(out / "tokenizer", texts)

@@ -127,7 +127,7 @@ def test_exports_carry_the_tokenizer_with_the_chat_template_that_trained(hf_asse
     template.unlink()  # gone by export time: the checkpoint recorded its text
     out = tmp_path / "export"
     said = write_weights(portable, out, False, tmp_path, "step 3")
-    assert "tokenizer (with the run's data.chat_template)" in said
+    assert "; the tokenizer with the run's data.chat_template)" in said
     assert AutoTokenizer.from_pretrained(str(out)).chat_template == CHAT_TEMPLATE
     assert (out / ("adapter_config.json" if adapters else "config.json")).is_file()
 

@@ -126,13 +126,6 @@ def test_mistakes_are_one_line_errors(tmp_path, args, fragments):
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr
 
 
-def test_a_resume_that_cannot_split_the_data_is_refused_before_any_rank_starts(checkpointed, tmp_path):
-    result = run_cli(f"checkpoint.resume={checkpointed / 'ckpt' / 'step_00000006'}", "nproc=5",
-                     "train.max_steps=8", f"hydra.run.dir={tmp_path}")
-    assert_refused(result, "consumed 48 samples of its epoch, which do not split over world size 5")
-    assert "world_size=" not in result.stdout
-
-
 @pytest.mark.parametrize("args,fragment", [
     (["plan.gpu_memory=80"], "plan.gpu_memory: no such setting; did you mean plan.gpu_memory_gb?"),
     (["model=gpt2"], "model: allowed values: custom, gpt_125m, gpt_1b, hf, llama2_7b, small, tiny; got gpt2"),

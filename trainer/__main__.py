@@ -17,11 +17,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed
-from trainer.checkpoint.format import TrainerState, check_base, check_fingerprint, read_manifest
-from trainer.checkpoint.resume import check_writable, data_position, hold_checkpoint_dir, resolve_resume
+from trainer.checkpoint.format import check_base, check_fingerprint, read_manifest
+from trainer.checkpoint.resume import check_writable, hold_checkpoint_dir, resolve_resume
 from trainer.checks import check_overrides, check_sequence_parallel, validate
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
-from trainer.data import BatchStream, check_data
+from trainer.data import check_data
 from trainer.errors import ERROR_EXIT_CODE, CheckpointError, ConfigError, RunError, signal_exit_code
 from trainer.hub import resolve_names
 from trainer.launchers import take_local_rank, with_accelerate_choice
@@ -62,8 +62,6 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO 
         manifest = read_manifest(resume_from)
         check_fingerprint(manifest, param_shapes(model), resume_from)
         check_base(manifest.get("base"), weights.fingerprint, resume_from)
-        if position := data_position(TrainerState.from_dict(manifest["trainer"]).data, cfg):
-            BatchStream.check_position(position, data_parallel, resume_from)
     if run_dir is not None:
         check_run_dir(run_dir, resume_from)
     return held

@@ -74,9 +74,19 @@ class SourceKind(str, Enum):
 
 
 class Exhausted(str, Enum):
-    """data=mixture: a source whose share of an epoch is more than its documents."""
+    """data=mixture: a source whose share of an epoch is more than its documents, or (HF
+    interleave_datasets' stopping strategies) an epoch sized by when the sources run out."""
     repeat = "repeat"  # goes through its documents again, in a fresh order
     stop = "stop"  # gives each once: its share ends there
+    first_exhausted = "first_exhausted"  # the epoch ends as the first source has given all its documents
+    all_exhausted = "all_exhausted"  # the epoch ends as every source has given each of its documents; the others go round again
+
+
+class LongDocuments(str, Enum):
+    """data=mixture: an hf or chat source's document longer than model.seq_len + 1 tokens."""
+    split = "split"  # hf only: cut into windows of seq_len + 1 tokens (as data=hf's packing keeps every token)
+    truncate = "truncate"  # its first seq_len + 1 tokens
+    drop = "drop"  # left out
 
 
 class TokenDtype(str, Enum):
@@ -204,13 +214,20 @@ class SourceConfig:
     kind: Optional[SourceKind] = None  # required
     path: Optional[str] = None  # as data.path of data=<kind> (text: null reads the bundled corpus)
     name: Optional[str] = None  # in metrics.jsonl; null: the file's stem
-    weight: float = 1.0  # relative: the fraction of each epoch's documents is weight / the sum of the weights
-    val_path: Optional[str] = None  # this source's held-out data (or data.val_fraction of each source)
+    weight: float = 1.0  # relative: the fraction of each epoch's documents is weight / the sum of the weights; 0: off
+    val_path: Optional[str] = None  # this source's held-out data (data.val_fraction holds out a part of each source instead)
+    max_samples: Optional[int] = None  # only its first N documents (LLaMA-Factory's max_samples, per source); null: all
+    # each epoch draws repeat x its documents (MosaicML's Stream repeat: 0.5 half, 2 twice), in place of
+    # weights: all sources give it or none; null: weights
+    repeat: Optional[float] = None
     text_field: Optional[str] = None  # hf (default: text)
     dtype: Optional[TokenDtype] = None  # tokens (default: uint16)
     tokenizer: Optional[str] = None  # hf, chat: must be the run's one tokenizer (default: data.tokenizer)
     train_on: Optional[TrainOn] = None  # chat (default: assistant)
     chat_template: Optional[str] = None  # chat
+    # hf, chat: a document longer than seq_len + 1 tokens (default: data.drop_long=true drops it, else
+    # an hf document is split into windows, a conversation truncated)
+    long_documents: Optional[LongDocuments] = None
 
 
 @dataclass
@@ -238,7 +255,7 @@ class DataConfig:
     cache_dir: Optional[str] = None  # tokenised data (hf); None: $XDG_CACHE_HOME/trainer or ~/.cache/trainer
     sources: List[SourceConfig] = field(default_factory=list)  # mixture: the sources and their weights
     epoch_samples: int = 0  # mixture: documents drawn per epoch; 0: the sum of the sources' documents
-    exhausted: Exhausted = Exhausted.repeat  # mixture: a source with fewer documents than its share
+    exhausted: Exhausted = Exhausted.repeat  # mixture: a source with fewer documents than its share, or the epoch sized by when the sources run out (HF stopping strategies)
 
 
 @dataclass

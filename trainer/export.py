@@ -2,8 +2,9 @@
 or a checkpoint dir for its newest), for inference:
 - OUT.safetensors: one flat file; `load_state_dict(safetensors.torch.load_file(OUT))` into the
   plain model;
-- OUT_DIR (model=hf): a Hugging Face folder (config.json, model.safetensors, sharded with an
-  index above 5 GB, and the tokenizer) that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads.
+- OUT_DIR (model=hf): a Hugging Face folder (config.json, generation_config.json,
+  model.safetensors, sharded with an index above 5 GB, and the tokenizer's files) that
+  `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads. The line it prints names every file.
 A LoRA run (peft=lora): OUT_DIR is a PEFT adapter folder (adapter_config.json,
 adapter_model.safetensors) that `PeftModel.from_pretrained(base, OUT_DIR)` loads; with `--merge`,
 the adapters merged into the model's weights (by peft), written as above.

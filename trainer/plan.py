@@ -268,7 +268,12 @@ def long_context_lines(plan: Plan) -> list[str]:
 
 
 def plan_as_json(plan: Plan) -> dict:
+    """The plan as the table gives it: the budget line (memory per GPU and where it came from,
+    precision, master weights, the rates the step times assume), the options, the long context."""
     return {"params": plan.params, "trainable": plan.trainable, "world_size": plan.world_size,
+            "gpu_memory_bytes": plan.gpu_memory_bytes, "memory_source": plan.memory_source,
+            "precision": plan.precision, "master_weights": plan.master_weights,
+            "flops_per_s": plan.flops_per_s, "link_gbps": plan.link_gbps, "pcie_gbps": plan.pcie_gbps,
             "options": [{"name": o.name, "activation_checkpointing": o.activation_checkpointing, "offload": o.offload,
                          "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "comm_bytes": o.comm_bytes,
                          "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen,

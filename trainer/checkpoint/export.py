@@ -49,13 +49,12 @@ def write_weights(p: Portable, out: Path, merge: bool, checkpoint: Path, of: str
         lora.write_adapter_folder(adapters, settings, (p.base or {}).get("path") or source.get("path"), out)
         count = sum(w.numel() for w in adapters.values())
         tokenizer, note = tokenizer_of(source)
-        files = [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
         if tokenizer is not None:  # as TRL's SFTTrainer saves it beside the adapters
             from trainer.models.hf import save_tokenizer
 
-            files.append(save_tokenizer(tokenizer, source.get("chat_template"), out))
+            save_tokenizer(tokenizer, source.get("chat_template"), out)
         return (f"wrote the LoRA adapters ({count:,} fp32 parameters, r={settings['r']}) of {of} to {out}/ "
-                f"({', '.join(files)}){note}")
+                f"({folder_files(out, source, tokenizer)}){note}")
     if settings:  # merged: the frozen base from its pretrained files where the checkpoint does not hold it
         from trainer.models import hf
 
@@ -77,8 +76,15 @@ def write_weights(p: Portable, out: Path, merge: bool, checkpoint: Path, of: str
     from trainer.models.hf import export_folder
 
     tokenizer, note = tokenizer_of(source)
-    files = export_folder(weights, source, out, tokenizer)
-    return f"wrote {what} to {out}/ ({', '.join(files)}){note}"
+    export_folder(weights, source, out, tokenizer)
+    return f"wrote {what} to {out}/ ({folder_files(out, source, tokenizer)}){note}"
+
+
+def folder_files(out: Path, source: dict, tokenizer: Path | None) -> str:
+    """Every file of the written folder (export and convert write only into a new or empty one),
+    and where the tokenizer's chat template is the run's own."""
+    files = ", ".join(sorted(f.name for f in out.iterdir()))
+    return files + ("; the tokenizer with the run's data.chat_template" if tokenizer and source.get("chat_template") else "")
 
 
 def tokenizer_of(source: dict) -> tuple[Path | None, str]:

@@ -1,21 +1,26 @@
 """data=mixture: several sources, each one of data=text|tokens|hf|chat, drawn by weight.
 
 An epoch draws `data.epoch_samples` documents (default: the sum of the sources' documents), each
-source its share by weight, exactly: the largest-remainder allocation of the epoch's documents,
-not a coin flip per document, so the shares hold on small data too. Each source's documents come
-as a stream of passes over them, each pass a fresh permutation (seeded by train.seed, the source's
-place in the list and the pass): epoch e takes the e-th run of the source's share from its stream.
+source its share by weight, exactly: the largest-remainder allocation of all the epochs' documents
+so far less that of the epochs before (so the rounding never adds up), not a coin flip per
+document, so the shares hold on small data too. Each source's documents come as a stream of
+passes over them, each pass a fresh permutation (seeded by train.seed, the source's place in the
+list and the pass): epoch e takes the source's share from where epoch e - 1's ended.
 A source drawn below its size so shows other documents each epoch; one whose share is more than
 its documents goes round again (data.exhausted=repeat) or gives each once, its share ending there
-(stop). The epoch's draws of all sources are then shuffled together (seeded by train.seed and the
-epoch) and cut into rows: whole documents of any source packed into rows of model.seq_len, their
+(stop); HF's stopping strategies size the epoch instead: it ends as the first source is through its
+documents (first_exhausted) or as every source is (all_exhausted). A source's max_samples keeps its first documents only; repeat on every source
+(MosaicML's) replaces the weights: each epoch draws repeat x the source's documents. The epoch's
+draws of all sources are then shuffled together (seeded by train.seed and the epoch) and cut into
+rows: whole documents of any source packed into rows of model.seq_len, their
 position ids restarting at each (data.packing), or one padded row each.
 
 All of this follows from the seed, the epoch and the sources' document lengths: the rows and
 their order are the same at any world size, and a resume finds its place from the data position
 alone (trainer/data/stream.py), reading no token. An hf source's documents are its texts (each
-ended by EOS), a chat source's its conversations; a text or tokens source, one running text, is cut
-into windows of model.seq_len + 1 tokens, each a document that fills a row.
+ended by EOS; one longer than a row is cut into windows of a row, unless its long_documents says
+truncate or drop), a chat source's its conversations; a text or tokens source, one running text,
+is cut into windows of model.seq_len + 1 tokens, each a document that fills a row.
 """
 from __future__ import annotations
 
@@ -31,8 +36,10 @@ from torch.utils.data import Dataset
 from trainer.config import (
     BadRows,
     Config,
+    DataConfig,
     DataName,
     Exhausted,
+    LongDocuments,
     ModelKind,
     SourceConfig,
     SourceKind,
@@ -48,7 +55,9 @@ from trainer.data.sources import (
     TokenWindows,
     as_long,
     document_spans,
+    document_windows,
     packed_row_starts,
+    spans_as_documents,
     text_tokens,
     token_file,
 )
@@ -58,12 +67,15 @@ from trainer.log import log
 from trainer.models.checks import check_packing
 
 # The keys each kind reads besides kind, path, name, weight and val_path; the others stay null.
-KIND_KEYS = {SourceKind.text: (), SourceKind.tokens: ("dtype",), SourceKind.hf: ("text_field", "tokenizer"),
-             SourceKind.chat: ("tokenizer", "train_on", "chat_template")}
-COMMON_KEYS = ("kind", "path", "name", "weight", "val_path")
+KIND_KEYS = {SourceKind.text: (), SourceKind.tokens: ("dtype",),
+             SourceKind.hf: ("text_field", "tokenizer", "long_documents"),
+             SourceKind.chat: ("tokenizer", "train_on", "chat_template", "long_documents")}
+COMMON_KEYS = ("kind", "path", "name", "weight", "val_path", "max_samples", "repeat")
 KIND_ONLY_KEYS = tuple(dict.fromkeys(k for keys in KIND_KEYS.values() for k in keys))
-ENUMS = {"kind": SourceKind, "dtype": TokenDtype, "train_on": TrainOn}
+ENUMS = {"kind": SourceKind, "dtype": TokenDtype, "train_on": TrainOn, "long_documents": LongDocuments}
 TOKENIZED = (SourceKind.hf, SourceKind.chat)
+# HF interleave_datasets' stopping strategies: the epoch's size follows from the sources' sizes.
+EPOCH_SIZED = (Exhausted.first_exhausted, Exhausted.all_exhausted)
 # The data.* keys a mixture does not read: each source has its own (or the kind's default).
 NOT_FOR_MIXTURES = ("path", "val_path", "chat_template")
 EXAMPLE = "data.sources=[{kind:hf,path:a.jsonl,weight:0.7},{kind:hf,path:b.jsonl,weight:0.3}]"
@@ -113,6 +125,9 @@ def check_mixture(cfg: Config) -> None:
             raise ConfigError(f"data.{key}: data=mixture reads each source's own (data.sources[i].{key})")
     if TrainOn(d.train_on) is not TrainOn.assistant:
         raise ConfigError("data.train_on: data=mixture reads each chat source's own (data.sources[i].train_on)")
+    if d.epoch_samples and Exhausted(d.exhausted) in EPOCH_SIZED:
+        raise ConfigError(f"data.epoch_samples: data.exhausted={Exhausted(d.exhausted).value} sizes the epoch by the sources; "
+                          "leave epoch_samples 0")
     if d.epoch_samples < 0:
         raise ConfigError(f"data.epoch_samples: must be >= 0 (0: the sum of the sources' documents), got "
                           f"{d.epoch_samples}")
@@ -126,13 +141,27 @@ def check_mixture(cfg: Config) -> None:
             if getattr(s, name) is not None and name not in KIND_KEYS[kind]:
                 raise ConfigError(f"{key}.{name}: not a key of a kind={kind.value} source; its keys: "
                                   f"{', '.join(COMMON_KEYS + KIND_KEYS[kind])}")
-        if not (isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight > 0):
-            raise ConfigError(f"{key}.weight: must be > 0, got {s.weight}")
+        if not (isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight >= 0):
+            raise ConfigError(f"{key}.weight: must be >= 0 (0: the source is off), got {s.weight}")
+        if s.max_samples is not None and s.max_samples < 1:
+            raise ConfigError(f"{key}.max_samples: must be >= 1 (null: all its documents), got {s.max_samples}")
+        check_repeat(s, key, d)
         if s.path is None and kind is not SourceKind.text:
             raise ConfigError(f"{key}.path: a kind={kind.value} source needs its file, e.g. "
                               f"{{kind:{kind.value},path:{'train.bin' if kind is SourceKind.tokens else 'a.jsonl'}}}")
+        if kind is SourceKind.chat and s.long_documents == LongDocuments.split:
+            raise ConfigError(f"{key}.long_documents: split is for hf sources (a conversation is not cut into "
+                              "windows); truncate or drop")
+        if s.val_path is not None and d.val_fraction:
+            raise ConfigError(f"{key}.val_path: give a source's val_path or data.val_fraction (which holds out that "
+                              "fraction of every source), not both")
         if names[i] in names[:i]:
             raise ConfigError(f"{key}.name: {names[i]!r} names two sources (the file's stem unless given); give each its own name")
+    if len({s.repeat is None for s in d.sources if s.weight}) > 1:
+        raise ConfigError("data.sources: repeat on some sources and not on others: give every source its repeat "
+                          "(each epoch draws repeat x its documents) or none (weights share data.epoch_samples)")
+    if not any(s.weight > 0 for s in d.sources):
+        raise ConfigError("data.sources: every weight is 0 (off): give one source a weight > 0")
     kinds = {SourceKind(s.kind) for s in d.sources}
     if SourceKind.text in kinds and kinds - {SourceKind.text}:
         raise ConfigError("data.sources: mixed tokenizers: kind=text sources are bytes, kind="
@@ -163,6 +192,7 @@ class Source:
     targets: np.ndarray
     pad_id: int
     val: Dataset | None = None
+    repeat: float | None = None  # each epoch draws repeat x its documents (else: its weight's share)
 
 
 def windows(n_tokens: int, seq_len: int) -> np.ndarray:
@@ -171,12 +201,52 @@ def windows(n_tokens: int, seq_len: int) -> np.ndarray:
     return np.stack([starts, starts + seq_len + 1], axis=1)
 
 
+def check_repeat(s: SourceConfig, key: str, d: DataConfig) -> None:
+    """A source's repeat: MosaicML's absolute count of an epoch (repeat x its documents), so in
+    place of a weight and of data.epoch_samples."""
+    if s.repeat is None:
+        return
+    if not (math.isfinite(s.repeat) and s.repeat > 0):
+        raise ConfigError(f"{key}.repeat: must be > 0 (weight 0 switches a source off), got {s.repeat}")
+    if s.weight not in (0, 1):
+        raise ConfigError(f"{key}.repeat: give a weight (a share of the epoch) or repeat (its documents x repeat "
+                          f"an epoch), not both; weight {s.weight:g}")
+    if d.epoch_samples:
+        raise ConfigError(f"{key}.repeat: the sources' repeats make the epoch; data.epoch_samples must stay 0")
+    if Exhausted(d.exhausted) in EPOCH_SIZED:
+        raise ConfigError(f"{key}.repeat: the repeats size the epoch, as data.exhausted={Exhausted(d.exhausted).value} would: "
+                          "give one")
+    if s.repeat > 1 and Exhausted(d.exhausted) is Exhausted.stop:
+        raise ConfigError(f"{key}.repeat: {s.repeat:g} draws documents again, which data.exhausted=stop forbids; "
+                          "data.exhausted=repeat")
+
+
 def target_counts(tokens: Tokens, spans: np.ndarray) -> np.ndarray:
     """The target tokens of each span: those after its first token, where the mask (if any) says."""
     if tokens.targets is None:
         return spans[:, 1] - spans[:, 0] - 1
     seen = np.concatenate([[0], np.cumsum(tokens.targets, dtype=np.int64)])
     return seen[spans[:, 1]] - seen[np.minimum(spans[:, 0] + 1, spans[:, 1])]
+
+
+def long_documents(s: SourceConfig, drop_long: bool) -> LongDocuments:
+    """What becomes of an hf or chat source's documents longer than a row: its own setting, else
+    dropped with data.drop_long, else an hf document split into windows, a conversation truncated."""
+    if s.long_documents is not None:
+        return LongDocuments(s.long_documents)
+    if drop_long:
+        return LongDocuments.drop
+    return LongDocuments.split if SourceKind(s.kind) is SourceKind.hf else LongDocuments.truncate
+
+
+def cut_documents(tokens: Tokens, rule: LongDocuments | None, seq_len: int) -> tuple[np.ndarray, int, int]:
+    """A source's documents as [start, end) spans of at most a row's worth (seq_len + 1 tokens), and
+    how many were longer and how many had no target."""
+    if tokens.doc_starts is None:
+        return windows(len(tokens.ids), seq_len), 0, 0
+    if rule is LongDocuments.split:
+        return document_windows(tokens, seq_len + 1)
+    return document_spans(tokens, seq_len + 1, rule is LongDocuments.drop)
 
 
 def _tokenized(cfg: Config, s: SourceConfig, path: str, key: str):
@@ -188,8 +258,9 @@ def _tokenized(cfg: Config, s: SourceConfig, path: str, key: str):
 
 
 def _files(cfg: Config) -> list[tuple[SourceConfig, str, str]]:
-    """(source, path, key) of every file the mixture reads: each source's data and held-out data."""
-    return [(s, path, f"data.sources[{i}].{what}") for i, s in enumerate(cfg.data.sources)
+    """(source, path, key) of every file the mixture reads: each source's data and held-out data
+    (a source of weight 0 is off: none of its files)."""
+    return [(s, path, f"data.sources[{i}].{what}") for i, s in enumerate(cfg.data.sources) if s.weight > 0
             for what, path in (("path", s.path), ("val_path", s.val_path)) if path is not None or what == "path"]
 
 
@@ -232,42 +303,61 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
     out = []
     for i, (s, name) in enumerate(zip(d.sources, source_names(d.sources))):
         key, kind = f"data.sources[{i}]", SourceKind(s.kind)
+        if not s.weight:
+            log.info(f"data source {name} ({kind.value}): weight 0, off (not read)")
+            continue
         tokens, pad_id = _read(cfg, s, s.path, f"{key}.path")
         val = _read(cfg, s, s.val_path, f"{key}.val_path")[0] if s.val_path else None
         if d.val_fraction:
             tokens, val = tokens.split(d.val_fraction)
-        long = untargeted = 0
-        if tokens.doc_starts is None:
-            spans = windows(len(tokens.ids), m.seq_len)
-        else:
-            spans, long, untargeted = document_spans(tokens, m.seq_len + 1, d.drop_long)
+        rule = long_documents(s, d.drop_long) if kind in TOKENIZED else None
+        spans, long, untargeted = cut_documents(tokens, rule, m.seq_len)
+        beyond = max(0, len(spans) - s.max_samples) if s.max_samples else 0
+        spans = spans[:len(spans) - beyond]
         if not len(spans):
             raise ConfigError(f"{key}: {s.path or 'the bundled text'} ({name}) holds no document with a target "
                               f"within model.seq_len + 1 = {m.seq_len + 1} tokens: a source with no documents")
         if val is not None:
-            val = held_out_rows(val, kind, cfg, pad_id)
+            val = held_out_rows(val, rule, cfg, pad_id)
             if not len(val):
                 raise ConfigError(f"{key}.{'val_path' if s.val_path else 'path'}: the validation split of {name} "
                                   f"holds no row of model.seq_len={m.seq_len} tokens with a target")
-        out.append(Source(name, kind, float(s.weight), tokens, spans, target_counts(tokens, spans), pad_id, val))
-        notes = [f"{long:,} longer than {m.seq_len + 1} tokens " + ("dropped" if d.drop_long else "truncated")
-                 ] if long else []
+        out.append(Source(name, kind, float(s.weight), tokens, spans, target_counts(tokens, spans), pad_id, val,
+                          s.repeat))
+        cut = {LongDocuments.split: "split into windows", LongDocuments.truncate: "truncated",
+               LongDocuments.drop: "dropped"}
+        notes = [f"{long:,} longer than {m.seq_len + 1} tokens {cut[rule]}"
+                 + ("" if rule is LongDocuments.split else f": {lost_targets(tokens, out[-1].targets):,} target "
+                    "tokens left out")] if long else []
         notes += [f"{untargeted:,} without a target left out"] if untargeted else []
         notes += [f"{tokens.bad_rows:,} bad rows skipped"] if tokens.bad_rows else []
+        notes += [f"the {beyond:,} after the first {s.max_samples:,} left out (max_samples)"] if beyond else []
         log.info(f"data source {name} ({kind.value}): {len(spans):,} "
                  f"{'windows' if tokens.doc_starts is None else 'documents'}, {int(out[-1].targets.sum()):,} "
-                 f"target tokens, weight {s.weight:g}" + "".join(f"; {note}" for note in notes))
+                 f"target tokens, " + (f"weight {s.weight:g}" if s.repeat is None else f"repeat {s.repeat:g}")
+                 + "".join(f"; {note}" for note in notes))
     return out
 
 
-def held_out_rows(tokens: Tokens, kind: SourceKind, cfg: Config, pad_id: int) -> Dataset:
-    """A source's validation rows, as data=<kind> would cut them."""
+def lost_targets(tokens: Tokens, kept: np.ndarray) -> int:
+    """The target tokens of a source's documents (each after its document's first token) that its
+    spans (with `kept` targets each) leave out."""
+    firsts = tokens.doc_starts.astype(np.int64)
+    offered = len(tokens.ids) - len(firsts) if tokens.targets is None else \
+        int(tokens.targets.sum(dtype=np.int64)) - int(tokens.targets[firsts].sum(dtype=np.int64))
+    return offered - int(kept.sum())
+
+
+def held_out_rows(tokens: Tokens, rule: LongDocuments | None, cfg: Config, pad_id: int) -> Dataset:
+    """A source's validation rows, cut as its training documents are (`rule`: its long documents)."""
     d, m = cfg.data, cfg.model
     if tokens.doc_starts is None:
         windows = TokenWindows(tokens, m.seq_len, m.vocab_size)
         return WithPositions(windows) if d.packing else windows
+    if rule is LongDocuments.split:
+        tokens = spans_as_documents(tokens, document_windows(tokens, m.seq_len + 1)[0])
     rows = PackedDocuments if d.packing else Documents
-    return rows(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long)
+    return rows(tokens, m.seq_len, m.vocab_size, pad_id, rule is LongDocuments.drop)
 
 
 def allocate(total: int, weights: np.ndarray) -> np.ndarray:
@@ -296,11 +386,17 @@ class WithPositions(Dataset):
 
 class SourcesValidation(Dataset):
     """The sources' validation rows one after the other, and each apart (`by_source`), for a val
-    loss per source."""
+    loss per source; `fractions`: each source's fraction of the training draws, to blend them."""
 
-    def __init__(self, by_source: dict[str, Dataset]):
-        self.by_source = by_source
+    def __init__(self, by_source: dict[str, Dataset], fractions: dict[str, float]):
+        self.by_source, self.fractions = by_source, fractions
         self.ends = np.cumsum([len(rows) for rows in by_source.values()])
+
+    def blended(self, losses: dict[str, float]) -> float:
+        """The sources' val losses weighted as training draws them (Megatron's and MosaicML's blend):
+        the loss of the mixture itself, where the plain `loss` weights each source by its held-out tokens."""
+        total = sum(self.fractions[name] for name in losses)
+        return sum(self.fractions[name] * loss for name, loss in losses.items()) / total
 
     def __len__(self) -> int:
         return int(self.ends[-1])
@@ -329,19 +425,59 @@ class MixtureRows(Dataset):
         self.sources, self.seq_len, self.vocab_size, self.packing = sources, seq_len, vocab_size, packing
         self.names = [s.name for s in sources]
         self.seed = seed % 2 ** 63
-        sizes = np.array([len(s.spans) for s in sources], dtype=np.int64)
-        self.shares = allocate(epoch_samples or int(sizes.sum()), np.array([s.weight for s in sources]))
-        # What each source gives per epoch: its share, or at most its documents once (stop).
-        self.per_epoch = self.shares if Exhausted(exhausted) is Exhausted.repeat else np.minimum(self.shares, sizes)
+        self.sizes = np.array([len(s.spans) for s in sources], dtype=np.int64)
+        if sources[0].repeat is not None:  # each source repeat x its documents an epoch (MosaicML's repeat)
+            self.weights = np.array([s.repeat for s in sources], dtype=np.float64) * self.sizes
+            self.epoch_draws = float(self.weights.sum())
+        else:  # each source its weight's share of data.epoch_samples
+            self.weights = np.array([s.weight for s in sources], dtype=np.float64)
+            self.epoch_draws = float(epoch_samples or self.sizes.sum())
+        # HF's stopping strategies: the most draws in which no source gives a document twice, or the
+        # fewest in which every source gives each of its documents (the shares are within 1 of exact).
+        self.exhausted = Exhausted(exhausted)
+        runs_out = self.sizes * self.weights.sum() / self.weights  # the epoch's draws at which each source is through
+        if self.exhausted is Exhausted.first_exhausted:
+            self.epoch_draws = float(np.floor(runs_out.min() + 1e-9))
+        elif self.exhausted is Exhausted.all_exhausted:
+            self.epoch_draws = float(np.ceil(runs_out.max() - 1e-9))
+        # Where each epoch's draws start in each source's stream of passes: row e, epochs 0..e-1's draws.
+        self._starts = np.zeros((1, len(sources)), dtype=np.int64)
         self._plans: dict[int, EpochPlan] = {}
         self._passes: dict[tuple[int, int], np.ndarray] = {}
 
+    def drawn_by(self, epochs: int) -> np.ndarray:
+        """Each source's documents in the first `epochs` epochs together: their draws (whole, the
+        rest rounded down) split in proportion to the weights."""
+        return allocate(math.floor(self.epoch_draws * epochs + 1e-9), self.weights)
+
+    def shares(self, epoch: int) -> np.ndarray:
+        """Each source's documents in the epoch: what the allocation of all epochs so far gives, less
+        that of the epochs before, so that the rounding does not add up: after E epochs each
+        source has drawn within 1 of its share x E (weight x epoch_samples, or repeat x its
+        documents; as Megatron's blending keeps it)."""
+        return self.drawn_by(epoch + 1) - self.drawn_by(epoch)
+
+    def per_epoch(self, epoch: int) -> np.ndarray:
+        """What each source gives in the epoch: its share, or at most its documents once (stop)."""
+        shares = self.shares(epoch)
+        return np.minimum(shares, self.sizes) if self.exhausted is Exhausted.stop else shares
+
+    def stream_starts(self, epoch: int) -> np.ndarray:
+        """Each source's place in its stream of passes at the start of the epoch."""
+        if self.exhausted is not Exhausted.stop:
+            return self.drawn_by(epoch)
+        while len(self._starts) <= epoch:  # stop: a sum over the epochs before (each capped at the sizes)
+            self._starts = np.vstack([self._starts, self._starts[-1] + self.per_epoch(len(self._starts) - 1)])
+        return self._starts[epoch]
+
     def describe(self) -> list[dict]:
-        """Each source: its documents, target tokens, weight and documents drawn per epoch (the start record)."""
-        total = sum(s.weight for s in self.sources)
+        """Each source: its documents, target tokens, weight (or repeat), fraction of the draws and
+        documents drawn in the first epoch (the start record)."""
+        fractions = self.weights / self.weights.sum()
         return [{"name": s.name, "kind": s.kind.value, "documents": len(s.spans), "tokens": int(s.targets.sum()),
-                 "weight": s.weight, "fraction": s.weight / total, "per_epoch": int(n)}
-                for s, n in zip(self.sources, self.per_epoch)]
+                 "weight": s.weight, **({} if s.repeat is None else {"repeat": s.repeat}),
+                 "fraction": float(f), "per_epoch": int(n)}
+                for s, f, n in zip(self.sources, fractions, self.per_epoch(0))]
 
     def pass_order(self, i: int, p: int) -> np.ndarray:
         """Source i's documents in the order of its pass p over them."""
@@ -366,12 +502,12 @@ class MixtureRows(Dataset):
         return self._plans[epoch]
 
     def _plan(self, epoch: int) -> EpochPlan:
-        counts = self.per_epoch
+        counts, starts = self.per_epoch(epoch), self.stream_starts(epoch)
         source = np.repeat(np.arange(len(self.sources)), counts)
         source = source[np.random.default_rng([self.seed, 0, epoch]).permutation(len(source))]
         document = np.empty(len(source), dtype=np.int64)
-        for i, n in enumerate(counts):
-            document[source == i] = self.drawn_documents(i, epoch * int(n), (epoch + 1) * int(n))
+        for i, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
+            document[source == i] = self.drawn_documents(i, start, start + n)
         if not self.packing:
             return EpochPlan(source, document, np.arange(len(source) + 1))
         # A document of n tokens fills n - 1 positions; a new row where the next does not fit.
@@ -430,8 +566,9 @@ def load_mixture(cfg: Config, local_rank: int) -> tuple[MixtureRows, SourcesVali
     sources = load_sources(cfg, local_rank)
     rows = MixtureRows(sources, m.seq_len, m.vocab_size, d.packing, cfg.train.seed, d.epoch_samples,
                        Exhausted(d.exhausted))
-    log.info(f"data: a mixture of {len(sources)} sources, {int(rows.per_epoch.sum()):,} documents an epoch ("
+    log.info(f"data: a mixture of {len(sources)} sources, {int(rows.per_epoch(0).sum()):,} documents an epoch ("
              + ", ".join(f"{s['name']} {s['per_epoch']:,}" for s in rows.describe())
-             + f") in {len(rows):,} {'packed' if d.packing else 'padded'} rows of {m.seq_len} tokens in the first")
+             + f") in {len(rows):,} {'packed' if d.packing else 'padded'} rows of {m.seq_len} tokens in the first epoch")
     held_out = {s.name: s.val for s in sources if s.val is not None}
-    return rows, SourcesValidation(held_out) if held_out else None
+    fractions = {s["name"]: s["fraction"] for s in rows.describe()}
+    return rows, SourcesValidation(held_out, fractions) if held_out else None

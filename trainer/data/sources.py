@@ -119,6 +119,29 @@ def document_spans(tokens: Tokens, longest: int, drop_long: bool) -> tuple[np.nd
     return np.stack([starts[keep], ends[keep]], axis=1), int(long.sum()), int((~has_target).sum())
 
 
+def document_windows(tokens: Tokens, longest: int) -> tuple[np.ndarray, int, int]:
+    """[start, end) of windows of at most `longest` tokens that cover each document, a running
+    text's windows within it (each starts at the last token of the one before, which is the first
+    input whose target is in the new one): every token after a document's first is a target
+    once. Also how many documents were longer than `longest` and how many had no target (one token)."""
+    starts = tokens.doc_starts.astype(np.int64)
+    lengths = np.append(starts[1:], len(tokens.ids)) - starts
+    step = longest - 1
+    pieces = np.maximum(lengths - 1 + step - 1, 0) // step  # ceil((length - 1) / step) windows of a document
+    nth = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    first = np.repeat(starts, pieces) + step * nth
+    ends = np.minimum(first + longest, np.repeat(starts + lengths, pieces))
+    return np.stack([first, ends], axis=1), int((lengths > longest).sum()), int((lengths < 2).sum())
+
+
+def spans_as_documents(tokens: Tokens, spans: np.ndarray) -> Tokens:
+    """The spans' tokens one after another, each a document (a copy: spans may share a token)."""
+    lengths = spans[:, 1] - spans[:, 0]
+    doc_starts = np.cumsum(lengths) - lengths
+    index = np.repeat(spans[:, 0] - doc_starts, lengths) + np.arange(int(lengths.sum()))
+    return Tokens(tokens.ids[index], doc_starts)
+
+
 class DocumentRows(Dataset):
     """Rows of whole documents, cut to `seq_len + 1` tokens: inputs, next tokens (IGNORE_INDEX
     where no target) and, for packed rows, position ids. `long`: the documents that were longer;

@@ -1,17 +1,18 @@
 """The per-rank stream of micro-batches, loaded in the background, and the evaluation batches.
 
 The stream owns its DistributedSampler and calls `set_epoch` itself at every epoch start, so
-no loop can forget it. Its position is kept as global samples consumed in the epoch, which
-does not depend on the world size: DistributedSampler hands rank r the elements r, r+N, r+2N,
-... of one seeded permutation, so after k samples per rank the ranks together have consumed
-exactly the first k*N elements of it, at any N. A torch DataLoader with worker processes
-reads the batches ahead of the step; which samples it reads follows from the position alone,
-so resuming (at any world size) needs nothing of the loader's own state.
+no loop can forget it. The sampler gives the epoch's one seeded permutation whole (one replica);
+its position is kept as global samples consumed in the epoch, c, which does not depend on the
+world size: from there rank r reads the elements c+r, c+r+N, c+r+2N, ... of it (from c = 0, what
+a DistributedSampler of N replicas hands rank r), so the ranks together read the next elements
+in order at any N, and a position saved at one world size continues at any other. A torch
+DataLoader with worker processes reads the batches ahead of the step; which samples it reads
+follows from the position alone, so resuming needs nothing of the loader's own state.
 
 A dataset that plans its rows per epoch (data=mixture: `rows_in(epoch)`, items addressed (epoch,
-row), rows already in training order) takes the place of the sampler's permutation: rank r reads
-rows r, r+N, r+2N, ... of the epoch, so the same position rule holds; the stream also counts what
-each of its sources gave (`counts`), which the data position carries.
+row), rows already in training order) takes the place of the sampler's permutation, so the same
+position rule holds; the stream also counts what each of its sources gave (`counts`), which the
+data position carries.
 """
 from __future__ import annotations
 
@@ -37,13 +38,12 @@ class _EpochBatches(Sampler):
 
     def __iter__(self):
         s = self.stream
-        order = s.epoch_order()
-        start, end = s.samples_consumed // s.world_size, s.steps_in(s.epoch) * s.per_step
-        return iter([order[i:i + s.micro_batch_size] for i in range(start, end, s.micro_batch_size)])
+        mine = s.rank_order(s.samples_consumed, s.steps_left() * s.per_step)
+        return iter([mine[i:i + s.micro_batch_size] for i in range(0, len(mine), s.micro_batch_size)])
 
     def __len__(self) -> int:
         s = self.stream
-        return (s.steps_in(s.epoch) * s.per_step - s.samples_consumed // s.world_size) // s.micro_batch_size
+        return s.steps_left() * s.grad_accum_steps
 
 
 class BatchStream:
@@ -67,9 +67,8 @@ class BatchStream:
         self.per_step = micro_batch_size * grad_accum_steps
         self.dataset, self.rank = dataset, rank
         self.planned = callable(getattr(dataset, "rows_in", None))  # rows planned per epoch (data=mixture)
-        # Planned rows come in their own order; the sampler's serves the other datasets.
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                          drop_last=True)
+        # Planned rows come in their own order; the sampler's permutation serves the other datasets.
+        self.sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
         self._steps: dict[int, int] = {}
         self.steps_per_epoch = self.steps_in(0)  # the first epoch's (every epoch's, unless planned)
         names = getattr(dataset, "names", []) if self.planned else []
@@ -100,14 +99,24 @@ class BatchStream:
         return sum(self.steps_in(e) for e in range(epochs)) if self.planned else epochs * self.steps_per_epoch
 
     def epoch_order(self) -> list:
+        """The epoch's samples in the order the ranks together read them."""
         if self._order[0] != self.epoch:
-            if self.planned:  # this rank's rows of the epoch, addressed (epoch, row)
-                used = self.steps_in(self.epoch) * self.per_step * self.world_size
-                self._order = (self.epoch, [(self.epoch, row) for row in range(self.rank, used, self.world_size)])
+            if self.planned:  # rows addressed (epoch, row)
+                self._order = (self.epoch, [(self.epoch, row) for row in range(self.dataset.rows_in(self.epoch))])
             else:
                 self.sampler.set_epoch(self.epoch)
                 self._order = (self.epoch, list(self.sampler))
         return self._order[1]
+
+    def rank_order(self, position: int, count: int) -> list:
+        """This rank's next `count` samples from the epoch's global `position`: every world size-th one."""
+        return self.epoch_order()[position + self.rank:position + count * self.world_size:self.world_size]
+
+    def steps_left(self) -> int:
+        """The whole steps of the epoch from the position: its steps end where the epoch's first
+        steps_in(epoch) global batches end (a position saved at another world size need not fall on a step)."""
+        global_batch = self.per_step * self.world_size
+        return max(0, (self.steps_in(self.epoch) * global_batch - self.samples_consumed) // global_batch)
 
     def counts(self) -> dict:
         """data=mixture: the documents and target tokens each source gave so far, all ranks together."""
@@ -115,13 +124,12 @@ class BatchStream:
 
     def next_step(self) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro-batches of the next step: (inputs, targets[, position_ids]) each."""
-        start = self.samples_consumed // self.world_size
-        if start + self.per_step > self.steps_in(self.epoch) * self.per_step:
-            self.epoch, self.samples_consumed, start = self.epoch + 1, 0, 0
+        if not self.steps_left():
+            self.epoch, self.samples_consumed = self.epoch + 1, 0
             self._batches = None
         if self._batches is None:
             self._batches = iter(self.loader)  # reads ahead from the current position
-        order = self.epoch_order()[start:start + self.per_step]
+        order = self.rank_order(self.samples_consumed, self.per_step)
         mbs = self.micro_batch_size
         self.last_indices = [order[i:i + mbs] for i in range(0, self.per_step, mbs)]
         if self.planned:  # the step's rows of all ranks: the epoch's next per_step x world size
@@ -140,16 +148,7 @@ class BatchStream:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "samples_consumed": self.samples_consumed, **self.counts()}
 
-    @staticmethod
-    def check_position(state: dict, world_size: int, where: object = "checkpoint") -> None:
-        """A position saved at one world size continues at another only if its samples split evenly."""
-        if state["samples_consumed"] % world_size:
-            raise ConfigError(f"checkpoint.resume: {where} has consumed {state['samples_consumed']} samples of its "
-                              f"epoch, which do not split over world size {world_size}; resume at a world size "
-                              f"that divides {state['samples_consumed']}")
-
     def load_state_dict(self, state: dict) -> None:
-        self.check_position(state, self.world_size)
         self.epoch, self.samples_consumed = state["epoch"], state["samples_consumed"]
         for key, values in self.by_source.items():
             values.update({name: n for name, n in state.get(key, {}).items() if name in values})

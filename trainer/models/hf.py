@@ -235,7 +235,7 @@ def generation_config(source: dict, config):
 
 
 def export_folder(weights: dict[str, torch.Tensor], source: dict, out: Path, tokenizer: Path | None,
-                  max_shard_size: str = "5GB") -> list[str]:
+                  max_shard_size: str = "5GB") -> None:
     """A folder `AutoModelForCausalLM.from_pretrained(out)` loads: config.json, generation_config.json,
     the weights in safetensors (sharded, with an index, above `max_shard_size`) and the tokenizer's files."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -255,19 +255,16 @@ def export_folder(weights: dict[str, torch.Tensor], source: dict, out: Path, tok
         index = {"metadata": {"total_size": sum(w.numel() * w.element_size() for w in weights.values())},
                  "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    written = sorted(split.filename_to_tensors)
     if tokenizer is not None:
-        written.append(save_tokenizer(tokenizer, source.get("chat_template"), out))
-    return written
+        save_tokenizer(tokenizer, source.get("chat_template"), out)
 
 
-def save_tokenizer(tokenizer: Path, chat_template: str | None, out: Path) -> str:
+def save_tokenizer(tokenizer: Path, chat_template: str | None, out: Path) -> None:
     """The tokenizer's files in `out`, with the chat template the run trained with (`data.chat_template`)
-    in place of its own: the exported model formats prompts as training did. What was written."""
+    in place of its own: the exported model formats prompts as training did."""
     from transformers import AutoTokenizer
 
     loaded = AutoTokenizer.from_pretrained(str(tokenizer))
     if chat_template is not None:
         loaded.chat_template = chat_template
     loaded.save_pretrained(str(out))
-    return "tokenizer" + (" (with the run's data.chat_template)" if chat_template is not None else "")

@@ -279,13 +279,16 @@ class Run:
         return self.early_stop.update(self.step, self.val_loss)
 
     def source_losses(self) -> dict:
-        """data=mixture: the val loss of each source's held-out rows apart, as `loss/<name>`."""
+        """data=mixture: the val loss of each source's held-out rows apart, as `loss/<name>`, and
+        those blended by the sources' fractions of the training draws (`blended_loss`)."""
         t, env = self.cfg.train, self.env
-        return {f"loss/{name}": evaluate(self.model, self.strategy, self.objective.evaluation("val"),
-                                         eval_batches(rows, t.micro_batch_size, self.strategy.dp_rank,
-                                                      self.strategy.dp_size,
-                                                      self.cfg.eval.max_batches), env.device)[0]
-                for name, rows in getattr(self.val_set, "by_source", {}).items()}
+        losses = {name: evaluate(self.model, self.strategy, self.objective.evaluation("val"),
+                                 eval_batches(rows, t.micro_batch_size, self.strategy.dp_rank, self.strategy.dp_size,
+                                              self.cfg.eval.max_batches), env.device)[0]
+                  for name, rows in getattr(self.val_set, "by_source", {}).items()}
+        if not losses:
+            return {}
+        return {**{f"loss/{name}": loss for name, loss in losses.items()}, "blended_loss": self.val_set.blended(losses)}
 
     def log_line(self, mean_loss: torch.Tensor, grad_norm, mem: dict | None) -> dict:
         """Record the step's numbers; what the progress bar shows of them."""
