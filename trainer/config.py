@@ -124,6 +124,11 @@ class Schedule(str, Enum):
     wsd = "wsd"  # warmup-stable-decay: lr, then a linear decay over the last decay_fraction of the schedule
 
 
+class OnOom(str, Enum):
+    adapt = "adapt"  # a rank out of memory records it and leaves; the restart adapts the plan and resumes
+    fail = "fail"  # a rank out of memory stops the run with one line: the step, the bytes, what to change
+
+
 class LogLevel(str, Enum):
     debug = "debug"
     info = "info"
@@ -245,6 +250,7 @@ class EvalConfig:
     every_steps: int = 0  # 0: only after the last step (when there is validation data)
     max_batches: int = 0  # micro-batches per rank and evaluation; 0: the whole validation set
     early_stop_patience: int = 0  # stop after this many evaluations in a row without a lower val loss; 0: never
+    micro_batch_size: Optional[int] = None  # rows per rank and evaluation forward; None: train.micro_batch_size
 
 
 @dataclass
@@ -277,6 +283,8 @@ class TrainConfig:
     peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16/fp16 peak, else (fp32) no mfu
     profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
     max_bad_steps: int = 10  # steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run
+    on_oom: OnOom = OnOom.adapt  # a rank out of memory: adapt (halve the micro-batch on the restart) or fail
+    max_adaptations: int = 4  # on_oom=adapt: changes of the plan after out-of-memory, apart from max_restarts
 
 
 @dataclass
