@@ -338,6 +338,7 @@ class PlanConfig:
     gpu_memory_gb: Optional[float] = None  # the budget per device; None: the local GPU's memory, else 80
     master_weights: bool = True  # False: pure bf16 training, no fp32 copy of the weights
     json: bool = False  # print the plan as JSON instead of a table
+    run_dir: Optional[str] = None  # a run that ran out of memory: what failed, and the plan at the one it adapted to
     # Step-time estimate: compute at this rate per device, communication over these links.
     flops_per_s: float = 4e14  # achieved, per device (H100 bf16 at ~40 % MFU)
     link_gbps: float = 400.0  # per device, between ranks: NVLink ~7200, InfiniBand 400, 10 GbE 10
