@@ -360,7 +360,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     nproc: int = 1  # local ranks to spawn when no launcher started this process
-    max_restarts: int = 0  # nproc > 1: restarts of all ranks after one fails, each resuming from the newest checkpoint
+    max_restarts: int = 0  # restarts of all ranks after one fails (or runs out of memory), each resuming from the newest checkpoint
     shutdown_timeout_s: int = 120  # nproc > 1: after a stop signal, how long ranks may take to save before SIGKILL
     collective_timeout_s: int = 600  # a rank waiting this long in a collective (a dead or hung peer) ends the job
     log_level: LogLevel = LogLevel.warning  # third-party libraries' console output (DeepSpeed, torch, HF)
