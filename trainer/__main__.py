@@ -22,7 +22,14 @@ from trainer.checkpoint.resume import check_writable, hold_checkpoint_dir, resol
 from trainer.checks import check_overrides, check_sequence_parallel, validate
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
 from trainer.data import check_data
-from trainer.errors import ERROR_EXIT_CODE, CheckpointError, ConfigError, RunError, signal_exit_code
+from trainer.errors import (
+    ERROR_EXIT_CODE,
+    OUT_OF_MEMORY_EXIT_CODE,
+    CheckpointError,
+    ConfigError,
+    RunError,
+    signal_exit_code,
+)
 from trainer.hub import resolve_names
 from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
@@ -144,7 +151,8 @@ def app(cfg: DictConfig):
     if first:  # what runs, resolved (strategy=auto's choice, the model's vocabulary and context)
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    if distributed.launched_externally() or typed.nproc == 1:
+    # max_restarts: under the elastic launcher, one rank too (a restart adapts to an out-of-memory)
+    if distributed.launched_externally() or (typed.nproc == 1 and not typed.max_restarts):
         summary = worker(cfg_dict, str(run_dir))
     else:
         summary = launch_ranks(typed, cfg_dict, run_dir)
@@ -154,14 +162,16 @@ def app(cfg: DictConfig):
 def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
     """nproc=N: the ranks under torch's elastic launcher. One rule for how it ends (trainer/errors.py):
     ranks that left with a code that says why (ERROR_EXIT_CODE: rank 0 printed the error; a stop
-    signal's: they saved and stopped) are passed on as they are, the highest of their codes, without
-    a traceback; a stop also says where the ranks stopped. A rank that dies or fails otherwise stops
-    the others (torch's launcher does) and is named in one line."""
+    signal's: they saved and stopped; OUT_OF_MEMORY_EXIT_CODE: the rank said so) are passed on as they
+    are, the highest of their codes, without a traceback (the peers of a rank out of memory fail in
+    their collective after it left); a stop also says where the ranks stopped. A rank that dies or
+    fails otherwise stops the others (torch's launcher does) and is named in one line."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    said_codes = {signal_exit_code(sig) for sig in STOP_SIGNALS} | {ERROR_EXIT_CODE}
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+    said_codes = {signal_exit_code(sig) for sig in STOP_SIGNALS} | {ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE}
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                 "torch.multiprocessing.spawn"):  # "Terminating process N via signal SIGTERM": the rank's peers
         logging.getLogger(name).addFilter(QuietRankExits(said_codes))
     try:
         return distributed.launch_local(cfg.nproc, launched_worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
@@ -172,10 +182,11 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
         exit_code = signal_exit_code(e.sigval)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if not codes <= said_codes:
+        # A rank that said why it left alone (out of memory): its peers failed in a collective after it
+        if not codes <= said_codes and not codes & {ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE}:
             sys.exit(rank_failure(cfg, *e.get_first_failure()))
-        exit_code = max(codes)
-    if exit_code != ERROR_EXIT_CODE:
+        exit_code = max(codes & said_codes)
+    if exit_code not in (ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):
         sys.stderr.write(f"trainer: stopped by a signal{unsaid_stop(run_dir)}; exit code {exit_code}\n")
     sys.exit(exit_code)
 
@@ -193,6 +204,7 @@ def unsaid_stop(run_dir: Path) -> str:
 def what_happened(rank: int, failure) -> str:
     """A rank that died (a signal: no traceback to show) or raised (torch's launcher logged its traceback)."""
     cause = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else
+             "ran out of memory (its line is above)" if failure.exitcode == OUT_OF_MEMORY_EXIT_CODE else
              f"failed with exit code {failure.exitcode} (its traceback is above)")
     return f"rank {rank} (pid {failure.pid}) {cause}"
 

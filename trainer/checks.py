@@ -53,6 +53,7 @@ def validate(cfg: Config) -> None:
              f"START:STOP, the first and last step to trace (1 <= START <= STOP), got {t.profile!r}")
     _require(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
     _require(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
+    _require(t.max_adaptations >= 0, "train.max_adaptations", f"must be >= 0 (0: never adapt), got {t.max_adaptations}")
     _require(ReduceDtype(s.reduce_dtype).value in ("fp32", Precision(t.precision).value), "strategy.reduce_dtype",
              f"fp32, or the training dtype (train.precision={Precision(t.precision).value}); got "
              f"{ReduceDtype(s.reduce_dtype).value}")
@@ -109,6 +110,8 @@ def validate(cfg: Config) -> None:
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
     _require(cfg.eval.max_batches >= 0, "eval.max_batches", f"must be >= 0, got {cfg.eval.max_batches}")
+    _require(cfg.eval.micro_batch_size is None or cfg.eval.micro_batch_size >= 1, "eval.micro_batch_size",
+             f"must be >= 1 (or null: train.micro_batch_size), got {cfg.eval.micro_batch_size}")
     _require(cfg.eval.early_stop_patience >= 0, "eval.early_stop_patience",
              f"must be >= 0 (0: never stop early), got {cfg.eval.early_stop_patience}")
     _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")

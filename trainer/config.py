@@ -134,6 +134,11 @@ class Schedule(str, Enum):
     wsd = "wsd"  # warmup-stable-decay: lr, then a linear decay over the last decay_fraction of the schedule
 
 
+class OnOom(str, Enum):
+    adapt = "adapt"  # a rank out of memory records it and leaves; the restart adapts the plan and resumes
+    fail = "fail"  # a rank out of memory stops the run with one line: the step, the bytes, what to change
+
+
 class LogLevel(str, Enum):
     debug = "debug"
     info = "info"
@@ -263,6 +268,7 @@ class EvalConfig:
     every_steps: int = 0  # 0: only after the last step (when there is validation data)
     max_batches: int = 0  # micro-batches per rank and evaluation; 0: the whole validation set
     early_stop_patience: int = 0  # stop after this many evaluations in a row without a lower val loss; 0: never
+    micro_batch_size: Optional[int] = None  # rows per rank and evaluation forward; None: train.micro_batch_size
 
 
 @dataclass
@@ -295,6 +301,8 @@ class TrainConfig:
     peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16/fp16 peak, else (fp32) no mfu
     profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
     max_bad_steps: int = 10  # steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run
+    on_oom: OnOom = OnOom.adapt  # a rank out of memory: adapt (halve the micro-batch on the restart) or fail
+    max_adaptations: int = 4  # on_oom=adapt: changes of the plan after out-of-memory, apart from max_restarts
 
 
 @dataclass
@@ -348,6 +356,7 @@ class PlanConfig:
     gpu_memory_gb: Optional[float] = None  # the budget per device; None: the local GPU's memory, else 80
     master_weights: bool = True  # False: pure bf16 training, no fp32 copy of the weights
     json: bool = False  # print the plan as JSON instead of a table
+    run_dir: Optional[str] = None  # a run that ran out of memory: what failed, and the plan at the one it adapted to
     # Step-time estimate: compute at this rate per device, communication over these links.
     flops_per_s: float = 4e14  # achieved, per device (H100 bf16 at ~40 % MFU)
     link_gbps: float = 400.0  # per device, between ranks: NVLink ~7200, InfiniBand 400, 10 GbE 10
@@ -369,7 +378,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     nproc: int = 1  # local ranks to spawn when no launcher started this process
-    max_restarts: int = 0  # nproc > 1: restarts of all ranks after one fails, each resuming from the newest checkpoint
+    max_restarts: int = 0  # restarts of all ranks after one fails (or runs out of memory), each resuming from the newest checkpoint
     shutdown_timeout_s: int = 120  # nproc > 1: after a stop signal, how long ranks may take to save before SIGKILL
     collective_timeout_s: int = 600  # a rank waiting this long in a collective (a dead or hung peer) ends the job
     log_level: LogLevel = LogLevel.warning  # third-party libraries' console output (DeepSpeed, torch, HF)

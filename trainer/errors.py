@@ -4,6 +4,9 @@ codes). Imports nothing of the trainer, so that every module can raise these.
 - A `RunError`: something the user can fix, said in one line. The command prints
   `PROG: error: MESSAGE` (`trainer.log.refuse`; under several ranks rank 0 alone prints it) and
   exits ERROR_EXIT_CODE (2).
+- A rank out of memory (training.oom, train.on_oom=adapt): it says so in one line, records it in
+  the run dir and leaves with OUT_OF_MEMORY_EXIT_CODE (3), which a restart adapts to; under
+  train.on_oom=fail it leaves with ERROR_EXIT_CODE.
 - A stop signal (faults.Stopped): the ranks save and leave with `signal_exit_code(signum)`,
   128 + the signal's number, what a process killed by it would return (143 for SIGTERM, 138 for
   SIGUSR1).
@@ -14,6 +17,7 @@ unchanged: the ranks have said why they left.
 from __future__ import annotations
 
 ERROR_EXIT_CODE = 2
+OUT_OF_MEMORY_EXIT_CODE = 3
 
 
 def signal_exit_code(signum: int) -> int:

@@ -1,7 +1,8 @@
 """`python -m trainer.plan [overrides]`: what each memory strategy costs per GPU and per step,
 and the fastest that fits (options in the decision order DDP -> activation checkpointing ->
 ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties). Same configs as the trainer;
-`plan.json=true` prints JSON only.
+`plan.json=true` prints JSON only. `plan.run_dir=DIR` of a run that ran out of memory
+(train.on_oom): what failed there, and the plan at the one it adapted to.
 
 The parameter count comes from the real model built on the meta device. Bytes per parameter
 follow trainer/memory.py (what our backends keep; `plan.master_weights=false` for pure bf16).
@@ -18,13 +19,17 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
+from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES, SHARDED, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 from trainer.plan_activations import ActivationCount, planned
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
+from trainer.training.oom import RECORDS, read_records, what_failed
+from trainer.training.oom import Plan as RunPlan
 
 GB = 1e9
 STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
@@ -349,6 +354,22 @@ def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[P
     return plan, {}
 
 
+def after_out_of_memory(cfg: Config, run_dir: Path) -> tuple[Config, list[str]]:
+    """plan.run_dir: the run's out-of-memory failures, one line each, and cfg at the plan the run
+    adapted to (the last of its oom.jsonl), which the table then shows."""
+    records = read_records(run_dir)
+    if not records:
+        raise ConfigError(f"plan.run_dir: {run_dir} has no {RECORDS}: that run never ran out of memory")
+    lines = [f"{run_dir}: {what_failed(r)}" for r in records if r["event"] == "out_of_memory"]
+    if adapted := [r for r in records if r["event"] == "adapted"]:
+        cfg = RunPlan(**adapted[-1]["plan"]).applied(cfg)
+        t = cfg.train
+        lines.append(f"it adapted to train.micro_batch_size={t.micro_batch_size} train.grad_accum_steps="
+                     f"{t.grad_accum_steps} train.activation_checkpointing={str(t.activation_checkpointing).lower()} "
+                     f"eval.micro_batch_size={cfg.eval.micro_batch_size}: planned below at that plan")
+    return cfg, lines
+
+
 def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
@@ -371,10 +392,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = to_config(composed)
         world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
         cfg.model = resolve_model(cfg.model)
+        cfg, out_of_memory = after_out_of_memory(cfg, Path(cfg.plan.run_dir)) if cfg.plan.run_dir else (cfg, [])
         plan = make_plan(cfg, world, *memory_budget(cfg))
     except (RunError, HydraException, OmegaConfBaseException) as e:  # the trainer's one-line errors
         refuse(e, "trainer.plan")
-    print(json.dumps(plan_as_json(plan), indent=1) if cfg.plan.json else format_plan(plan))
+    if cfg.plan.json:
+        print(json.dumps({**plan_as_json(plan), "out_of_memory": out_of_memory}, indent=1))
+    else:
+        print("\n".join([*out_of_memory, format_plan(plan)]))
 
 
 if __name__ == "__main__":

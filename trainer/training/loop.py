@@ -5,7 +5,7 @@ import math
 import signal
 import threading
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
 from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
+from trainer.training.oom import Plan, Watch, adapt, size
 from trainer.training.resume_notes import resume_notes
 from trainer.training.router_loss import AUX, language_loss, start_words, with_router_loss
 from trainer.training.schedule import lr_at
@@ -120,7 +121,7 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
 
 
 def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
-                track_memory: bool, objective: Objective | None = None) -> StepSums:
+                track_memory: bool, objective: Objective | None = None, watch: Watch | None = None) -> StepSums:
     """Forward and backward of one optimizer step's micro-batches: the summed loss and statistics
     of this rank, the step's units, target tokens and input tokens of all ranks, and the bytes
     held at the gradients' peak if `track_memory`."""
@@ -128,6 +129,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     # of the whole step, all micro-batches and ranks. Backends average gradients over ranks, hence
     # x world size.
     objective = objective or NextToken()
+    during = watch.during if watch else lambda where, rows: nullcontext()  # out of memory: recorded, train.on_oom
     # strategy.sp: each rank counts and computes the loss of its own share of the rows' tokens; a
     # row's inputs run up to its last target, which a share cannot tell: the group's first rank
     # counts them on the whole rows
@@ -142,12 +144,14 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
         # the backward too in the sharded context: activation checkpointing runs the forward again there
         with strategy.micro_step(final=i == len(micro_batches) - 1), contexts[i]:
             # at log steps: the bytes the forward saves for backward (mem.activations), this rank's
-            with strategy.autocast(), SavedBytes(model) if track_memory else nullcontext() as saved:
+            with during("forward", len(batch[0])), strategy.autocast(), \
+                    SavedBytes(model) if track_memory else nullcontext() as saved:
                 micro_loss, micro_stats = objective.loss_sum(model, batch)
             if saved is not None:
                 saved.kept_by_functions(micro_loss)
                 activations = max(activations or 0, saved.bytes)
-            strategy.backward(micro_loss * scale, measure_memory=track_memory)
+            with during("backward", len(batch[0])):
+                strategy.backward(micro_loss * scale, measure_memory=track_memory)
         loss_sum += micro_loss.detach()
         stats += micro_stats
         if track_memory:  # the bytes held after each backward: gradients peak before they are reduced
@@ -173,7 +177,8 @@ class Run:
     step count) and what it does besides stepping: evaluate, log, save, stop. `train` drives it."""
 
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, strategy: Strategy, guard: StepGuard,
-                 stream: BatchStream, val_set, total_steps: int, resume_from: Path | None, records: RunLog):
+                 stream: BatchStream, val_set, total_steps: int, resume_from: Path | None, records: RunLog,
+                 plan: Plan):
         t = cfg.train
         if val_set is not None:
             check_validation_rows(cfg, len(val_set))
@@ -187,6 +192,7 @@ class Run:
         self.objective = with_router_loss(self.objective, self.model, strategy.sequence)  # where the config asks
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
+        self.plan, self.watch = plan, Watch(plan, env.rank, env.device)  # train.on_oom
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                              description(cfg.model, cfg.data.tokenizer, strategy.module,
                                                          cfg.data.chat_template),
@@ -234,16 +240,19 @@ class Run:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
-        sums = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size, log_now, self.objective)
+        self.watch.step = self.step + 1
+        sums = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size, log_now, self.objective,
+                           self.watch)
         loss_sum, mem = sums.loss, sums.mem
         # The norm, then every rank's verdict (a non-finite loss or norm anywhere: no update; and
         # whether a stop signal reached any rank), then the update or the skip.
-        grad_norm = self.strategy.grad_norm()
-        verdict = self.guard.decide(loss_sum, grad_norm, loss_scaled=self.strategy.loss_scale_state() is not None)
-        if verdict is Verdict.update:
-            self.strategy.apply(self.cfg.train.grad_clip)
-        else:
-            self.strategy.skip(finite_gradients=bool(torch.isfinite(grad_norm)))
+        with self.watch.during("optimizer step"):  # part-way, some ranks updated: resumed from the checkpoint before
+            grad_norm = self.strategy.grad_norm()
+            verdict = self.guard.decide(loss_sum, grad_norm, loss_scaled=self.strategy.loss_scale_state() is not None)
+            if verdict is Verdict.update:
+                self.strategy.apply(self.cfg.train.grad_clip)
+            else:
+                self.strategy.skip(finite_gradients=bool(torch.isfinite(grad_norm)))
         self.step += 1
         self.guard.count(self.step)
         self.meter.count(sums.targets, sums.inputs)
@@ -266,25 +275,24 @@ class Run:
                                                            or self.step == self.total_steps)
         if not self.evaluated:
             return False
-        t, env = self.cfg.train, self.env
-        batches = eval_batches(self.val_set, t.micro_batch_size, self.strategy.dp_rank, self.strategy.dp_size,
-                               self.cfg.eval.max_batches)
-        self.val_loss, stats = evaluate(self.model, self.strategy, self.objective.evaluation("val"), batches,
-                                        env.device)
+        rows = self.cfg.eval.micro_batch_size or self.cfg.train.micro_batch_size
+        batches = eval_batches(self.val_set, rows, self.strategy.dp_rank, self.strategy.dp_size, self.cfg.eval.max_batches)
+        with self.watch.during("evaluation", rows):
+            self.val_loss, stats = evaluate(self.model, self.strategy, self.objective.evaluation("val"), batches,
+                                            self.env.device)
+            source_losses = self.source_losses(rows)
         # a perplexity where the loss is per token (objective=lm; of the token loss alone), the objective's statistics
         per_token = not set(stats) - {AUX}
         ppl = {"ppl": math.exp(min(language_loss(self.objective, self.val_loss, stats), 700))} if per_token else {}
-        self.records.log({"step": self.step, "split": "val", "loss": self.val_loss, **ppl, **stats,
-                          **self.source_losses()})
+        self.records.log({"step": self.step, "split": "val", "loss": self.val_loss, **ppl, **stats, **source_losses})
         return self.early_stop.update(self.step, self.val_loss)
 
-    def source_losses(self) -> dict:
+    def source_losses(self, micro_batch_size: int) -> dict:
         """data=mixture: the val loss of each source's held-out rows apart, as `loss/<name>`, and
         those blended by the sources' fractions of the training draws (`blended_loss`)."""
-        t, env = self.cfg.train, self.env
         losses = {name: evaluate(self.model, self.strategy, self.objective.evaluation("val"),
-                                 eval_batches(rows, t.micro_batch_size, self.strategy.dp_rank, self.strategy.dp_size,
-                                              self.cfg.eval.max_batches), env.device)[0]
+                                 eval_batches(rows, micro_batch_size, self.strategy.dp_rank, self.strategy.dp_size,
+                                              self.cfg.eval.max_batches), self.env.device)[0]
                   for name, rows in getattr(self.val_set, "by_source", {}).items()}
         if not losses:
             return {}
@@ -317,7 +325,8 @@ class Run:
             global_batch=self.global_batch, schedule_steps=o.schedule_steps or self.total_steps,
             run_dir=str(self.run_dir), early_stop=self.early_stop.state_dict(),
             optim={"lr": self.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
-            val_loss=self.val_loss if self.evaluated else None)
+            val_loss=self.val_loss if self.evaluated else None,
+            plan=asdict(self.plan) if self.plan.adaptations else None)
         saved = self.checkpoints.save(self.step, state.to_dict(), last=last or self.step == self.total_steps)
         self.saved = saved or self.saved
         return saved
@@ -364,12 +373,17 @@ def export_hint(cfg: Config) -> str:
 
 def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
     """One run on this rank: set up, resume, step to the end (or a stop signal, or an early stop)."""
-    t = cfg.train
     setup_logging(run_dir, env.is_main, cfg.log_level.value)
     # On every way out, released once: the loggers, the loader's workers, the backend's state, the signal handlers.
     with ExitStack() as cleanup:
-        guard = StepGuard(t.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
+        guard = StepGuard(cfg.train.max_bad_steps)  # from the start: a stop signal during setup waits for the first step
         cleanup.callback(guard.close)
+        resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
+        # train.on_oom: the plan after the out-of-memory failures recorded in the run dir
+        kept = read_manifest(resume_from)["trainer"].get("plan") if resume_from else None
+        plan, adapted = on_main(lambda: adapt(cfg, run_dir, kept))
+        cfg = plan.applied(cfg)
+        t = cfg.train
         seed_everything(t.seed)
         strategy = build_strategy(cfg, env)
         cleanup.callback(strategy.teardown)
@@ -379,13 +393,16 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                              num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
         cleanup.callback(stream.close)
         total_steps = t.max_steps or stream.steps_for(t.epochs)
-        resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
         if resume_from and (at := read_manifest(resume_from)["step"]) >= total_steps:
             log.info(f"nothing to do: {resume_from} is at step {at}, and this run ends at step {total_steps}; "
                      "to train longer, raise train.max_steps (or train.epochs)")
             return {}
         records = cleanup.enter_context(RunLog(cfg, run_dir, env.is_main))  # closed with the run's status
-        run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records)
+        for event in adapted:
+            records.log(event)
+            log.info(f"adapted after out of memory: {event['what']} ({event['why']}, asking for "
+                     f"{size(event['asked'])} with {size(event['free'])} free)")
+        run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records, plan)
         profiler, first_step = StepProfiler(t.profile, run_dir, env.rank, env.device), run.step + 1
         # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named
         # semaphore of a rank that leaves with os._exit is reported leaked by the resource tracker.

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from trainer import distributed
 from trainer.checkpoint.resume import resolve_resume
-from trainer.config import to_config
-from trainer.errors import ERROR_EXIT_CODE, ConfigError, RunError
+from trainer.config import OnOom, to_config
+from trainer.errors import ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, ConfigError, RunError
 from trainer.training.faults import Stopped
+from trainer.training.oom import OutOfMemory, append, failure_line
 
 
 def worker(cfg_dict: dict, run_dir: str) -> dict:
@@ -26,6 +27,8 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
         summary = train(cfg, env, run_dir)
     except Stopped as stopped:  # saved and recorded: leave with the signal's exit code, quietly
         leave(stopped.exit_code)
+    except OutOfMemory as oom:  # this rank alone: its peers fail in their next collective
+        leave_out_of_memory(oom.failure, cfg.train.on_oom, run_dir)
     except RunError as e:  # the same on every rank: said once, in one line
         if env.is_main:
             print(f"trainer: error: {e}", file=sys.stderr)
@@ -60,6 +63,16 @@ def check_run_dir(run_dir: Path, resume_from: Path | None) -> None:
     if (run_dir / "metrics.jsonl").exists() and not resume_from and not distributed.restart_count():
         raise ConfigError(f"hydra.run.dir: {run_dir} already holds another run's metrics.jsonl; give another "
                           "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
+
+
+def leave_out_of_memory(failure: dict, on_oom: OnOom, run_dir: Path) -> None:
+    """Recorded in the run dir (for the restart, and the planner), said by this rank in one line,
+    gone without a barrier: its peers are waiting for it in a collective."""
+    append(run_dir, failure)
+    restarts_left = distributed.restart_count() < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    print(f"trainer: error: {failure_line(failure, on_oom, restarts_left)}", file=sys.stderr)
+    distributed.shutdown(peers_alive=False)
+    exit_now(ERROR_EXIT_CODE if on_oom is OnOom.fail else OUT_OF_MEMORY_EXIT_CODE)
 
 
 def leave(exit_code: int) -> None:

@@ -1,0 +1,248 @@
+"""train.on_oom (DESIGN §15): a rank that runs out of memory records what failed in the run dir's
+oom.jsonl and leaves, and the job stops as it does for a dead rank; the restart (max_restarts,
+torchrun's, a SLURM requeue) reads the records and adapts the plan before it resumes from the
+newest checkpoint. The ladder: the micro-batch halved and the accumulation doubled (the global
+batch, the loss's normalisation and so the losses stay those of the planned run), then, at
+micro-batch 1, activation checkpointing. An evaluation out of memory halves the evaluation's
+micro-batch only. The plan in force is kept in each checkpoint (TrainerState.plan).
+
+oom.jsonl holds two kinds of lines: `out_of_memory` (a rank's failure, with the plan it ran) and
+`adapted` (the plan a restart took from them), so that every start finds the same plan and says
+each adaptation once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config, OnOom
+from trainer.errors import RunError
+
+RECORDS = "oom.jsonl"
+# For tests only: "rank=R,rows=N[,where=forward|backward|evaluation][,from_step=S]" makes rank R
+# raise torch.OutOfMemoryError in every forward (or backward, evaluation) of N rows or more, from
+# step S on (default: forward, step 1).
+TEST_SWITCH = "TRAINER_TEST_OOM"
+# The allocators' words for the bytes asked: CUDA's "Tried to allocate 2.00 GiB", the host's
+# "DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes".
+ASKED = re.compile(r"tried to allocate ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", re.IGNORECASE)
+UNITS = {"bytes": 1, "B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's (and the test switch's) OutOfMemoryError, or the host allocator's failure, which torch
+    raises as a plain RuntimeError."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error))
+
+
+def asked_bytes(message: str) -> int | None:
+    match = ASKED.search(message)
+    return round(float(match.group(1)) * UNITS[match.group(2)]) if match else None
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """What was left: the device's free memory; on the host, what the kernel has available, and no
+    more than the address space left under a `ulimit -v` / `prlimit --as` limit."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    except OSError:  # not Linux
+        return None
+    available = int(info["MemAvailable"].split()[0]) * 1024
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return available
+    return max(0, min(available, limit - int(status["VmSize"].split()[0]) * 1024))
+
+
+def size(n: int | None) -> str:
+    return "unknown bytes" if n is None else f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the restarts adapt, and how often they did."""
+    micro_batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: bool
+    eval_micro_batch_size: int
+    adaptations: int = 0
+
+    @classmethod
+    def of(cls, cfg: Config) -> Plan:
+        t = cfg.train
+        return cls(t.micro_batch_size, t.grad_accum_steps, t.activation_checkpointing,
+                   cfg.eval.micro_batch_size or t.micro_batch_size)
+
+    def past(self, other: Plan) -> bool:
+        """Whether this plan has taken, from `other` of the same global batch, at least its steps."""
+        same_batch = self.micro_batch_size * self.grad_accum_steps == other.micro_batch_size * other.grad_accum_steps
+        return same_batch and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
+            self.micro_batch_size < other.micro_batch_size or (self.micro_batch_size == other.micro_batch_size and
+                                                               self.activation_checkpointing >= other.activation_checkpointing))
+
+    def applied(self, cfg: Config) -> Config:
+        """cfg under this plan; eval.max_batches counts the same rows at the evaluation's micro-batch."""
+        first_eval = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
+        return replace(cfg, train=replace(cfg.train, micro_batch_size=self.micro_batch_size,
+                                          grad_accum_steps=self.grad_accum_steps,
+                                          activation_checkpointing=self.activation_checkpointing),
+                       eval=replace(cfg.eval, micro_batch_size=self.eval_micro_batch_size,
+                                    max_batches=cfg.eval.max_batches * first_eval // self.eval_micro_batch_size))
+
+
+def smaller(rows: int) -> int:
+    """The largest divisor of rows up to its half: the global batch stays whole (6 -> 3, 3 -> 1)."""
+    return max(d for d in range(1, rows // 2 + 1) if rows % d == 0)
+
+
+def next_plan(plan: Plan, failure: dict) -> Plan | None:
+    """The plan after `plan` ran out of memory as `failure` says; None where nothing is left to adapt."""
+    step = {"adaptations": plan.adaptations + 1}
+    if failure["where"] == "evaluation":
+        rows = plan.eval_micro_batch_size
+        return replace(plan, eval_micro_batch_size=smaller(rows), **step) if rows > 1 else None
+    rows = plan.micro_batch_size
+    if rows > 1:
+        return replace(plan, micro_batch_size=smaller(rows),
+                       grad_accum_steps=plan.grad_accum_steps * rows // smaller(rows), **step)
+    if not plan.activation_checkpointing:
+        return replace(plan, activation_checkpointing=True, **step)
+    return None
+
+
+SETTINGS = {"micro_batch_size": "train.micro_batch_size", "grad_accum_steps": "train.grad_accum_steps",
+            "activation_checkpointing": "train.activation_checkpointing",
+            "eval_micro_batch_size": "eval.micro_batch_size"}
+
+
+def changes(before: Plan, after: Plan) -> list[tuple[str, object, object]]:
+    """(setting, before, after) of each setting that differs."""
+    return [(key, getattr(before, field), getattr(after, field)) for field, key in SETTINGS.items()
+            if getattr(before, field) != getattr(after, field)]
+
+
+def value(v: object) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+class OutOfMemory(Exception):
+    """This rank ran out of memory. Not a RunError: only this rank knows, its peers wait in a
+    collective; it records the failure, says it and leaves (`leave_out_of_memory`)."""
+
+    def __init__(self, failure: dict):
+        super().__init__(failure["error"])
+        self.failure = failure
+
+
+@dataclass
+class Watch:
+    """Where this rank is, for the record of an out-of-memory there: the step, the plan, what runs."""
+    plan: Plan
+    rank: int
+    device: torch.device
+    step: int = 0
+    where: str = "setup"
+
+    @contextmanager
+    def during(self, where: str, rows: int = 0):
+        """Inside: an out-of-memory raised as OutOfMemory, with what failed."""
+        before, self.where = self.where, where
+        try:
+            self._test_switch(rows)
+            yield
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            raise OutOfMemory({"event": "out_of_memory", "step": self.step, "where": where, "rank": self.rank,
+                               "rows": rows, "asked": asked_bytes(str(error)), "free": free_bytes(self.device),
+                               "plan": asdict(self.plan), "error": str(error).splitlines()[0][:300]}) from error
+        self.where = before
+
+    def _test_switch(self, rows: int) -> None:
+        if not (switch := os.environ.get(TEST_SWITCH)):
+            return
+        fault = {"where": "forward", "from_step": "1", **dict(pair.split("=") for pair in switch.split(","))}
+        if int(fault["rank"]) == self.rank and rows >= int(fault["rows"]) and self.where == fault["where"] \
+                and self.step >= int(fault["from_step"]):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows} MiB ({TEST_SWITCH}={switch})")
+
+
+def what_failed(failure: dict) -> str:
+    """Which rank ran out of memory, where, at which micro-batch, asking for how much."""
+    plan, where = Plan(**failure["plan"]), failure["where"]
+    rows = f"eval.micro_batch_size={plan.eval_micro_batch_size}" if where == "evaluation" else \
+        f"train.micro_batch_size={plan.micro_batch_size}"
+    return (f"rank {failure['rank']} ran out of memory in the {where} of step {failure['step']} at {rows}: it asked "
+            f"for {size(failure['asked'])} with {size(failure['free'])} free")
+
+
+def failure_line(failure: dict, on_oom: OnOom, restarts_left: bool) -> str:
+    """The one line of a rank out of memory: what failed, and what to change."""
+    plan = Plan(**failure["plan"])
+    adapted = next_plan(plan, failure)
+    if adapted is None:
+        change = "python -m trainer.plan for a strategy that fits"
+    else:
+        change = " ".join(f"{key}={value(after)}" for key, _, after in changes(plan, adapted))
+    if on_oom is OnOom.fail:
+        return f"{what_failed(failure)}; try {change} (the same global batch and losses), or train.on_oom=adapt"
+    if restarts_left:
+        return f"{what_failed(failure)}; recorded in the run dir's {RECORDS}: the restart adapts ({change})"
+    return (f"{what_failed(failure)}; no restart left to adapt ({change}): give max_restarts=N (nproc) or torchrun "
+            "--max-restarts, or change it yourself")
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    path = run_dir / RECORDS
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def append(run_dir: Path, record: dict) -> None:
+    """One line, flushed to disk: the rank leaves right after."""
+    with open(run_dir / RECORDS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def adapt(cfg: Config, run_dir: Path, kept: dict | None) -> tuple[Plan, list[dict]]:
+    """The plan this start runs: the settings', or the one kept in the checkpoint it resumes from,
+    or the latest adapted in this run dir, whichever is furthest; then one step down the ladder for
+    each failure since. The `adapted` events of the steps taken now (each appended to oom.jsonl
+    too). Run on one rank (it reads and writes the run dir); a failure with nothing left to adapt,
+    or past train.max_adaptations, is a RunError."""
+    records = read_records(run_dir)
+    plan = Plan.of(cfg)
+    last_adapted = max((i for i, r in enumerate(records) if r["event"] == "adapted"), default=-1)
+    for candidate in [kept, records[last_adapted]["plan"] if last_adapted >= 0 else None]:
+        if candidate and Plan(**candidate).past(plan):
+            plan = Plan(**candidate)
+    events = []
+    for failure in records[last_adapted + 1:]:
+        if Plan(**failure["plan"]) != plan:  # another rank's record of the same failure, or an older plan's
+            continue
+        adapted = next_plan(plan, failure)
+        if adapted is None or adapted.adaptations > cfg.train.max_adaptations:
+            left = "nothing is left to adapt" if adapted is None else \
+                f"train.max_adaptations={cfg.train.max_adaptations} are used up"
+            raise RunError(f"{what_failed(failure)}; {left}: python -m trainer.plan for a strategy that fits")
+        what = ", ".join(f"{key} {value(before)} -> {value(after)}" for key, before, after in changes(plan, adapted))
+        plan = adapted
+        events.append({"event": "adapted", "step": failure["step"], "what": what,
+                       "why": f"rank {failure['rank']} ran out of memory in the {failure['where']} of step "
+                              f"{failure['step']}", "asked": failure["asked"], "free": failure["free"],
+                       "plan": asdict(plan)})
+    for event in events:
+        append(run_dir, event)
+    return plan, events
