@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import records, run_cli
+from tests.harness import FULL_MATRIX, records, run_cli
 from trainer.config import to_config
 from trainer.errors import RunError
 from trainer.metrics import read_records
@@ -146,13 +146,14 @@ def planned(tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("strategy, launcher, every", [
-    ("ddp", "nproc", 2),
-    pytest.param("fsdp", "torchrun", 2, marks=pytest.mark.slow),
-    pytest.param("fsdp", "nproc", 0, marks=pytest.mark.slow),
-    pytest.param("zero3", "nproc", 2, marks=pytest.mark.slow),
-    pytest.param("zero3", "torchrun", 0, marks=pytest.mark.slow),
-])
+# Each strategy, launcher and checkpointing at least once; the other crossings with
+# TRAINER_TEST_FULL_MATRIX=1 (tests/harness.py: crossings).
+PROOFS = [("ddp", "nproc", 2), ("fsdp", "nproc", 0), ("zero3", "torchrun", 0),
+          *([("fsdp", "torchrun", 2), ("zero3", "nproc", 2)] if FULL_MATRIX else [])]
+
+
+@pytest.mark.slow  # 5 launches of 2 ranks each; the quick suite checks the ladder and the restart's plan in this process
+@pytest.mark.parametrize("strategy, launcher, every", PROOFS)
 def test_a_run_out_of_memory_adapts_8_4_2_1_and_has_the_losses_of_the_run_planned_at_micro_batch_1(
         tmp_path, planned, strategy, launcher, every):
     """Rank 1 runs out of memory from step 3 on at 2 rows or more: three restarts, each resuming from
