@@ -135,6 +135,7 @@ def test_the_planner_gives_the_same_one_line_errors(args, fragment):
     assert_refused(result, fragment, prog="trainer.plan")
 
 
+@pytest.mark.slow  # a launcher (tests/test_launchers.py: the others)
 def test_the_launch_script_uses_the_active_environments_torchrun(tmp_path):
     env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # as `source .venv/bin/activate`
     result = run_cli("2", *SHORT, f"hydra.run.dir={tmp_path}", launcher=[str(REPO / "launch/torchrun.sh")], env=env,

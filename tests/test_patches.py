@@ -125,7 +125,7 @@ sys.stdin.read()""",
 }
 
 
-@pytest.mark.parametrize("holder", HOLD)
+@pytest.mark.parametrize("holder", [h if h == "trainer" else pytest.param(h, marks=pytest.mark.slow) for h in HOLD])
 def test_a_load_waits_for_a_live_holder_naming_it_and_goes_on_when_it_is_killed(stand_in, tmp_path, holder):
     hold = subprocess.Popen([sys.executable, "-c", HOLD[holder], str(stand_in)], cwd=REPO, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
