@@ -23,6 +23,7 @@ from trainer.training.oom import (
     adapt,
     append,
     asked_bytes,
+    fusable,
     next_plan,
 )
 from trainer.training.oom import (
@@ -37,14 +38,24 @@ def failure(plan: Plan, where: str = "forward", rank: int = 1, step: int = 3) ->
 
 def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointing():
     plan, ladder = Plan(8, 1, False, 8), []
-    while plan := next_plan(plan, failure(plan)):
+    while plan := next_plan(plan, failure(plan), can_fuse=False):
         ladder.append((plan.micro_batch_size, plan.grad_accum_steps, plan.activation_checkpointing, plan.adaptations))
     assert ladder == [(4, 2, False, 1), (2, 4, False, 2), (1, 8, False, 3), (1, 8, True, 4)]
+    assert plan is None and next_plan(Plan(1, 8, True, 8), failure(Plan(1, 8, True, 8)), can_fuse=True) == \
+        Plan(1, 8, True, 8, adaptations=1, fused_loss=True)  # then the fused loss, where the objective takes it
+    fused = Plan(1, 8, True, 8, fused_loss=True)
+    assert next_plan(fused, failure(fused), can_fuse=True) is None
+    assert fused.applied(to_config({})).train.fused_loss and fused.past(Plan(1, 8, True, 8))
     odd = next_plan(Plan(6, 1, False, 6), failure(Plan(6, 1, False, 6)))  # a divisor: the global batch stays whole
     assert (odd.micro_batch_size, odd.grad_accum_steps) == (3, 2)
     assert (next_plan(odd, failure(odd)).micro_batch_size, next_plan(odd, failure(odd)).grad_accum_steps) == (1, 6)
     evaluation = next_plan(Plan(8, 1, False, 8), failure(Plan(8, 1, False, 8), "evaluation"))
     assert evaluation == Plan(8, 1, False, 4, adaptations=1)  # the evaluation's micro-batch only
+
+
+def test_the_fused_loss_rung_is_taken_only_where_the_objective_and_the_model_take_it():
+    assert fusable(to_config({}))  # the built-in model, objective=lm
+    assert not fusable(to_config({"objective": {"name": "dpo"}}))  # DPO needs each token's log-probability
 
 
 def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_plan(tmp_path):

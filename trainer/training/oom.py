@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import Config, OnOom
-from trainer.errors import RunError
+from trainer.config import Config, ObjectiveName, OnOom
+from trainer.errors import ConfigError, RunError
+from trainer.models import build_model
+from trainer.models.checks import check_output_layer
 
 RECORDS = "oom.jsonl"
 # For tests only: "rank=R,rows=N[,where=forward|backward|evaluation][,from_step=S]" makes rank R
@@ -77,26 +79,32 @@ class Plan:
     activation_checkpointing: bool
     eval_micro_batch_size: int
     adaptations: int = 0
+    fused_loss: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> Plan:
         t = cfg.train
         return cls(t.micro_batch_size, t.grad_accum_steps, t.activation_checkpointing,
-                   cfg.eval.micro_batch_size or t.micro_batch_size)
+                   cfg.eval.micro_batch_size or t.micro_batch_size, fused_loss=t.fused_loss)
 
     def past(self, other: Plan) -> bool:
         """Whether this plan has taken, from `other` of the same global batch, at least its steps."""
         same_batch = self.micro_batch_size * self.grad_accum_steps == other.micro_batch_size * other.grad_accum_steps
         return same_batch and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
             self.micro_batch_size < other.micro_batch_size or (self.micro_batch_size == other.micro_batch_size and
-                                                               self.activation_checkpointing >= other.activation_checkpointing))
+                                                               self.rung() >= other.rung()))
+
+    def rung(self) -> tuple[bool, bool]:
+        """How far down the ladder past micro-batch 1 (activation checkpointing, then the fused loss)."""
+        return self.activation_checkpointing, self.fused_loss
 
     def applied(self, cfg: Config) -> Config:
         """cfg under this plan; eval.max_batches counts the same rows at the evaluation's micro-batch."""
         first_eval = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
         return replace(cfg, train=replace(cfg.train, micro_batch_size=self.micro_batch_size,
                                           grad_accum_steps=self.grad_accum_steps,
-                                          activation_checkpointing=self.activation_checkpointing),
+                                          activation_checkpointing=self.activation_checkpointing,
+                                          fused_loss=self.fused_loss),
                        eval=replace(cfg.eval, micro_batch_size=self.eval_micro_batch_size,
                                     max_batches=cfg.eval.max_batches * first_eval // self.eval_micro_batch_size))
 
@@ -106,8 +114,9 @@ def smaller(rows: int) -> int:
     return max(d for d in range(1, rows // 2 + 1) if rows % d == 0)
 
 
-def next_plan(plan: Plan, failure: dict) -> Plan | None:
-    """The plan after `plan` ran out of memory as `failure` says; None where nothing is left to adapt."""
+def next_plan(plan: Plan, failure: dict, can_fuse: bool = True) -> Plan | None:
+    """The plan after `plan` ran out of memory as `failure` says; None where nothing is left to adapt.
+    can_fuse: whether the objective takes the fused loss (objective=lm: DPO needs each token's log-probability)."""
     step = {"adaptations": plan.adaptations + 1}
     if failure["where"] == "evaluation":
         rows = plan.eval_micro_batch_size
@@ -118,11 +127,13 @@ def next_plan(plan: Plan, failure: dict) -> Plan | None:
                        grad_accum_steps=plan.grad_accum_steps * rows // smaller(rows), **step)
     if not plan.activation_checkpointing:
         return replace(plan, activation_checkpointing=True, **step)
+    if can_fuse and not plan.fused_loss:  # no [tokens, vocab] logits held (models/fused_loss.py)
+        return replace(plan, fused_loss=True, **step)
     return None
 
 
 SETTINGS = {"micro_batch_size": "train.micro_batch_size", "grad_accum_steps": "train.grad_accum_steps",
-            "activation_checkpointing": "train.activation_checkpointing",
+            "activation_checkpointing": "train.activation_checkpointing", "fused_loss": "train.fused_loss",
             "eval_micro_batch_size": "eval.micro_batch_size"}
 
 
@@ -216,6 +227,18 @@ def append(run_dir: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def fusable(cfg: Config) -> bool:
+    """Whether train.fused_loss can take the run's output layer and loss: objective=lm (DPO needs
+    each token's log-probability), and a model whose logits are its output layer's (models/checks.py)."""
+    if cfg.objective.name is not ObjectiveName.lm:
+        return False
+    try:
+        check_output_layer(cfg.model, build_model(cfg.model, torch.device("meta"), cfg.peft, cfg.strategy.sp))
+    except ConfigError:
+        return False
+    return True
+
+
 def adapt(cfg: Config, run_dir: Path, kept: dict | None) -> tuple[Plan, list[dict]]:
     """The plan this start runs: the settings', or the one kept in the checkpoint it resumes from,
     or the latest adapted in this run dir, whichever is furthest; then one step down the ladder for
@@ -232,7 +255,8 @@ def adapt(cfg: Config, run_dir: Path, kept: dict | None) -> tuple[Plan, list[dic
     for failure in records[last_adapted + 1:]:
         if Plan(**failure["plan"]) != plan:  # another rank's record of the same failure, or an older plan's
             continue
-        adapted = next_plan(plan, failure)
+        at_fused_rung = plan.micro_batch_size == 1 and plan.activation_checkpointing and not plan.fused_loss
+        adapted = next_plan(plan, failure, can_fuse=at_fused_rung and fusable(cfg))
         if adapted is None or adapted.adaptations > cfg.train.max_adaptations:
             left = "nothing is left to adapt" if adapted is None else \
                 f"train.max_adaptations={cfg.train.max_adaptations} are used up"
