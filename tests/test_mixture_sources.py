@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.harness import case, with_overrides
-from trainer.config import Exhausted, to_config
+from trainer.config import Exhausted, WeightsBy, to_config
 from trainer.data.mixture import MixtureRows, load_mixture
 
 SEQ_LEN = 32
@@ -136,3 +136,24 @@ def test_a_source_of_weight_0_is_off_and_not_read(tmp_path):
     assert rows.names == ["a"] and rows.per_epoch(0).tolist() == [len(rows.sources[0].spans)]
     with pytest.raises(ConfigError, match="data.sources: every weight is 0"):
         validate(mixture_config([{"kind": "tokens", "path": "a.bin", "weight": 0}]))
+
+
+def test_weights_by_tokens_give_each_source_its_share_of_the_tokens_drawn():
+    """Documents of 3-7 and of 30-59 tokens, weights 1:1: by documents the long source draws about
+    ten times the short one's tokens; by tokens, the same tokens within a long document."""
+    from tests.test_mixture import source
+    from trainer.checks import validate
+    from trainer.errors import ConfigError
+
+    def tokens_drawn(weights_by: WeightsBy) -> np.ndarray:
+        sources = [source("short", 2000, (3, 8), 1.0), source("medium", 400, (30, 60), 1.0)]
+        plan = MixtureRows(sources, 128, 256, True, 1234, 1000, Exhausted.repeat, weights_by).plan(0)
+        lengths = [s.spans[:, 1] - s.spans[:, 0] for s in sources]
+        return np.array([lengths[i][plan.document[plan.source == i]].sum() for i in range(2)])
+
+    short, long = tokens_drawn(WeightsBy.documents)
+    assert long > 8 * short, (short, long)
+    short, long = tokens_drawn(WeightsBy.tokens)
+    assert abs(short - long) < 60, (short, long)
+    with pytest.raises(ConfigError, match=r"data.weights_by: only read by data=mixture"):
+        validate(to_config({"data": {"weights_by": "tokens"}}))

@@ -82,6 +82,12 @@ class Exhausted(str, Enum):
     all_exhausted = "all_exhausted"  # the epoch ends as every source has given each of its documents; the others go round again
 
 
+class WeightsBy(str, Enum):
+    """data=mixture: what a source's weight is a share of."""
+    documents = "documents"  # of the documents drawn (HF interleave_datasets' probabilities)
+    tokens = "tokens"  # of the tokens drawn (Megatron's and MosaicML's blends): a source of longer documents draws fewer
+
+
 class LongDocuments(str, Enum):
     """data=mixture: an hf or chat source's document longer than model.seq_len + 1 tokens."""
     split = "split"  # hf only: cut into windows of seq_len + 1 tokens (as data=hf's packing keeps every token)
@@ -261,6 +267,7 @@ class DataConfig:
     sources: List[SourceConfig] = field(default_factory=list)  # mixture: the sources and their weights
     epoch_samples: int = 0  # mixture: documents drawn per epoch; 0: the sum of the sources' documents
     exhausted: Exhausted = Exhausted.repeat  # mixture: a source with fewer documents than its share, or the epoch sized by when the sources run out (HF stopping strategies)
+    weights_by: WeightsBy = WeightsBy.documents  # mixture: a weight's share of the documents drawn, or of the tokens
 
 
 @dataclass

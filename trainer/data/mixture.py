@@ -10,7 +10,10 @@ A source drawn below its size so shows other documents each epoch; one whose sha
 its documents goes round again (data.exhausted=repeat) or gives each once, its share ending there
 (stop); HF's stopping strategies size the epoch instead: it ends as the first source is through its
 documents (first_exhausted) or as every source is (all_exhausted). A source's max_samples keeps its first documents only; repeat on every source
-(MosaicML's) replaces the weights: each epoch draws repeat x the source's documents. The epoch's
+(MosaicML's) replaces the weights: each epoch draws repeat x the source's documents. With
+data.weights_by=tokens a weight is the source's share of the tokens drawn (Megatron's and
+MosaicML's blends), not of the documents: each document counts its weight over its source's mean
+document length. The epoch's
 draws of all sources are then shuffled together (seeded by train.seed and the epoch) and cut into
 rows: whole documents of any source packed into rows of model.seq_len, their
 position ids restarting at each (data.packing), or one padded row each.
@@ -45,6 +48,7 @@ from trainer.config import (
     SourceKind,
     TokenDtype,
     TrainOn,
+    WeightsBy,
 )
 from trainer.data.chat import Conversations
 from trainer.data.sources import (
@@ -114,9 +118,12 @@ def check_mixture(cfg: Config) -> None:
     if DataName(d.name) is not DataName.mixture:
         if d.sources:
             raise ConfigError(f"data.sources: only read by data=mixture, not data={DataName(d.name).value}")
-        if Exhausted(d.exhausted) is not Exhausted.repeat or d.epoch_samples:
-            key = "data.exhausted" if Exhausted(d.exhausted) is not Exhausted.repeat else "data.epoch_samples"
-            raise ConfigError(f"{key}: only read by data=mixture, not data={DataName(d.name).value}")
+        given = [key for key, changed in (("data.exhausted", Exhausted(d.exhausted) is not Exhausted.repeat),
+                                          ("data.epoch_samples", bool(d.epoch_samples)),
+                                          ("data.weights_by", WeightsBy(d.weights_by) is not WeightsBy.documents))
+                 if changed]
+        if given:
+            raise ConfigError(f"{given[0]}: only read by data=mixture, not data={DataName(d.name).value}")
         return
     if not d.sources:
         raise ConfigError(f"data.sources: data=mixture needs its sources, e.g. '{EXAMPLE}'")
@@ -213,6 +220,8 @@ def check_repeat(s: SourceConfig, key: str, d: DataConfig) -> None:
                           f"an epoch), not both; weight {s.weight:g}")
     if d.epoch_samples:
         raise ConfigError(f"{key}.repeat: the sources' repeats make the epoch; data.epoch_samples must stay 0")
+    if WeightsBy(d.weights_by) is WeightsBy.tokens:
+        raise ConfigError(f"{key}.repeat: counts documents; data.weights_by=tokens is for weights")
     if Exhausted(d.exhausted) in EPOCH_SIZED:
         raise ConfigError(f"{key}.repeat: the repeats size the epoch, as data.exhausted={Exhausted(d.exhausted).value} would: "
                           "give one")
@@ -421,7 +430,7 @@ class MixtureRows(Dataset):
     range of rows came from."""
 
     def __init__(self, sources: list[Source], seq_len: int, vocab_size: int, packing: bool, seed: int,
-                 epoch_samples: int, exhausted: Exhausted):
+                 epoch_samples: int, exhausted: Exhausted, weights_by: WeightsBy = WeightsBy.documents):
         self.sources, self.seq_len, self.vocab_size, self.packing = sources, seq_len, vocab_size, packing
         self.names = [s.name for s in sources]
         self.seed = seed % 2 ** 63
@@ -431,6 +440,8 @@ class MixtureRows(Dataset):
             self.epoch_draws = float(self.weights.sum())
         else:  # each source its weight's share of data.epoch_samples
             self.weights = np.array([s.weight for s in sources], dtype=np.float64)
+            if WeightsBy(weights_by) is WeightsBy.tokens:  # per document drawn: its source's weight over its mean length
+                self.weights /= np.array([np.mean(s.spans[:, 1] - s.spans[:, 0]) for s in sources])
             self.epoch_draws = float(epoch_samples or self.sizes.sum())
         # HF's stopping strategies: the most draws in which no source gives a document twice, or the
         # fewest in which every source gives each of its documents (the shares are within 1 of exact).
@@ -565,7 +576,7 @@ def load_mixture(cfg: Config, local_rank: int) -> tuple[MixtureRows, SourcesVali
     d, m = cfg.data, cfg.model
     sources = load_sources(cfg, local_rank)
     rows = MixtureRows(sources, m.seq_len, m.vocab_size, d.packing, cfg.train.seed, d.epoch_samples,
-                       Exhausted(d.exhausted))
+                       Exhausted(d.exhausted), WeightsBy(d.weights_by))
     log.info(f"data: a mixture of {len(sources)} sources, {int(rows.per_epoch(0).sum()):,} documents an epoch ("
              + ", ".join(f"{s['name']} {s['per_epoch']:,}" for s in rows.describe())
              + f") in {len(rows):,} {'packed' if d.packing else 'padded'} rows of {m.seq_len} tokens in the first epoch")
