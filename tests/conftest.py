@@ -25,8 +25,9 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """On CI (CI=1, set by .ci/run) `make test` fails past its budget (TEST_BUDGET_S, which the
-    Makefile passes): a slower quick suite is caught where it happens, not noticed later. Its own
+    """The quick tests' time against their budget (TEST_BUDGET_S, which the Makefile passes), said
+    at the end; past it on CI (CI=1, set by .ci/run) the run fails: a slower quick suite is caught
+    where it happens, not noticed later. Its own
     wall time under `make test`; under `make test-all`, whose quick and slow tests share the
     workers, the quick tests' summed durations over the workers."""
     budget = os.environ.get("TEST_BUDGET_S")
