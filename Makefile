@@ -4,8 +4,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# make test's wall-time budget where CI sets CI=1 (.ci/run): past it tests/conftest.py fails the run
-# (under test-all, which CI runs: the quick tests' summed durations over the workers).
+# make test's wall-time budget: past it tests/conftest.py fails `make test` where CI=1 is set
+# (.ci/run); test-all prints the quick tests' summed durations over the workers against it.
 TEST_BUDGET_S := 360
 # Tests run in TEST_WORKERS processes (pytest-xdist), a test file at a time each, so that a file's
 # shared runs (module fixtures) are made once: a launch leaves a core idle while ranks start and

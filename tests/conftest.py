@@ -26,10 +26,9 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     """The quick tests' time against their budget (TEST_BUDGET_S, which the Makefile passes), said
-    at the end; past it on CI (CI=1, set by .ci/run) the run fails: a slower quick suite is caught
-    where it happens, not noticed later. Its own
-    wall time under `make test`; under `make test-all`, whose quick and slow tests share the
-    workers, the quick tests' summed durations over the workers."""
+    at the end: `make test`'s own wall time, which past the budget on CI (CI=1) fails the run; under
+    `make test-all`, whose quick and slow tests share the workers, the quick tests' summed
+    durations over the workers, said only (a sum is not the wall time the budget is of)."""
     budget = os.environ.get("TEST_BUDGET_S")
     if not budget or hasattr(session.config, "workerinput"):  # the controller's clock
         return
@@ -43,7 +42,7 @@ def pytest_sessionfinish(session, exitstatus):
     past = took > float(budget)
     session.config.pluginmanager.get_plugin("terminalreporter").write_line(
         f"{said}, {'past' if past else 'within'} its budget of {float(budget):.0f} s (TEST_BUDGET_S in the Makefile)")
-    if past and os.environ.get("CI"):
+    if past and os.environ.get("CI") and not _QUICK["slow_ran"]:  # test-all's figure is a sum, said only
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -212,20 +212,23 @@ def test_an_evaluation_out_of_memory_halves_the_evaluations_micro_batch_only(tmp
     assert len(val[0]) == 1 and abs(val[0][0] - val[1][0]) <= 1e-6 * val[1][0], val
 
 
-HOST_LIMIT = 1792 << 20  # address space: micro-batch 8 and 4 of this model fail here, 2 fits (measured on this machine)
+# Address space: micro-batch 8 of this model fails under it, 2 fits; 4 failed with two threads per
+# process and fits with the test suite's one (measured on this 2-core machine).
+HOST_LIMIT = 1792 << 20
 BIG_LOGITS = ["model.seq_len=512", "model.vocab_size=32768", "data=synthetic", "train.max_steps=2",
               "train.log_every=1", "data.num_workers=0"]  # 512 MiB of logits at micro-batch 8
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("prlimit"), reason="needs util-linux's prlimit")
-def test_a_real_host_out_of_memory_under_an_address_space_limit_adapts_8_4_2_with_the_planned_losses(tmp_path):
+def test_a_real_host_out_of_memory_under_an_address_space_limit_adapts_down_from_8_with_the_planned_losses(tmp_path):
     run_dir, planned = tmp_path / "run", tmp_path / "planned"
     limited = run_cli(*BIG_LOGITS, "max_restarts=3", "train.micro_batch_size=8", f"hydra.run.dir={run_dir}",
                       launcher=["prlimit", f"--as={HOST_LIMIT}", sys.executable, "-m", "trainer"])
     assert limited.returncode == 0, limited.stderr[-3000:]
     adapted = [r for r in oom_records(run_dir) if r["event"] == "adapted"]
-    assert [r["plan"]["micro_batch_size"] for r in adapted] == [4, 2], oom_records(run_dir)
+    halvings = [r["plan"]["micro_batch_size"] for r in adapted]
+    assert halvings and halvings == [4, 2, 1][:len(halvings)], oom_records(run_dir)  # where it fits depends on the host
     failures = [r for r in oom_records(run_dir) if r["event"] == "out_of_memory"]
     assert all("DefaultCPUAllocator" in r["error"] and r["asked"] for r in failures), failures
     reference = run_cli(*BIG_LOGITS, "train.micro_batch_size=8", f"hydra.run.dir={planned}")
