@@ -40,7 +40,9 @@ def pytest_sessionfinish(session, exitstatus):
         took = time.monotonic() - _STARTED
         said = f"make test took {took:.0f} s"
     past = took > float(budget)
-    session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reporter.ensure_newline()
+    reporter.write_line(
         f"{said}, {'past' if past else 'within'} its budget of {float(budget):.0f} s (TEST_BUDGET_S in the Makefile)")
     if past and os.environ.get("CI") and not _QUICK["slow_ran"]:  # test-all's figure is a sum, said only
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
