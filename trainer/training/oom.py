@@ -3,7 +3,7 @@ oom.jsonl and leaves, and the job stops as it does for a dead rank; the restart 
 torchrun's, a SLURM requeue) reads the records and adapts the plan before it resumes from the
 newest checkpoint. The ladder: the micro-batch halved and the accumulation doubled (the global
 batch, the loss's normalisation and so the losses stay those of the planned run), then, at
-micro-batch 1, activation checkpointing. An evaluation out of memory halves the evaluation's
+micro-batch 1, activation checkpointing, then the fused loss where the run takes it. An evaluation out of memory halves the evaluation's
 micro-batch only. The plan in force is kept in each checkpoint (TrainerState.plan).
 
 oom.jsonl holds two kinds of lines: `out_of_memory` (a rank's failure, with the plan it ran) and
@@ -114,7 +114,7 @@ def smaller(rows: int) -> int:
     return max(d for d in range(1, rows // 2 + 1) if rows % d == 0)
 
 
-def next_plan(plan: Plan, failure: dict, can_fuse: bool = True) -> Plan | None:
+def next_plan(plan: Plan, failure: dict, can_fuse: bool = False) -> Plan | None:
     """The plan after `plan` ran out of memory as `failure` says; None where nothing is left to adapt.
     can_fuse: whether the objective takes the fused loss (objective=lm: DPO needs each token's log-probability)."""
     step = {"adaptations": plan.adaptations + 1}
@@ -198,15 +198,22 @@ def what_failed(failure: dict) -> str:
             f"for {size(failure['asked'])} with {size(failure['free'])} free")
 
 
-def failure_line(failure: dict, on_oom: OnOom, restarts_left: bool) -> str:
+def adapted_plan(plan: Plan, failure: dict, cfg: Config) -> Plan | None:
+    """next_plan for this run: whether it takes the fused loss is asked only where the ladder reaches it."""
+    at_fused_rung = (failure["where"] != "evaluation" and plan.micro_batch_size == 1
+                     and plan.activation_checkpointing and not plan.fused_loss)
+    return next_plan(plan, failure, can_fuse=at_fused_rung and fusable(cfg))
+
+
+def failure_line(failure: dict, cfg: Config, restarts_left: bool) -> str:
     """The one line of a rank out of memory: what failed, and what to change."""
     plan = Plan(**failure["plan"])
-    adapted = next_plan(plan, failure)
+    adapted = adapted_plan(plan, failure, cfg)
     if adapted is None:
         change = "python -m trainer.plan for a strategy that fits"
     else:
         change = " ".join(f"{key}={value(after)}" for key, _, after in changes(plan, adapted))
-    if on_oom is OnOom.fail:
+    if cfg.train.on_oom is OnOom.fail:
         return f"{what_failed(failure)}; try {change} (the same global batch and losses), or train.on_oom=adapt"
     if restarts_left:
         return f"{what_failed(failure)}; recorded in the run dir's {RECORDS}: the restart adapts ({change})"
@@ -255,8 +262,7 @@ def adapt(cfg: Config, run_dir: Path, kept: dict | None) -> tuple[Plan, list[dic
     for failure in records[last_adapted + 1:]:
         if Plan(**failure["plan"]) != plan:  # another rank's record of the same failure, or an older plan's
             continue
-        at_fused_rung = plan.micro_batch_size == 1 and plan.activation_checkpointing and not plan.fused_loss
-        adapted = next_plan(plan, failure, can_fuse=at_fused_rung and fusable(cfg))
+        adapted = adapted_plan(plan, failure, cfg)
         if adapted is None or adapted.adaptations > cfg.train.max_adaptations:
             left = "nothing is left to adapt" if adapted is None else \
                 f"train.max_adaptations={cfg.train.max_adaptations} are used up"

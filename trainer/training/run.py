@@ -9,7 +9,7 @@ from pathlib import Path
 
 from trainer import distributed
 from trainer.checkpoint.resume import resolve_resume
-from trainer.config import OnOom, to_config
+from trainer.config import Config, OnOom, to_config
 from trainer.errors import ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, ConfigError, RunError
 from trainer.training.faults import Stopped
 from trainer.training.oom import OutOfMemory, append, failure_line
@@ -28,7 +28,7 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
     except Stopped as stopped:  # saved and recorded: leave with the signal's exit code, quietly
         leave(stopped.exit_code)
     except OutOfMemory as oom:  # this rank alone: its peers fail in their next collective
-        leave_out_of_memory(oom.failure, cfg.train.on_oom, run_dir)
+        leave_out_of_memory(oom.failure, cfg, run_dir)
     except RunError as e:  # the same on every rank: said once, in one line
         if env.is_main:
             print(f"trainer: error: {e}", file=sys.stderr)
@@ -65,14 +65,14 @@ def check_run_dir(run_dir: Path, resume_from: Path | None) -> None:
                           "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
 
 
-def leave_out_of_memory(failure: dict, on_oom: OnOom, run_dir: Path) -> None:
+def leave_out_of_memory(failure: dict, cfg: Config, run_dir: Path) -> None:
     """Recorded in the run dir (for the restart, and the planner), said by this rank in one line,
     gone without a barrier: its peers are waiting for it in a collective."""
     append(run_dir, failure)
     restarts_left = distributed.restart_count() < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
-    print(f"trainer: error: {failure_line(failure, on_oom, restarts_left)}", file=sys.stderr)
+    print(f"trainer: error: {failure_line(failure, cfg, restarts_left)}", file=sys.stderr)
     distributed.shutdown(peers_alive=False)
-    exit_now(ERROR_EXIT_CODE if on_oom is OnOom.fail else OUT_OF_MEMORY_EXIT_CODE)
+    exit_now(ERROR_EXIT_CODE if cfg.train.on_oom is OnOom.fail else OUT_OF_MEMORY_EXIT_CODE)
 
 
 def leave(exit_code: int) -> None:
