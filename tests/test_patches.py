@@ -9,7 +9,6 @@ import inspect
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -145,26 +144,22 @@ def test_a_load_waits_for_a_live_holder_naming_it_and_goes_on_when_it_is_killed(
     assert subprocess.run([stand_in / "stand_in"]).returncode == 0
 
 
-@pytest.mark.slow
-def test_a_zero_run_killed_while_it_builds_deepspeeds_op_leaves_a_build_the_next_run_finishes(tmp_path):
-    """kill -9 of a whole job while ninja builds DeepSpeed's shared-memory op (about 45 s here),
-    then the same run again: it clears the lock and builds. A fresh op cache of its own."""
+def test_a_zero_run_finds_the_lock_a_killed_build_of_deepspeeds_op_left_and_goes_on(tmp_path):
+    """A job killed -9 while ninja built DeepSpeed's shared-memory op leaves torch's lock; the
+    next zero run clears it with a line and loads the op. The op's build as the setup left it,
+    copied into a fresh op cache of the test's own, with a lock nobody holds: what a killed build
+    leaves of the compile itself (ninja's log and deps cut short) is the stand-in tests' part."""
+    import trainer.distributed  # noqa: F401  (TORCH_EXTENSIONS_DIR: the venv's op cache unless set)
+
+    built = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
+    assert (built / "deepspeed_shm_comm.so").exists(), f"no {built}: `make setup` builds it"
     extensions = tmp_path / "torch_extensions"
-    env = {**CPU_ONLY, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    shutil.copytree(built, extensions / "deepspeed_shm_comm")  # with the files' times: nothing for ninja to do
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock.touch()
     run = ["strategy=zero2", "nproc=1", "model=tiny", "train.max_steps=1", "logger=jsonl"]
-    first = subprocess.Popen([sys.executable, "-m", "trainer", *run, f"hydra.run.dir={tmp_path / 'killed'}"],
-                             cwd=REPO, env={**os.environ, **env}, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    build = extensions / "deepspeed_shm_comm"
-    deadline = time.monotonic() + 300
-    while not (build / "build.ninja").exists():  # torch writes it under the lock, then runs ninja
-        assert time.monotonic() < deadline and first.poll() is None, "the first run never started the op's build"
-        time.sleep(0.5)
-    time.sleep(10)  # ninja compiling
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    assert (build / "lock").exists()
-    second = run_cli(*run, f"hydra.run.dir={tmp_path / 'next'}", env=env, timeout=480)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert f"removed {build / 'lock'}, left by a killed build" in second.stdout + second.stderr
+    next_run = run_cli(*run, f"hydra.run.dir={tmp_path / 'next'}", env={**CPU_ONLY, "TORCH_EXTENSIONS_DIR": str(extensions)},
+                       timeout=240)
+    assert next_run.returncode == 0, next_run.stdout + next_run.stderr
+    assert f"removed {lock}, left by a killed build" in next_run.stdout + next_run.stderr
     assert [r["step"] for r in records(tmp_path / "next")] == [1]
