@@ -8,11 +8,12 @@ import json
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from tests.harness import records, run_cli
 from trainer.config import to_config
 from trainer.training.adapt import adapt
-from trainer.training.oom import TEST_SWITCH, Plan, append
+from trainer.training.oom import TEST_SWITCH, OutOfMemory, Plan, Watch, append
 from trainer.training.oom import read_records as oom_records
 
 AT_THE_BOTTOM = {"micro_batch_size": 1, "grad_accum_steps": 8, "activation_checkpointing": True, "fused_loss": True}
@@ -45,6 +46,19 @@ def test_the_rung_is_the_first_option_that_holds_the_missing_bytes_less_and_pass
     append(tmp_path, failure(offloaded, asked=10 ** 9))  # nothing holds a GB less
     with pytest.raises(Exception, match="nothing is left to adapt"):
         adapt(cfg, tmp_path, kept=None, world_size=2)
+
+
+def test_the_switchs_bytes_make_a_full_device_that_asks_for_what_the_rank_keeps_above_them(monkeypatch):
+    held = {"params": 600, "grads": 10 ** 6, "optim": 1200, "peak": None}  # gradients come and go: not counted
+    watch = Watch(Plan(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)
+    monkeypatch.setenv(TEST_SWITCH, "rank=1,bytes=1500,from_step=3")
+    with pytest.raises(OutOfMemory) as caught:
+        with watch.during("forward", 1):
+            pass
+    assert (caught.value.failure["asked"], caught.value.failure["free"]) == (300, 0)  # CUDA's words, read back
+    held["optim"] = 900  # a strategy that keeps less: no failure
+    with watch.during("forward", 1):
+        pass
 
 
 STEPS = 5
