@@ -400,11 +400,15 @@ def after_out_of_memory(cfg: Config, run_dir: Path) -> tuple[Config, list[str]]:
         raise ConfigError(f"plan.run_dir: {run_dir} has no {RECORDS}: that run never ran out of memory")
     lines = [f"{run_dir}: {what_failed(r)}" for r in records if r["event"] == "out_of_memory"]
     if adapted := [r for r in records if r["event"] == "adapted"]:
-        cfg = RunPlan(**adapted[-1]["plan"]).applied(cfg)
-        t = cfg.train
+        plan = RunPlan(**adapted[-1]["plan"])
+        cfg = plan.applied(cfg)
+        t, s = cfg.train, cfg.strategy
+        strategy = (f" strategy={s.name.value} strategy.sp={s.sp} strategy.offload_optimizer="
+                    f"{str(s.offload_optimizer).lower()} strategy.offload_params={str(s.offload_params).lower()}"
+                    if plan.strategy else "")
         lines.append(f"it adapted to train.micro_batch_size={t.micro_batch_size} train.grad_accum_steps="
                      f"{t.grad_accum_steps} train.activation_checkpointing={str(t.activation_checkpointing).lower()} "
-                     f"eval.micro_batch_size={cfg.eval.micro_batch_size}: planned below at that plan")
+                     f"eval.micro_batch_size={cfg.eval.micro_batch_size}{strategy}: planned below at that plan")
     return cfg, lines
 
 
