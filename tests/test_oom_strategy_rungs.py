@@ -48,6 +48,25 @@ def test_the_rung_is_the_first_option_that_holds_the_missing_bytes_less_and_pass
         adapt(cfg, tmp_path, kept=None, world_size=2)
 
 
+def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_be_refused(tmp_path, monkeypatch):
+    """A machine without DeepSpeed (the GPU image): zero1 and zero2 would fit, the checks refuse them."""
+    import importlib.metadata
+
+    installed = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "deepspeed":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed(name)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    cfg = to_config({"train": AT_THE_BOTTOM})
+    append(tmp_path, failure(Plan.of(cfg), asked=200_000))
+    plan, [event] = adapt(cfg, tmp_path, kept=None, world_size=2)
+    assert plan.strategy["name"] == "fsdp" and event["skipped"] == [
+        f"strategy={name} refused: strategy: strategy={name} needs DeepSpeed, which is not installed: "
+        "pip install 'deepspeed>=0.19.8'" for name in ("zero1", "zero2")]
+
+
 def test_the_switchs_bytes_make_a_full_device_that_asks_for_what_the_rank_keeps_above_them(monkeypatch):
     held = {"params": 600, "grads": 10 ** 6, "optim": 1200, "peak": None}  # gradients come and go: not counted
     watch = Watch(Plan(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)

@@ -53,9 +53,13 @@ def is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error))
 
 
-def asked_bytes(message: str, words: re.Pattern = ASKED) -> int | None:
+def said_bytes(words: re.Pattern, message: str) -> int | None:
     match = words.search(message)
     return round(float(match.group(1)) * UNITS[match.group(2)]) if match else None
+
+
+def asked_bytes(message: str) -> int | None:
+    return said_bytes(ASKED, message)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -195,7 +199,7 @@ class Watch:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            free = asked_bytes(str(error), FREE)  # CUDA's word for it, else asked now
+            free = said_bytes(FREE, str(error))  # what was free at the failure, where CUDA says it
             raise OutOfMemory({"event": "out_of_memory", "step": self.step, "where": where, "rank": self.rank,
                                "rows": rows, "asked": asked_bytes(str(error)),
                                "free": free_bytes(self.device) if free is None else free,
