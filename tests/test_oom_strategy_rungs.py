@@ -101,6 +101,7 @@ def test_a_run_at_the_bottom_of_the_ladder_moves_to_the_strategy_the_planner_say
                if e.get("event") == "adapted"]
     assert [(e["step"], e["what"]) for e in adapted] == [(3, "strategy ddp -> fsdp")], adapted
     assert adapted[0]["asked"] == failed["asked"] > 0 and adapted[0]["free"] == 0
+    assert "the restart adapts (the next strategy that the planner says fits)" in result.stderr
     assert "[trainer] adapted after out of memory: strategy ddp -> fsdp (rank 1 ran out of memory in the forward " \
            "of step 3; the planner counts" in result.stdout
     manifest = json.loads((ckpt / f"step_{STEPS:08d}" / "manifest.json").read_text())
