@@ -45,7 +45,7 @@ def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointin
         Plan(1, 8, True, 8, adaptations=1, fused_loss=True)  # then the fused loss, where the objective takes it
     fused = Plan(1, 8, True, 8, fused_loss=True)
     assert next_plan(fused, failure(fused), can_fuse=True) is None
-    assert fused.applied(to_config({})).train.fused_loss and fused.past(Plan(1, 8, True, 8))
+    assert fused.applied(to_config({})).train.fused_loss and fused.past(Plan(1, 8, True, 8), 1)
     odd = next_plan(Plan(6, 1, False, 6), failure(Plan(6, 1, False, 6)))  # a divisor: the global batch stays whole
     assert (odd.micro_batch_size, odd.grad_accum_steps) == (3, 2)
     assert (next_plan(odd, failure(odd)).micro_batch_size, next_plan(odd, failure(odd)).grad_accum_steps) == (1, 6)

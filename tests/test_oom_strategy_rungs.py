@@ -42,10 +42,21 @@ def test_the_rung_is_the_first_option_that_holds_the_missing_bytes_less_and_pass
     offloaded, [event] = adapt(cfg, tmp_path, kept=None, world_size=2)
     assert offloaded.strategy == {"name": "fsdp", "sp": 1, "offload_optimizer": True, "offload_params": True}
     assert event["what"] == "strategy.offload_optimizer false -> true, strategy.offload_params false -> true"
-    assert offloaded.past(plan) and not plan.past(offloaded)
+    assert offloaded.past(plan, 1) and not plan.past(offloaded, 1)
     append(tmp_path, failure(offloaded, asked=10 ** 9))  # nothing holds a GB less
     with pytest.raises(Exception, match="nothing is left to adapt"):
         adapt(cfg, tmp_path, kept=None, world_size=2)
+
+
+def test_a_sequence_parallel_rung_keeps_the_global_batch_with_more_accumulation(tmp_path):
+    """A few bytes short: sp=2 (half the activations a rank) comes first; its sp group of the 2 ranks
+    reads the same rows, so the accumulation doubles, and the next start keeps that plan."""
+    cfg = to_config({"train": AT_THE_BOTTOM})
+    append(tmp_path, failure(Plan.of(cfg), asked=100_000))
+    plan, [event] = adapt(cfg, tmp_path, kept=None, world_size=2)
+    assert plan.strategy == {"name": "ddp", "sp": 2, "offload_optimizer": False, "offload_params": False}
+    assert event["what"] == "train.grad_accum_steps 8 -> 16, strategy.sp 1 -> 2"
+    assert adapt(cfg, tmp_path, kept=None, world_size=2) == (plan, [])  # past the settings' plan: kept
 
 
 def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_be_refused(tmp_path, monkeypatch):

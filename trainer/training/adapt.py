@@ -21,14 +21,16 @@ def strategy_rung(plan: Plan, failure: dict, cfg: Config, world_size: int) -> tu
     """The plan at the first strategy rung after `plan` that fits and passes the checks, and why it
     fits (None where none does); each rung refused by the checks, with the check's reason."""
     missing = None if failure["asked"] is None else failure["asked"] - (failure["free"] or 0)
-    skipped = []
-    for settings, why in strategy_rungs(plan.applied(cfg), world_size, missing):
-        rung = replace(plan, strategy=settings, adaptations=plan.adaptations + 1)
+    here, skipped = plan.applied(cfg), []
+    for settings, why in strategy_rungs(here, world_size, missing):
+        # a larger sp leaves fewer data-parallel ranks: more accumulation keeps the global batch
+        accumulation = plan.grad_accum_steps * settings["sp"] // here.strategy.sp
+        rung = replace(plan, strategy=settings, grad_accum_steps=accumulation, adaptations=plan.adaptations + 1)
         try:
             check_settings(rung.applied(cfg), world_size)
         except RunError as refused:
-            skipped.append(f"{' '.join(f'{k}={value(v)}' for k, _, v in changes(plan.applied(cfg), rung.applied(cfg)))}"
-                           f" refused: {refused}")
+            taken = " ".join(f"{key}={value(after)}" for key, _, after in changes(here, rung.applied(cfg)))
+            skipped.append(f"{taken} refused: {refused}")
             continue
         return rung, why, skipped
     return None, "", skipped
@@ -44,7 +46,7 @@ def adapt(cfg: Config, run_dir: Path, kept: dict | None, world_size: int) -> tup
     plan = Plan.of(cfg)
     last_adapted = max((i for i, r in enumerate(records) if r["event"] == "adapted"), default=-1)
     for candidate in [kept, records[last_adapted]["plan"] if last_adapted >= 0 else None]:
-        if candidate and Plan(**candidate).past(plan):
+        if candidate and Plan(**candidate).past(plan, cfg.strategy.sp):
             plan = Plan(**candidate)
     events = []
     for failure in records[last_adapted + 1:]:

@@ -101,10 +101,15 @@ class Plan:
         return cls(t.micro_batch_size, t.grad_accum_steps, t.activation_checkpointing,
                    cfg.eval.micro_batch_size or t.micro_batch_size, fused_loss=t.fused_loss)
 
-    def past(self, other: Plan) -> bool:
-        """Whether this plan has taken, from `other` of the same global batch, at least its steps."""
-        same_batch = self.micro_batch_size * self.grad_accum_steps == other.micro_batch_size * other.grad_accum_steps
-        return same_batch and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
+    def rows(self, sp: int) -> float:
+        """Rows of a step per rank of the world: a sequence-parallel group of `sp` ranks (the settings'
+        strategy.sp, where no strategy rung says another) reads the same rows."""
+        return self.micro_batch_size * self.grad_accum_steps / (self.strategy or {}).get("sp", sp)
+
+    def past(self, other: Plan, sp: int) -> bool:
+        """Whether this plan has taken, from `other` of the same global batch, at least its steps (sp:
+        the settings' strategy.sp)."""
+        return self.rows(sp) == other.rows(sp) and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
             self.micro_batch_size < other.micro_batch_size or (self.micro_batch_size == other.micro_batch_size and
                                                                self.rung() >= other.rung()))
 
