@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
 # What `trainer` itself calls before any rank starts (trainer/__main__.py), wherever they live.
-from trainer.__main__ import CONFIG_MODULE, ConfigError, check_overrides, register_configs, to_config, validate
+from trainer.__main__ import CONFIG_MODULE, ConfigError, check_overrides, register_configs, to_config
+from trainer.checks import validate  # check_before_work's, through check_settings
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

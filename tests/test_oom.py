@@ -15,12 +15,12 @@ from tests.harness import FULL_MATRIX, records, run_cli
 from trainer.config import to_config
 from trainer.errors import RunError
 from trainer.metrics import read_records
+from trainer.training.adapt import adapt
 from trainer.training.oom import (
     TEST_SWITCH,
     OutOfMemory,
     Plan,
     Watch,
-    adapt,
     append,
     asked_bytes,
     fusable,
@@ -45,7 +45,7 @@ def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointin
         Plan(1, 8, True, 8, adaptations=1, fused_loss=True)  # then the fused loss, where the objective takes it
     fused = Plan(1, 8, True, 8, fused_loss=True)
     assert next_plan(fused, failure(fused), can_fuse=True) is None
-    assert fused.applied(to_config({})).train.fused_loss and fused.past(Plan(1, 8, True, 8))
+    assert fused.applied(to_config({})).train.fused_loss and fused.past(Plan(1, 8, True, 8), 1)
     odd = next_plan(Plan(6, 1, False, 6), failure(Plan(6, 1, False, 6)))  # a divisor: the global batch stays whole
     assert (odd.micro_batch_size, odd.grad_accum_steps) == (3, 2)
     assert (next_plan(odd, failure(odd)).micro_batch_size, next_plan(odd, failure(odd)).grad_accum_steps) == (1, 6)
@@ -63,13 +63,13 @@ def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_
     first = Plan.of(cfg)
     append(tmp_path, failure(first, rank=0))
     append(tmp_path, failure(first, rank=1))  # two ranks out of memory in the same step: one adaptation
-    plan, events = adapt(cfg, tmp_path, kept=None)
+    plan, events = adapt(cfg, tmp_path, kept=None, world_size=1)
     assert plan == Plan(4, 2, False, 8, adaptations=1)
     assert [(e["event"], e["step"], e["what"], e["asked"]) for e in events] == [
         ("adapted", 3, "train.micro_batch_size 8 -> 4, train.grad_accum_steps 1 -> 2", 2 ** 20)]
-    assert adapt(cfg, tmp_path, kept=None) == (plan, [])  # a restart for another cause: the same plan, said once
+    assert adapt(cfg, tmp_path, kept=None, world_size=1) == (plan, [])  # a restart for another cause: the same plan, said once
     append(tmp_path, failure(plan, "evaluation"))
-    plan, events = adapt(cfg, tmp_path, kept=None)
+    plan, events = adapt(cfg, tmp_path, kept=None, world_size=1)
     assert plan == Plan(4, 2, False, 4, adaptations=2) and events[0]["what"] == "eval.micro_batch_size 8 -> 4"
     applied = plan.applied(cfg)
     assert (applied.train.micro_batch_size, applied.train.grad_accum_steps, applied.eval.micro_batch_size,
@@ -77,12 +77,12 @@ def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_
     append(tmp_path, failure(plan))
     with pytest.raises(RunError, match=r"rank 1 ran out of memory in the forward of step 3 at "
                                        r"train.micro_batch_size=4: .*train.max_adaptations=2 are used up"):
-        adapt(cfg, tmp_path, kept=None)
+        adapt(cfg, tmp_path, kept=None, world_size=1)
     # a resume in another run dir keeps the checkpoint's plan; one of another global batch is not this run's
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    assert adapt(cfg, fresh, kept=asdict(Plan(2, 4, False, 8, 2)))[0] == Plan(2, 4, False, 8, 2)
-    assert adapt(cfg, fresh, kept=asdict(Plan(2, 2, False, 8, 2)))[0] == first
+    assert adapt(cfg, fresh, kept=asdict(Plan(2, 4, False, 8, 2)), world_size=1)[0] == Plan(2, 4, False, 8, 2)
+    assert adapt(cfg, fresh, kept=asdict(Plan(2, 2, False, 8, 2)), world_size=1)[0] == first
 
 
 def test_an_out_of_memory_of_either_allocator_is_recorded_with_the_bytes_asked(monkeypatch):
@@ -242,7 +242,7 @@ def test_the_planner_reads_a_runs_records_and_plans_at_the_plan_it_adapted_to(tm
 
     cfg = to_config({"train": {"micro_batch_size": 8}})
     append(tmp_path, failure(Plan.of(cfg)))
-    adapt(cfg, tmp_path, kept=None)
+    adapt(cfg, tmp_path, kept=None, world_size=1)
     plan.main(["train.micro_batch_size=8", "plan.gpu_memory_gb=1", "plan.json=true", f"plan.run_dir={tmp_path}"])
     adapted = json.loads(capsys.readouterr().out)
     plan.main(["train.micro_batch_size=4", "train.grad_accum_steps=2", "plan.gpu_memory_gb=1", "plan.json=true"])

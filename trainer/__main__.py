@@ -19,9 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed
 from trainer.checkpoint.format import check_base, check_fingerprint, read_manifest
 from trainer.checkpoint.resume import check_writable, hold_checkpoint_dir, resolve_resume
-from trainer.checks import check_overrides, check_sequence_parallel, validate
+from trainer.checks import check_overrides, check_settings
 from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
-from trainer.data import check_data
 from trainer.errors import (
     ERROR_EXIT_CODE,
     OUT_OF_MEMORY_EXIT_CODE,
@@ -33,14 +32,10 @@ from trainer.errors import (
 from trainer.hub import resolve_names
 from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
-from trainer.models import initial_weights, meta_model, param_shapes, resolve_model
-from trainer.models.blocks import find_blocks
-from trainer.models.checks import check_output_layer
+from trainer.models import meta_model, param_shapes, resolve_model
 from trainer.plan import resolve_auto
-from trainer.strategies import preflight
 from trainer.sweep import check_sweep
 from trainer.training.faults import STOP_SIGNALS
-from trainer.training.router_loss import check_router_loss
 from trainer.training.run import check_run_dir, exit_now, launched_worker, worker
 
 
@@ -50,17 +45,7 @@ def check_before_work(cfg: Config, world_size: int, run_dir: Path | None) -> IO 
     the hold on checkpoint.dir, which the caller keeps for the run's life (the launching process,
     or rank 0 of a launcher: see hold_checkpoint_dir)."""
     held = None
-    validate(cfg)
-    preflight(cfg, world_size)
-    model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
-    find_blocks(model, cfg.strategy.wrap)
-    check_sequence_parallel(cfg, world_size, model)
-    check_router_loss(cfg.model.router_aux_loss, model)
-    if cfg.train.fused_loss:
-        check_output_layer(cfg.model, model)
-    data_parallel = world_size // cfg.strategy.sp  # the ranks of a sequence-parallel group read the same samples
-    weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
-    check_data(cfg, data_parallel)
+    model, weights = check_settings(cfg, world_size)
     if cfg.checkpoint.dir and distributed.launcher_rank() == 0:  # one try: ranks that all try race to remove it
         check_writable(Path(cfg.checkpoint.dir))
         held = hold_checkpoint_dir(Path(cfg.checkpoint.dir))

@@ -28,11 +28,34 @@ from trainer.config import (
     profile_steps,
     unknown_key_message,
 )
+from trainer.data import check_data
 from trainer.data.mixture import EXAMPLE, check_mixture, check_source_nodes
 from trainer.errors import ConfigError
 from trainer.extras import require_hf, require_hydra_plugin
-from trainer.models.checks import check_model_sequence_parallel
+from trainer.models import initial_weights, meta_model
+from trainer.models.blocks import find_blocks
+from trainer.models.checks import check_model_sequence_parallel, check_output_layer
 from trainer.models.lora import read_adapter_folder
+from trainer.strategies import preflight
+from trainer.training.router_loss import check_router_loss
+
+
+def check_settings(cfg: Config, world_size: int) -> tuple[Any, Any]:
+    """The settings' checks before work: a user's command (`check_before_work`), and a plan adapted
+    after an out-of-memory (training/adapt.py), the same. Returns the model built on the meta
+    device and its first weights' source."""
+    validate(cfg)
+    preflight(cfg, world_size)
+    model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
+    find_blocks(model, cfg.strategy.wrap)
+    check_sequence_parallel(cfg, world_size, model)
+    check_router_loss(cfg.model.router_aux_loss, model)
+    if cfg.train.fused_loss:
+        check_output_layer(cfg.model, model)
+    data_parallel = world_size // cfg.strategy.sp  # the ranks of a sequence-parallel group read the same samples
+    weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
+    check_data(cfg, data_parallel)
+    return model, weights
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -308,7 +308,7 @@ class TrainConfig:
     peak_flops: Optional[float] = None  # per device, for mfu; None: known GPUs' bf16/fp16 peak, else (fp32) no mfu
     profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
     max_bad_steps: int = 10  # steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run
-    on_oom: OnOom = OnOom.adapt  # a rank out of memory: adapt (halve the micro-batch on the restart) or fail
+    on_oom: OnOom = OnOom.adapt  # a rank out of memory: adapt the plan on the restart (micro-batch, AC, fused loss, strategy) or fail
     max_adaptations: int = 4  # on_oom=adapt: changes of the plan after out-of-memory, apart from max_restarts
 
 

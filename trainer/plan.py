@@ -28,7 +28,7 @@ from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES, SHARDED, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 from trainer.plan_activations import ActivationCount, planned
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
-from trainer.training.oom import RECORDS, read_records, what_failed
+from trainer.training.oom import RECORDS, read_records, size, what_failed
 from trainer.training.oom import Plan as RunPlan
 
 GB = 1e9
@@ -321,9 +321,7 @@ def resolve_auto(cfg, world_size: int) -> None:
         raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
                           f"({plan.memory_source})")
     chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
-              ("strategy", "offload_optimizer"): plan.choice.offload,
-              ("strategy", "offload_params"): plan.choice.offload
-              and "params" in OFFLOADED[StrategyName(plan.choice.name)], **long_context}
+              **{("strategy", key): on for key, on in offload_settings(plan.choice).items()}, **long_context}
     replaced = []
     for (group, key), value in chosen.items():
         if cfg[group][key] != value:
@@ -336,6 +334,46 @@ def resolve_auto(cfg, world_size: int) -> None:
     log.info(f"strategy=auto chose {plan.choice.name}"
              f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
              f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
+
+
+def offload_settings(option: Option) -> dict[str, bool]:
+    """strategy.offload_optimizer and strategy.offload_params of an option (OFFLOADED: what it moves)."""
+    return {"offload_optimizer": option.offload,
+            "offload_params": option.offload and "params" in OFFLOADED[StrategyName(option.name)]}
+
+
+def own_option(plan: Plan, cfg: Config) -> Option:
+    """The option of `plan` that cfg runs: its strategy, activation checkpointing and offload."""
+    s = cfg.strategy
+    return next(o for o in plan.options if o.name == StrategyName(s.name).value
+                and o.activation_checkpointing == cfg.train.activation_checkpointing
+                and o.offload == (s.offload_optimizer or s.offload_params))
+
+
+def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
+    """train.on_oom's strategy rungs for cfg, which ran out of memory `missing` bytes short (the
+    bytes asked less those free, measured; None: unknown): in the decision order, strategy.sp where
+    the world and the heads divide, then the options after cfg's own (the later stages, then CPU
+    offload), each with activation checkpointing; those the planner says fit: holding at least the
+    missing bytes (at least one) less per device than cfg's own option, as it counts them. Each as
+    the strategy settings it takes ({"name", "sp", "offload_optimizer", "offload_params"}) and why."""
+    budget = memory_budget(cfg)
+    here = make_plan(cfg, world_size, *budget)
+    own = own_option(here, cfg)
+    limit = own.per_gpu_bytes["total"] - max(missing or 0, 1)
+    s = cfg.strategy
+    settings = {"name": StrategyName(s.name).value, "sp": s.sp, "offload_optimizer": s.offload_optimizer,
+                "offload_params": s.offload_params}
+    candidates = []
+    for sp in sequence_parallel_sizes(cfg, world_size):
+        if sp > s.sp:
+            trial = dataclasses.replace(cfg, strategy=dataclasses.replace(s, sp=sp))
+            candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
+    candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
+                   for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing]
+    return [(rung, f"the planner counts {size(option.per_gpu_bytes['total'])} per device there against "
+                   f"{size(own.per_gpu_bytes['total'])} at {own.name}, which was {size(missing)} short")
+            for rung, option in candidates if option.per_gpu_bytes["total"] <= limit]
 
 
 def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[Plan, dict]:
@@ -362,11 +400,15 @@ def after_out_of_memory(cfg: Config, run_dir: Path) -> tuple[Config, list[str]]:
         raise ConfigError(f"plan.run_dir: {run_dir} has no {RECORDS}: that run never ran out of memory")
     lines = [f"{run_dir}: {what_failed(r)}" for r in records if r["event"] == "out_of_memory"]
     if adapted := [r for r in records if r["event"] == "adapted"]:
-        cfg = RunPlan(**adapted[-1]["plan"]).applied(cfg)
-        t = cfg.train
+        plan = RunPlan(**adapted[-1]["plan"])
+        cfg = plan.applied(cfg)
+        t, s = cfg.train, cfg.strategy
+        strategy = (f" strategy={s.name.value} strategy.sp={s.sp} strategy.offload_optimizer="
+                    f"{str(s.offload_optimizer).lower()} strategy.offload_params={str(s.offload_params).lower()}"
+                    if plan.strategy else "")
         lines.append(f"it adapted to train.micro_batch_size={t.micro_batch_size} train.grad_accum_steps="
                      f"{t.grad_accum_steps} train.activation_checkpointing={str(t.activation_checkpointing).lower()} "
-                     f"eval.micro_batch_size={cfg.eval.micro_batch_size}: planned below at that plan")
+                     f"eval.micro_batch_size={cfg.eval.micro_batch_size}{strategy}: planned below at that plan")
     return cfg, lines
 
 

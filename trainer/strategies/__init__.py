@@ -42,9 +42,14 @@ def preflight(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"strategy.sharding: HYBRID_SHARD shards within a node ({node} ranks) and replicates "
                               f"across nodes, so the world size {world_size} must be a multiple of {node}")
     if StrategyName(cfg.strategy.name).value.startswith("zero"):
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        check_deepspeed_version(version("deepspeed"))
+        try:
+            installed = version("deepspeed")
+        except PackageNotFoundError:  # a refusal like any other (an out-of-memory restart skips the rung)
+            raise ConfigError(f"strategy: strategy={StrategyName(cfg.strategy.name).value} needs DeepSpeed, which is "
+                              f"not installed: pip install 'deepspeed>={MIN_DEEPSPEED}'") from None
+        check_deepspeed_version(installed)
         from trainer.strategies.ds_config import build_ds_config
 
         build_ds_config(cfg, world_size)

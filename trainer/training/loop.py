@@ -27,11 +27,12 @@ from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
 from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
+from trainer.training.adapt import adapt
 from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
 from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
-from trainer.training.oom import Plan, Watch, adapt, size
+from trainer.training.oom import Plan, Watch, size
 from trainer.training.resume_notes import resume_notes
 from trainer.training.router_loss import AUX, language_loss, start_words, with_router_loss
 from trainer.training.schedule import lr_at
@@ -192,7 +193,7 @@ class Run:
         self.objective = with_router_loss(self.objective, self.model, strategy.sequence)  # where the config asks
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
-        self.plan, self.watch = plan, Watch(plan, env.rank, env.device)  # train.on_oom
+        self.plan, self.watch = plan, Watch(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                              description(cfg.model, cfg.data.tokenizer, strategy.module,
                                                          cfg.data.chat_template),
@@ -381,7 +382,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         resume_from = on_main(lambda: resolve_resume(cfg.checkpoint))
         # train.on_oom: the plan after the out-of-memory failures recorded in the run dir
         kept = read_manifest(resume_from)["trainer"].get("plan") if resume_from else None
-        plan, adapted = on_main(lambda: adapt(cfg, run_dir, kept))
+        plan, adapted = on_main(lambda: adapt(cfg, run_dir, kept, env.world_size))
         cfg = plan.applied(cfg)
         t = cfg.train
         seed_everything(t.seed)
@@ -401,7 +402,8 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         for event in adapted:
             records.log(event)
             log.info(f"adapted after out of memory: {event['what']} ({event['why']}, asking for "
-                     f"{size(event['asked'])} with {size(event['free'])} free)")
+                     f"{size(event['asked'])} with {size(event['free'])} free)"
+                     + "".join(f"; skipped {line}" for line in event["skipped"]))
         run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records, plan)
         profiler, first_step = StepProfiler(t.profile, run_dir, env.rank, env.device), run.step + 1
         # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named

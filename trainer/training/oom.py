@@ -3,8 +3,10 @@ oom.jsonl and leaves, and the job stops as it does for a dead rank; the restart 
 torchrun's, a SLURM requeue) reads the records and adapts the plan before it resumes from the
 newest checkpoint. The ladder: the micro-batch halved and the accumulation doubled (the global
 batch, the loss's normalisation and so the losses stay those of the planned run), then, at
-micro-batch 1, activation checkpointing, then the fused loss where the run takes it. An evaluation out of memory halves the evaluation's
-micro-batch only. The plan in force is kept in each checkpoint (TrainerState.plan).
+micro-batch 1, activation checkpointing, then the fused loss where the run takes it, then the
+strategy rungs that the planner chooses with the failure's bytes (training/adapt.py). An evaluation
+out of memory halves the evaluation's micro-batch only. The plan in force is kept in each
+checkpoint (TrainerState.plan).
 
 oom.jsonl holds two kinds of lines: `out_of_memory` (a rank's failure, with the plan it ran) and
 `adapted` (the plan a restart took from them), so that every start finds the same plan and says
@@ -18,23 +20,29 @@ import re
 import resource
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from enum import Enum
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from trainer.config import Config, ObjectiveName, OnOom
-from trainer.errors import ConfigError, RunError
+from trainer.config import Config, ObjectiveName, OnOom, StrategyName
+from trainer.errors import ConfigError
 from trainer.models import build_model
 from trainer.models.checks import check_output_layer
 
 RECORDS = "oom.jsonl"
-# For tests only: "rank=R,rows=N[,where=forward|backward|evaluation][,from_step=S]" makes rank R
-# raise torch.OutOfMemoryError in every forward (or backward, evaluation) of N rows or more, from
-# step S on (default: forward, step 1).
+# For tests only: "rank=R,rows=N[,bytes=B][,where=forward|backward|evaluation][,from_step=S]" makes
+# rank R raise torch.OutOfMemoryError in every forward (or backward, evaluation) of N rows or more
+# (default 1), from step S on (default: forward, step 1); with bytes=B only while the rank keeps
+# more than B bytes from step to step, parameters and optimizer state (its strategy's `memory_bytes`;
+# gradients come and go within a step): a device of B bytes, full, that asks for the excess.
 TEST_SWITCH = "TRAINER_TEST_OOM"
 # The allocators' words for the bytes asked: CUDA's "Tried to allocate 2.00 GiB", the host's
-# "DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes".
+# "DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes"; CUDA's for
+# what was free then: "of which 1.50 GiB is free".
 ASKED = re.compile(r"tried to allocate ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", re.IGNORECASE)
+FREE = re.compile(r"of which ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB) is free", re.IGNORECASE)
 UNITS = {"bytes": 1, "B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
 
 
@@ -45,9 +53,13 @@ def is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error))
 
 
-def asked_bytes(message: str) -> int | None:
-    match = ASKED.search(message)
+def said_bytes(words: re.Pattern, message: str) -> int | None:
+    match = words.search(message)
     return round(float(match.group(1)) * UNITS[match.group(2)]) if match else None
+
+
+def asked_bytes(message: str) -> int | None:
+    return said_bytes(ASKED, message)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -80,6 +92,8 @@ class Plan:
     eval_micro_batch_size: int
     adaptations: int = 0
     fused_loss: bool = False
+    # a strategy rung's {"name", "sp", "offload_optimizer", "offload_params"}; None: the settings'
+    strategy: dict | None = None
 
     @classmethod
     def of(cls, cfg: Config) -> Plan:
@@ -87,20 +101,29 @@ class Plan:
         return cls(t.micro_batch_size, t.grad_accum_steps, t.activation_checkpointing,
                    cfg.eval.micro_batch_size or t.micro_batch_size, fused_loss=t.fused_loss)
 
-    def past(self, other: Plan) -> bool:
-        """Whether this plan has taken, from `other` of the same global batch, at least its steps."""
-        same_batch = self.micro_batch_size * self.grad_accum_steps == other.micro_batch_size * other.grad_accum_steps
-        return same_batch and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
+    def rows(self, sp: int) -> float:
+        """Rows of a step per rank of the world: a sequence-parallel group of `sp` ranks (the settings'
+        strategy.sp, where no strategy rung says another) reads the same rows."""
+        return self.micro_batch_size * self.grad_accum_steps / (self.strategy or {}).get("sp", sp)
+
+    def past(self, other: Plan, sp: int) -> bool:
+        """Whether this plan has taken, from `other` of the same global batch, at least its steps (sp:
+        the settings' strategy.sp)."""
+        return self.rows(sp) == other.rows(sp) and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
             self.micro_batch_size < other.micro_batch_size or (self.micro_batch_size == other.micro_batch_size and
                                                                self.rung() >= other.rung()))
 
-    def rung(self) -> tuple[bool, bool]:
-        """How far down the ladder past micro-batch 1 (activation checkpointing, then the fused loss)."""
-        return self.activation_checkpointing, self.fused_loss
+    def rung(self) -> tuple[bool, bool, int]:
+        """How far down the ladder past micro-batch 1 (activation checkpointing, the fused loss, then
+        the strategy rungs, counted by the adaptations that took them)."""
+        return self.activation_checkpointing, self.fused_loss, self.adaptations if self.strategy else -1
 
     def applied(self, cfg: Config) -> Config:
         """cfg under this plan; eval.max_batches counts the same rows at the evaluation's micro-batch."""
         first_eval = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
+        if self.strategy:
+            cfg = replace(cfg, strategy=replace(cfg.strategy, **{**self.strategy,
+                                                                 "name": StrategyName(self.strategy["name"])}))
         return replace(cfg, train=replace(cfg.train, micro_batch_size=self.micro_batch_size,
                                           grad_accum_steps=self.grad_accum_steps,
                                           activation_checkpointing=self.activation_checkpointing,
@@ -132,19 +155,24 @@ def next_plan(plan: Plan, failure: dict, can_fuse: bool = False) -> Plan | None:
     return None
 
 
-SETTINGS = {"micro_batch_size": "train.micro_batch_size", "grad_accum_steps": "train.grad_accum_steps",
-            "activation_checkpointing": "train.activation_checkpointing", "fused_loss": "train.fused_loss",
-            "eval_micro_batch_size": "eval.micro_batch_size"}
+SETTINGS = ("train.micro_batch_size", "train.grad_accum_steps", "train.activation_checkpointing", "train.fused_loss",
+            "eval.micro_batch_size", "strategy.name", "strategy.sp", "strategy.offload_optimizer",
+            "strategy.offload_params")
 
 
-def changes(before: Plan, after: Plan) -> list[tuple[str, object, object]]:
-    """(setting, before, after) of each setting that differs."""
-    return [(key, getattr(before, field), getattr(after, field)) for field, key in SETTINGS.items()
-            if getattr(before, field) != getattr(after, field)]
+def setting(cfg: Config, key: str) -> object:
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def changes(before: Config, after: Config) -> list[tuple[str, object, object]]:
+    """(setting, before, after) of each setting a plan adapts that differs (strategy.name said as `strategy`)."""
+    return [(key.removesuffix(".name"), setting(before, key), setting(after, key)) for key in SETTINGS
+            if setting(before, key) != setting(after, key)]
 
 
 def value(v: object) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
+    return str(v).lower() if isinstance(v, bool) else v.value if isinstance(v, Enum) else str(v)
 
 
 class OutOfMemory(Exception):
@@ -164,6 +192,7 @@ class Watch:
     device: torch.device
     step: int = 0
     where: str = "setup"
+    held: Callable[[], dict] | None = None  # the strategy's memory_bytes, for the test switch's bytes=B
 
     @contextmanager
     def during(self, where: str, rows: int = 0):
@@ -175,18 +204,26 @@ class Watch:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
+            free = said_bytes(FREE, str(error))  # what was free at the failure, where CUDA says it
             raise OutOfMemory({"event": "out_of_memory", "step": self.step, "where": where, "rank": self.rank,
-                               "rows": rows, "asked": asked_bytes(str(error)), "free": free_bytes(self.device),
+                               "rows": rows, "asked": asked_bytes(str(error)),
+                               "free": free_bytes(self.device) if free is None else free,
                                "plan": asdict(self.plan), "error": str(error).splitlines()[0][:300]}) from error
         self.where = before
 
     def _test_switch(self, rows: int) -> None:
         if not (switch := os.environ.get(TEST_SWITCH)):
             return
-        fault = {"where": "forward", "from_step": "1", **dict(pair.split("=") for pair in switch.split(","))}
-        if int(fault["rank"]) == self.rank and rows >= int(fault["rows"]) and self.where == fault["where"] \
-                and self.step >= int(fault["from_step"]):
+        fault = {"where": "forward", "from_step": "1", "rows": "1", **dict(pair.split("=") for pair in switch.split(","))}
+        if not (int(fault["rank"]) == self.rank and rows >= int(fault["rows"]) and self.where == fault["where"]
+                and self.step >= int(fault["from_step"])):
+            return
+        if "bytes" not in fault:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows} MiB ({TEST_SWITCH}={switch})")
+        held = sum(self.held()[key] for key in ("params", "optim"))
+        if held > int(fault["bytes"]):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {held - int(fault['bytes'])} bytes. "
+                                         f"The device, of which 0 bytes is free, holds {held} ({TEST_SWITCH}={switch})")
 
 
 def what_failed(failure: dict) -> str:
@@ -209,10 +246,12 @@ def failure_line(failure: dict, cfg: Config, restarts_left: bool) -> str:
     """The one line of a rank out of memory: what failed, and what to change."""
     plan = Plan(**failure["plan"])
     adapted = adapted_plan(plan, failure, cfg)
-    if adapted is None:
+    if adapted is None and cfg.train.on_oom is OnOom.adapt and failure["where"] != "evaluation":
+        change = "the next strategy that the planner says fits"
+    elif adapted is None:
         change = "python -m trainer.plan for a strategy that fits"
     else:
-        change = " ".join(f"{key}={value(after)}" for key, _, after in changes(plan, adapted))
+        change = " ".join(f"{key}={value(after)}" for key, _, after in changes(plan.applied(cfg), adapted.applied(cfg)))
     if cfg.train.on_oom is OnOom.fail:
         return f"{what_failed(failure)}; try {change} (the same global batch and losses), or train.on_oom=adapt"
     if restarts_left:
@@ -244,35 +283,3 @@ def fusable(cfg: Config) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def adapt(cfg: Config, run_dir: Path, kept: dict | None) -> tuple[Plan, list[dict]]:
-    """The plan this start runs: the settings', or the one kept in the checkpoint it resumes from,
-    or the latest adapted in this run dir, whichever is furthest; then one step down the ladder for
-    each failure since. The `adapted` events of the steps taken now (each appended to oom.jsonl
-    too). Run on one rank (it reads and writes the run dir); a failure with nothing left to adapt,
-    or past train.max_adaptations, is a RunError."""
-    records = read_records(run_dir)
-    plan = Plan.of(cfg)
-    last_adapted = max((i for i, r in enumerate(records) if r["event"] == "adapted"), default=-1)
-    for candidate in [kept, records[last_adapted]["plan"] if last_adapted >= 0 else None]:
-        if candidate and Plan(**candidate).past(plan):
-            plan = Plan(**candidate)
-    events = []
-    for failure in records[last_adapted + 1:]:
-        if Plan(**failure["plan"]) != plan:  # another rank's record of the same failure, or an older plan's
-            continue
-        adapted = adapted_plan(plan, failure, cfg)
-        if adapted is None or adapted.adaptations > cfg.train.max_adaptations:
-            left = "nothing is left to adapt" if adapted is None else \
-                f"train.max_adaptations={cfg.train.max_adaptations} are used up"
-            raise RunError(f"{what_failed(failure)}; {left}: python -m trainer.plan for a strategy that fits")
-        what = ", ".join(f"{key} {value(before)} -> {value(after)}" for key, before, after in changes(plan, adapted))
-        plan = adapted
-        events.append({"event": "adapted", "step": failure["step"], "what": what,
-                       "why": f"rank {failure['rank']} ran out of memory in the {failure['where']} of step "
-                              f"{failure['step']}", "asked": failure["asked"], "free": failure["free"],
-                       "plan": asdict(plan)})
-    for event in events:
-        append(run_dir, event)
-    return plan, events
