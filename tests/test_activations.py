@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from trainer.config import to_config
+from trainer.losses.objectives import NextToken
 from trainer.models import build_model, resolve_model
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.sequence import SequenceGroup
 from trainer.saved_bytes import SavedBytes
 from trainer.training.loop import micro_steps
-from trainer.training.objectives import NextToken
 
 
 class OneRank:

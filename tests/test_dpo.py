@@ -104,7 +104,7 @@ def test_packed_pairs_give_each_sequence_the_log_probability_it_has_alone(pairs,
 
     from trainer.config import DataName, to_config
     from trainer.data import load_data
-    from trainer.training.objectives import sequence_logps
+    from trainer.losses.objectives import sequence_logps
 
     eight = write_rows(tmp_path / "eight.jsonl", preference_pairs(documents(), 8))
     cfg = to_config(with_overrides(case("ddp"), data__name=DataName.preference.value, data__path=str(eight),
@@ -382,10 +382,10 @@ def frozen_reference_facts(env) -> dict:
     eval mode and in train mode, whether any of its parameters trains or is in the optimizer."""
     from trainer.config import to_config
     from trainer.distributed import seed_everything
+    from trainer.losses.objectives import Reference, forward, sequence_logps
     from trainer.strategies import build_strategy
     from trainer.training.dpo_reference import frozen_copy
     from trainer.training.loop import setup_model
-    from trainer.training.objectives import Reference, forward, sequence_logps
 
     model = {"name": "custom", "kind": "custom", "_target_": "tests.test_dpo.dropping_lm", "seq_len": 16,
              "vocab_size": 64}
@@ -465,7 +465,7 @@ def test_a_reference_with_no_adapters_to_switch_off_is_an_error_not_the_policy()
     # itself, and the loss would stay at ln 2 without a word (as zero3's copy once did).
     from torch import nn
 
-    from trainer.training.objectives import Reference
+    from trainer.losses.objectives import Reference
 
     with pytest.raises(RuntimeError, match="no LoRA layers"):
         Reference().logps(nn.Linear(2, 2), (torch.zeros(1, 2, dtype=torch.long),) * 4, torch.zeros(1))

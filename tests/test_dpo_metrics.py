@@ -8,7 +8,7 @@ from torch import nn
 
 from trainer.config import ObjectiveConfig, ObjectiveName
 from trainer.data.sources import IGNORE_INDEX
-from trainer.training.objectives import DirectPreference, Reference, record
+from trainer.losses.objectives import DirectPreference, Reference, record
 
 
 class FixedLogits(nn.Module):

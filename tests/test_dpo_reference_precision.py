@@ -12,10 +12,10 @@ def start_logps(env, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     copy's, as the objective reads them) of two sequences, on the tiny built-in model."""
     from trainer.config import to_config
     from trainer.distributed import seed_everything
+    from trainer.losses.objectives import Reference, forward, sequence_logps
     from trainer.strategies import build_strategy
     from trainer.training.dpo_reference import frozen_copy
     from trainer.training.loop import setup_model
-    from trainer.training.objectives import Reference, forward, sequence_logps
 
     cfg = to_config(with_overrides(case("ddp"), train__precision=precision))
     seed_everything(0)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from examples.toy_model import ToyLM
 from tests.harness import assert_close, case, on_ranks, records, refusal, train_cases, with_overrides
 from trainer.data.sources import IGNORE_INDEX
+from trainer.losses.objectives import NextToken
 from trainer.models.builtin import ModelShape, Transformer
 from trainer.models.fused_loss import fuse_output_layer
-from trainer.training.objectives import NextToken
 
 FUSED_RTOL = 1e-6  # fp32, against the plain loss on the same strategy and ranks
 

@@ -1,4 +1,4 @@
-"""train.on_oom (training/oom.py): what a rank out of memory records and says, the plan a restart
+"""train.on_oom (oom.py): what a rank out of memory records and says, the plan a restart
 adapts to, and the proof that an adapted run has the losses of the run started at micro-batch 1."""
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from tests.harness import FULL_MATRIX, records, run_cli
 from trainer.config import to_config
 from trainer.errors import RunError
 from trainer.metrics import read_records
-from trainer.training.adapt import adapt
-from trainer.training.oom import (
+from trainer.oom import (
     TEST_SWITCH,
     OutOfMemory,
     Plan,
@@ -26,9 +25,10 @@ from trainer.training.oom import (
     fusable,
     next_plan,
 )
-from trainer.training.oom import (
+from trainer.oom import (
     read_records as oom_records,
 )
+from trainer.training.adapt import adapt
 
 
 def failure(plan: Plan, where: str = "forward", rank: int = 1, step: int = 3) -> dict:

@@ -12,9 +12,9 @@ import torch
 
 from tests.harness import records, run_cli
 from trainer.config import to_config
+from trainer.oom import TEST_SWITCH, OutOfMemory, Plan, Watch, append
+from trainer.oom import read_records as oom_records
 from trainer.training.adapt import adapt
-from trainer.training.oom import TEST_SWITCH, OutOfMemory, Plan, Watch, append
-from trainer.training.oom import read_records as oom_records
 
 AT_THE_BOTTOM = {"micro_batch_size": 1, "grad_accum_steps": 8, "activation_checkpointing": True, "fused_loss": True}
 

@@ -1,4 +1,4 @@
-"""Issue 39: the router's load-balancing loss of mixture-of-experts models (training/router_loss.py):
+"""Issue 39: the router's load-balancing loss of mixture-of-experts models (losses/router_loss.py):
 transformers' own number for one row, per-row statistics, and 2 ranks = 1 rank on every strategy
 and across the crossings, with the term on."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ from examples.tiny_hf import (
 )
 from tests.harness import assert_close, case, losses, on_ranks, records, resuming, saving, train_cases, with_overrides
 from trainer.data.sources import IGNORE_INDEX
+from trainer.losses.objectives import NextToken
+from trainer.losses.router_loss import RouterBalanced, check_router_loss, with_router_loss
 from trainer.models.sequence import SequenceGroup
-from trainer.training.objectives import NextToken
-from trainer.training.router_loss import RouterBalanced, check_router_loss, with_router_loss
 
 ONE_RANK = SequenceGroup(None, 1, 0)
 COEF = 0.1  # larger than the families' defaults (0.001-0.02): the term shows in the loss

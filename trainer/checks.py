@@ -32,12 +32,12 @@ from trainer.data import check_data
 from trainer.data.mixture import EXAMPLE, check_mixture, check_source_nodes
 from trainer.errors import ConfigError
 from trainer.extras import require_hf, require_hydra_plugin
+from trainer.losses.router_loss import check_router_loss
 from trainer.models import initial_weights, meta_model
 from trainer.models.blocks import find_blocks
 from trainer.models.checks import check_model_sequence_parallel, check_output_layer
 from trainer.models.lora import read_adapter_folder
 from trainer.strategies import preflight
-from trainer.training.router_loss import check_router_loss
 
 
 def check_settings(cfg: Config, world_size: int) -> tuple[Any, Any]:

@@ -4,7 +4,7 @@ codes). Imports nothing of the trainer, so that every module can raise these.
 - A `RunError`: something the user can fix, said in one line. The command prints
   `PROG: error: MESSAGE` (`trainer.log.refuse`; under several ranks rank 0 alone prints it) and
   exits ERROR_EXIT_CODE (2).
-- A rank out of memory (training.oom, train.on_oom=adapt): it says so in one line, records it in
+- A rank out of memory (oom, train.on_oom=adapt): it says so in one line, records it in
   the run dir and leaves with OUT_OF_MEMORY_EXIT_CODE (3), which a restart adapts to; under
   train.on_oom=fail it leaves with ERROR_EXIT_CODE.
 - A stop signal (faults.Stopped): the ranks save and leave with `signal_exit_code(signum)`,

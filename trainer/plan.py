@@ -26,10 +26,10 @@ import torch
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
 from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES, SHARDED, peak_gradient_bytes, per_rank_bytes, reduce_bytes
+from trainer.oom import RECORDS, read_records, size, what_failed
+from trainer.oom import Plan as RunPlan
 from trainer.plan_activations import ActivationCount, planned
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
-from trainer.training.oom import RECORDS, read_records, size, what_failed
-from trainer.training.oom import Plan as RunPlan
 
 GB = 1e9
 STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)

@@ -22,12 +22,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.config import model_node
+from trainer.losses.objectives import NextToken
 from trainer.memory import DTYPE_BYTES
 from trainer.models import build_model, sequence
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.saved_bytes import SavedBytes
-from trainer.training.objectives import NextToken
 
 
 class _FusedAttention(torch.autograd.Function):

@@ -38,7 +38,7 @@ def read_config(cfg: ModelConfig, attention: str | None = None):
     config.use_cache = False  # training: no key/value cache in the outputs
     # `auto`: None, which transformers resolves as the model is built (sdpa where the family has it, else eager)
     config._attn_implementation = attention or (None if cfg.attn_implementation == "auto" else cfg.attn_implementation)
-    if cfg.router_aux_loss is not None:  # MoE: the router's loss (training/router_loss.py) from the command line
+    if cfg.router_aux_loss is not None:  # MoE: the router's loss (losses/router_loss.py) from the command line
         config.output_router_logits = cfg.router_aux_loss
     return config
 

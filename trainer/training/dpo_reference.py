@@ -29,10 +29,10 @@ from trainer.config import Config, ObjectiveName, PeftName
 from trainer.data import data_fingerprint, eval_batches, token_keys
 from trainer.data.tokenized import default_cache_dir
 from trainer.log import log
+from trainer.losses.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
 from trainer.models import build_model, description, disable_dropout, initial_weights
 from trainer.strategies import Strategy
 from trainer.strategies.base import DTYPES
-from trainer.training.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
 
 
 def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:

@@ -20,21 +20,21 @@ from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftNa
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
+from trainer.losses.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
+from trainer.losses.router_loss import AUX, language_loss, start_words, with_router_loss
 from trainer.models import ModelFacts, build_model, description, initial_weights, model_facts
 from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
+from trainer.oom import Plan, Watch, size
 from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.adapt import adapt
 from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
-from trainer.training.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
-from trainer.training.oom import Plan, Watch, size
 from trainer.training.resume_notes import resume_notes
-from trainer.training.router_loss import AUX, language_loss, start_words, with_router_loss
 from trainer.training.schedule import lr_at
 from trainer.training.sequence_shares import share
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler

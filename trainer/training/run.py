@@ -11,8 +11,8 @@ from trainer import distributed
 from trainer.checkpoint.resume import resolve_resume
 from trainer.config import Config, OnOom, to_config
 from trainer.errors import ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, ConfigError, RunError
+from trainer.oom import OutOfMemory, append, failure_line
 from trainer.training.faults import Stopped
-from trainer.training.oom import OutOfMemory, append, failure_line
 
 
 def worker(cfg_dict: dict, run_dir: str) -> dict:
