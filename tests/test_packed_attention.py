@@ -125,3 +125,32 @@ def test_a_packed_row_keeps_about_what_an_unpacked_row_keeps_at_sp1_and_sp2():
     found.update({f"sp=2 rank {rank}": kept for rank, kept in on_ranks(2, bytes_on_rank).items()})
     for where, (packed, plain) in found.items():
         assert abs(packed - plain) <= 0.1 * plain, (where, packed, plain)
+
+
+def varlen_as_documented(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                         enable_gqa=False):
+    """torch's varlen_attn as its docstring says (its flash kernel runs on CUDA only, which this suite
+    has not): [tokens, heads, head_dim], each sequence of `cu_seq_q` alone, causal for (-1, 0)."""
+    assert window_size == (-1, 0) and cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k)
+    edges = cu_seq_q.tolist()
+    assert max_q == max_k == max(end - start for start, end in zip(edges, edges[1:]))
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(x[start:end].transpose(0, 1) for x in (query, key, value)), is_causal=True, scale=scale,
+        enable_gqa=enable_gqa).transpose(0, 1) for start, end in zip(edges, edges[1:])])
+
+
+def test_the_cuda_kernels_layout_gives_what_sdpa_per_document_gives(monkeypatch):
+    """sequence.varlen (CUDA, half precision) lays the rows end to end for varlen_attn and back, with
+    grouped-query key/value heads: checked against the CPU path with varlen_attn as documented."""
+    import torch.nn.attention.varlen
+
+    from trainer.models import sequence
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_as_documented)
+    _, positions = packed_rows()
+    documents = sequence.documents(positions)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, positions.shape[1], 8, generator=generator)
+    k, v = (torch.randn(2, 2, positions.shape[1], 8, generator=generator) for _ in range(2))
+    expected = sequence.within_documents(q, k, v, documents, None)
+    assert largest_difference(sequence.varlen(q, k, v, documents, None), expected) < TOLERANCE

@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.config import model_node
+from trainer.config import model_node, rows_carry_positions
 from trainer.memory import DTYPE_BYTES
 from trainer.models import build_model, sequence
 from trainer.models.blocks import apply_checkpointing, find_blocks
@@ -169,15 +169,6 @@ def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int, logits: bool =
 _COUNTS: dict[str, ActivationCount] = {}
 
 
-def rows_carry_positions(cfg) -> bool:
-    """Whether `cfg`'s data (a Config) gives the model rows of packed documents with their position
-    ids: chat and mixture packed, preference always (a pair's two sequences share a row)."""
-    from trainer.config import DataName
-
-    name = DataName(cfg.data.name)
-    return name is DataName.preference or (name in (DataName.chat, DataName.mixture) and cfg.data.packing)
-
-
 def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int = 64) -> ActivationCount:
     """The activations of `cfg`'s model (a Config) per micro-batch and rank, counted on the meta
     device in the training dtype, built as the trainer builds it: activation checkpointing per
@@ -190,7 +181,7 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
                       sp, packed], default=str)
     if key not in _COUNTS:
-        model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp).to(dtype)
+        model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, packed).to(dtype)
         if fused_loss:
             fuse_output_layer(model, cfg.model.vocab_size)
         blocks = find_blocks(model, cfg.strategy.wrap)

@@ -139,7 +139,7 @@ def sequence_to_heads(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
               documents: Documents | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens, SDPA's layout ([b, heads, tokens, head_dim]; key
-    and value heads as many as the queries'); in a sharded forward, over the whole sequence; within
+    and value heads as many as the queries' at sp > 1, else as many or a divisor); in a sharded forward, over the whole sequence; within
     each packed document of `documents`, or else of the sharded forward's. Else plain causal SDPA."""
     shard = _active
     if documents is None and shard is not None:
@@ -148,10 +148,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if split:
         q, k, v = (heads_to_sequence(x, shard.group) for x in (q, k, v))
     if documents is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     else:
         y = within_documents(q, k, v, documents, scale)
     return sequence_to_heads(y, shard.group) if split else y
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+           scale: float | None) -> torch.Tensor:
+    """`within_documents` with torch's varlen flash attention: the rows laid end to end, [tokens,
+    heads, head_dim], causal within each document of `cu_seqlens`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, heads, t, head_dim = q.shape
+    flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], head_dim) for x in (q, k, v)]
+    cu, longest = documents.cu_seqlens, documents.max_seqlen
+    y = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != heads)
+    return y.reshape(b, t, heads, head_dim).transpose(1, 2)
 
 
 def within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
@@ -163,12 +176,7 @@ def within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     b, heads, t, head_dim = q.shape
     gqa = k.shape[1] != heads
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        from torch.nn.attention.varlen import varlen_attn
-
-        flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], head_dim) for x in (q, k, v)]  # [tokens, heads, d]
-        cu, longest = documents.cu_seqlens, documents.max_seqlen
-        y = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
-        return y.view(b, t, heads, head_dim).transpose(1, 2)
+        return varlen(q, k, v, documents, scale)
     pieces = [F.scaled_dot_product_attention(q[row:row + 1, :, start:end], k[row:row + 1, :, start:end],
                                              v[row:row + 1, :, start:end], is_causal=True, scale=scale, enable_gqa=gqa)
               for row, start, end in documents.spans]  # row by row, in order: the rows laid end to end
