@@ -5,8 +5,9 @@
 The hook is two things: its attention calls `trainer.models.sequence.attention(q, k, v)` where it
 would call causal SDPA, and its class says `sequence_parallel = True`. Its forward takes
 `position_ids`: at strategy.sp > 1 a rank gets its share of each row, with the positions of the
-whole row. Packed rows (data=chat) outside a sharded forward, at sp=1 and in the packing check that
-runs before any rank starts, need the model's own document mask (`sequence.document_mask` builds it).
+whole row. Packed rows (data=chat): the forward gives each attention call the documents of its
+`position_ids` (`sequence.documents_for`: in the loop, those found once for the whole rows; in a
+forward of its own, as in the packing check that runs before any rank starts, those of its rows).
 """
 from __future__ import annotations
 
@@ -24,13 +25,11 @@ class Block(nn.Module):
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: sequence.Documents | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
-        if mask is None:  # causal; at strategy.sp > 1 over the whole rows, within packed documents
-            y = sequence.attention(q, k, v)
-        else:  # packed rows in a forward of its own (sp=1): documents kept apart here
-            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # causal within each packed document; at strategy.sp > 1 over the whole rows
+        y = sequence.attention(q, k, v, documents=documents)
         x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -47,14 +46,12 @@ class AttentionLM(nn.Module):
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        mask = None
+        documents = sequence.documents_for(position_ids)  # at sp > 1 the whole rows', found by the loop
         if position_ids is None:
             position_ids = torch.arange(ids.shape[1], device=ids.device)[None]
-        elif sequence.active() is None:  # at sp > 1 sequence.attention masks with the whole rows' positions
-            mask = sequence.document_mask(position_ids)
         x = self.embed(ids) + self.positions(position_ids)
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x, documents)
         return self.head(self.norm(x))
 
 

@@ -264,7 +264,7 @@ def test_the_reference_model_keeps_packed_documents_apart():
 
 class PositionsOnly(torch.nn.Module):
     """A custom model that takes position_ids for its position embedding: with `apart`, its attention
-    keeps each packed sequence to itself (the reference model's mask); without, it is causal over the
+    keeps each packed sequence to itself (sequence.attention within its documents); without, it is causal over the
     whole row, across them, though its forward's signature is the same."""
 
     def __init__(self, vocab: int, dim: int, apart: bool):
@@ -274,13 +274,14 @@ class PositionsOnly(torch.nn.Module):
         self.qkv, self.head = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, vocab)
 
     def forward(self, ids, position_ids=None):
-        from trainer.models.sequence import document_mask
+        from trainer.models.sequence import attention, documents_for
 
         position_ids = torch.arange(ids.shape[1])[None] if position_ids is None else position_ids
         x = self.embed(ids) + self.positions(position_ids)
         q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
-        mask = document_mask(position_ids) if self.apart else None
-        return self.head(x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)[:, 0])
+        y = attention(q, k, v, documents=documents_for(position_ids)) if self.apart else \
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + y[:, 0])
 
 
 def positions_only(vocab: int = VOCAB, dim: int = 32, apart: bool = False) -> PositionsOnly:

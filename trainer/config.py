@@ -394,6 +394,13 @@ class Config:
 CONFIG_MODULE = "trainer.conf"  # conf/ of the repo, installed with the package (trainer, trainer.plan)
 
 
+def rows_carry_positions(cfg: Config) -> bool:
+    """Whether the data gives the model rows of packed documents with their position ids: chat and
+    mixture packed, preference always (a pair's two sequences share a row)."""
+    name = DataName(cfg.data.name)
+    return name is DataName.preference or (name in (DataName.chat, DataName.mixture) and cfg.data.packing)
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="trainer_schema", node=Config)

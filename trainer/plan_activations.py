@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.config import model_node
+from trainer.config import model_node, rows_carry_positions
 from trainer.losses.objectives import NextToken
 from trainer.memory import DTYPE_BYTES
 from trainer.models import build_model, sequence
@@ -114,20 +114,32 @@ def _autocast_on_meta(device_type: str, *args, **kwargs) -> torch.autocast:
 _AUTOCAST = torch.autocast
 
 
-def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: int = 1) -> SavedBytes:
+def packed_positions(tokens: int) -> torch.Tensor:
+    """Position ids of a packed row of `tokens` as the planner counts it: two documents (what packing
+    costs does not depend on how many: attention keeps no [t, t] tensor, models/sequence.py)."""
+    return (torch.arange(tokens) % -(-tokens // 2))[None]
+
+
+def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: int = 1,
+          packed: bool = False) -> SavedBytes:
     """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
     blocks apart; at sp > 1, as rank 0 of a sequence-parallel group holding `tokens` of each row
-    (attention over the whole row for 1 / sp of the heads, models/sequence.py)."""
+    (attention over the whole row for 1 / sp of the heads, models/sequence.py); `packed`: rows of
+    packed documents, whose position ids the model gets (`loss_of(model, ids, positions)`: at sp > 1
+    also plain rows carry theirs in the whole row, training/sequence_shares.py)."""
     saved = SavedBytes(model)
     handles = [h for block in blocks for h in (
         block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
         block.register_forward_hook(lambda *_: setattr(saved, "part", "outside")))]
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    sharded = sequence.sharded(sequence.SequenceGroup(None, sp, 0), None)
+    group = sequence.SequenceGroup(None, sp, 0)
+    whole = packed_positions(tokens * sp) if packed else None  # on the CPU: the documents are found from values
+    positions = (group.local(whole) if packed else torch.arange(tokens)[None]).to("meta") if packed or sp > 1 else None
+    sharded = sequence.sharded(group, whole)
     try:
         with _MetaItems(), _AsFusedKernels(), mock.patch.object(sequence, "all_to_all_single", _same_shape_exchange), \
                 mock.patch.object(torch, "autocast", _autocast_on_meta), sharded, saved:
-            loss = loss_of(model, ids)
+            loss = loss_of(model, ids, positions)
         saved.kept_by_functions(loss)
     finally:
         for h in handles:
@@ -162,12 +174,14 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     device in the training dtype, built as the trainer builds it: activation checkpointing per
     block, with train.fused_loss the output layer that gives each token's loss
     (models/fused_loss.py), at strategy.sp=`sp` the rank's share of each row through Ulysses
-    attention (the all-to-alls exchanged for a copy of the same shape)."""
+    attention (the all-to-alls exchanged for a copy of the same shape), on rows of packed
+    documents where the data packs them (`rows_carry_positions`)."""
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
+    packed = rows_carry_positions(cfg)
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
-                      sp], default=str)
+                      sp, packed], default=str)
     if key not in _COUNTS:
-        model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp).to(dtype)
+        model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, packed).to(dtype)
         if fused_loss:
             fuse_output_layer(model, cfg.model.vocab_size)
         blocks = find_blocks(model, cfg.strategy.wrap)
@@ -175,11 +189,10 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
             apply_checkpointing(model, blocks)
         objective = NextToken(fused=fused_loss)
 
-        def loss_of(m, ids):  # at sp > 1 a rank's share carries its positions in the whole row (training/sequence_shares.py)
-            positions = [torch.arange(ids.shape[1], device=ids.device).expand_as(ids)] if sp > 1 else []
-            return objective.loss_sum(m, [ids, ids, *positions])[0]
+        def loss_of(m, ids, positions):
+            return objective.loss_sum(m, [ids, ids, *([positions] if positions is not None else [])])[0]
 
-        counts = {n: trace(model, blocks, loss_of, n, sp) for n in (short, 2 * short, 4 * short)}
+        counts = {n: trace(model, blocks, loss_of, n, sp, packed) for n in (short, 2 * short, 4 * short)}
         _COUNTS[key] = dataclasses.replace(fit(counts, cfg.model.vocab_size, len(blocks), logits=not fused_loss),
                                            sp=sp)
     return _COUNTS[key]

@@ -24,23 +24,25 @@ from trainer.models.custom import logits_of as logits_of  # trainer.models.logit
 from trainer.models.weights import InitWeights, ShapeOf, WeightSource, canonical_name, tensor_shape
 
 
-def builder(cfg: ModelConfig, sp: int = 1) -> Callable[[], nn.Module]:
-    """A function that builds the model (for `sp` ranks per sequence: strategy.sp); everything it
-    imports is imported now."""
+def builder(cfg: ModelConfig, sp: int = 1, packed: bool = False) -> Callable[[], nn.Module]:
+    """A function that builds the model (for `sp` ranks per sequence: strategy.sp; for rows of
+    `packed` documents); everything it imports is imported now."""
     kind = ModelKind(cfg.kind)
     if kind is ModelKind.hf:
-        return hf.builder(cfg, sp)
+        return hf.builder(cfg, sp, packed)
     if kind is ModelKind.custom:
         return custom.builder(cfg)
     return lambda: Transformer(shape_of(cfg))
 
 
 def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftConfig | None = None,
-                sp: int = 1) -> nn.Module:
+                sp: int = 1, packed: bool = False) -> nn.Module:
     """The model built inside `context`: the strategy's (parameters on meta, ZeRO-3's zero.Init),
     or `torch.device("meta")` to count and check; with LoRA adapters where `peft` asks for them;
-    its attention split over `sp` ranks per sequence (strategy.sp; a Hugging Face model's differs)."""
-    make = builder(cfg, sp)
+    its attention split over `sp` ranks per sequence (strategy.sp; a Hugging Face model's differs)
+    and, for rows of `packed` documents, a Hugging Face model's through the trainer's attention
+    where the family takes it (models/hf.py)."""
+    make = builder(cfg, sp, packed)
     with context, own_build_context(cfg):
         model = make()
         return lora.add_adapters(model, peft, cfg.vocab_size) if lora.enabled(peft) else model

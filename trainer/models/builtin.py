@@ -69,15 +69,12 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(shape.d_model, 3 * shape.d_model, shape.bias)
         self.proj = Linear(shape.d_model, shape.d_model, shape.bias, std=residual_std(shape))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` [b, 1, t, t] (True: may attend), for packed documents; None: causal (in a
-        sequence-parallel forward, over the whole rows, within their documents: models/sequence.py)."""
+    def forward(self, x: torch.Tensor, documents: sequence.Documents | None = None) -> torch.Tensor:
+        """Causal, within each packed document of `documents` (in a sequence-parallel forward, over
+        the whole rows: models/sequence.py)."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).transpose(1, 3).unbind(2)
-        if mask is None:
-            y = sequence.attention(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = sequence.attention(q, k, v, documents=documents)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -103,8 +100,8 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(shape)
         self.mlp = MLP(shape)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), mask)
+    def forward(self, x: torch.Tensor, documents: sequence.Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -125,15 +122,13 @@ class Transformer(nn.Module):
         """Logits [b, t, vocab] of token ids [b, t]. `position_ids` [b, t], for rows of packed
         documents: each document starts where they are 0, and attends to itself only. In a
         sequence-parallel forward (strategy.sp), `idx` and `position_ids` are this rank's share of the
-        rows, and attention builds the documents' mask from the whole rows' (models/sequence.py)."""
-        mask = None
+        rows, and attention keeps the documents of the whole rows' apart (models/sequence.py)."""
+        documents = sequence.documents_for(position_ids)
         if position_ids is None:
             position_ids = torch.arange(idx.shape[1], device=idx.device)
-        elif sequence.active() is None:
-            mask = sequence.document_mask(position_ids)
         x = self.tok_emb(idx) + self.pos_emb(position_ids)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, documents)
         return self.lm_head(self.norm(x))
 
 

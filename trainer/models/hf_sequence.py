@@ -7,8 +7,10 @@ trades this rank's tokens of every head for every token of heads / sp, attends w
 document of the whole rows (their position ids, from `sequence.active()`) and trades back. The
 name has no mask function in transformers' `AttentionMaskInterface`, so the model builds no mask
 of its own (one would be the local length): whatever the family, the mask comes from the whole
-rows' position ids alone. The positions the model gets are the global ones (the loop gives it its
-share of the rows' position ids), so rotary and learned positions are right.
+rows' position ids alone. At sp=1 on packed rows the model is built with ATTENTION too where the
+family takes it (`takes_packed_rows`): documents attended without a [t, t] mask, key/value heads
+as they are. The positions the model gets are the global ones (the loop gives it its share of the
+rows' position ids), so rotary and learned positions are right.
 
 What works: families whose attention goes through the interface, with `sdpa` (SDPA runs inside);
 `eager`, flash and flex implementations are refused (SDPA is what attends the whole sequence here),
@@ -39,6 +41,27 @@ def register() -> str:
     return ATTENTION
 
 
+_TAKES_PACKED_ROWS: dict[str, bool] = {}
+
+
+def takes_packed_rows(cfg) -> bool:
+    """Whether the family (a ModelConfig) attends packed rows at sp=1 through ATTENTION, within each
+    document and without a [t, t] mask: where sequence parallelism's check passes at sp=1 (SDPA through
+    transformers' interface, nothing ATTENTION does not do: models/checks.py), found once per process.
+    Elsewhere transformers' own attention keeps them apart with its packed mask."""
+    from trainer.errors import ConfigError
+    from trainer.models.checks import check_hf_sequence_parallel
+
+    key = f"{cfg.path}|{cfg.attn_implementation}|{cfg.seq_len}"
+    if key not in _TAKES_PACKED_ROWS:
+        try:
+            check_hf_sequence_parallel(cfg, 1)
+            _TAKES_PACKED_ROWS[key] = True
+        except ConfigError:
+            _TAKES_PACKED_ROWS[key] = False
+    return _TAKES_PACKED_ROWS[key]
+
+
 def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -51,6 +74,9 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                   "sliding window shorter than the sequence, soft-capping, sinks or position bias")
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    groups = query.shape[1] // key.shape[1]  # grouped-query attention: key/value heads shared by `groups` queries
-    out = sequence.attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scale=scaling)
+    # grouped-query attention: key/value heads shared by `groups` queries (at sp=1, packed rows: attended as they are)
+    groups = query.shape[1] // key.shape[1] if shard and shard.group.size > 1 else 1
+    # the loop's documents; a forward of its own (sp=1) those of the position ids the family passes on
+    documents = sequence.documents_for(kwargs.get("position_ids"))
+    out = sequence.attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scale=scaling, documents=documents)
     return out.transpose(1, 2).contiguous(), None

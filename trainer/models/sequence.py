@@ -8,13 +8,20 @@ on the whole sequence of those heads, and a second all-to-all trades back. Both 
 all-to-alls, so each rank's gradients are those of its own tokens' loss and the backends'
 average over all ranks (dp x sp) gives the gradient of the global mean: no backend is told.
 
+Packed rows (documents whose position ids restart at 0) attend within each document without any
+[t, t] tensor: `documents(position_ids)` finds the documents' boundaries once per micro-batch from
+the whole rows' position ids (O(t)), and `within_documents` attends each document causally: on CUDA
+in half precision with varlen flash attention (`torch.nn.attention.varlen.varlen_attn`, the whole
+micro-batch in one call), elsewhere with causal SDPA per document (never wider than the longest).
+
 Who calls what:
-- the loop enters `sharded(group, position_ids)` around a micro-batch's forward, with the whole
-  rows' position ids (None: plain causal rows);
+- the loop enters `sharded(group, position_ids)` around a micro-batch's forward and backward, with
+  the whole rows' position ids (None: plain causal rows), at any sp;
 - a model's attention calls `attention(q, k, v)` where it would call SDPA: the built-in model,
   Hugging Face models through the attention function registered in transformers (models/hf.py),
-  and a custom model through the same call (its documented hook);
-- `active()` says whether a sharded forward is running (None outside one, or at sp=1).
+  and a custom model through the same call (its documented hook); a model that runs packed rows
+  outside the loop (the packing check) gives it `documents=documents_for(position_ids)`;
+- `active()` says whether a sharded forward is running (None outside one, or at sp=1 on plain rows).
 """
 from __future__ import annotations
 
@@ -56,9 +63,31 @@ def sequence_group(rank: int, world_size: int, sp: int) -> SequenceGroup:
 
 
 @dataclass(frozen=True)
+class Documents:
+    """The packed documents of a micro-batch's rows [b, t], each within one row: `spans` (row, start,
+    end) per document, and the same as varlen attention takes them, over the rows laid end to end:
+    `cu_seqlens` (int32 [documents + 1], on the rows' device) and `max_seqlen` (the longest)."""
+    spans: tuple[tuple[int, int, int], ...]
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def documents(position_ids: torch.Tensor) -> Documents:
+    """The documents of whole rows [b, t]: one starts where a position id is 0 and at each row's start."""
+    b, t = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True
+    bounds = torch.cat([starts.flatten().nonzero().flatten(),
+                        torch.tensor([b * t], device=position_ids.device)])
+    edges = bounds.tolist()  # one host sync per micro-batch: the spans CPU attention loops over
+    spans = tuple((start // t, start % t, start % t + end - start) for start, end in zip(edges, edges[1:]))
+    return Documents(spans, bounds.to(torch.int32), max(end - start for start, end in zip(edges, edges[1:])))
+
+
+@dataclass(frozen=True)
 class Sharded:
     group: SequenceGroup
-    position_ids: torch.Tensor | None  # [b, s] of the whole rows; None: causal rows
+    documents: Documents | None  # of the whole rows; None: causal rows
 
 
 _active: Sharded | None = None
@@ -71,22 +100,22 @@ def active() -> Sharded | None:
 @contextmanager
 def sharded(group: SequenceGroup, position_ids: torch.Tensor | None) -> Iterator[None]:
     """The forward inside runs on this rank's share of the rows; `position_ids` are the whole rows'
-    (packed documents restart at 0), from which attention's document mask is built."""
+    (packed documents restart at 0), from which attention's documents are found, once."""
     global _active
-    previous, _active = _active, Sharded(group, position_ids) if group.size > 1 else None
+    whole = documents(position_ids) if position_ids is not None else None
+    previous, _active = _active, Sharded(group, whole) if group.size > 1 or whole is not None else None
     try:
         yield
     finally:
         _active = previous
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Block-causal [b, 1, t, t] (True: may attend): a position attends to the positions before it
-    in its own document, documents starting where `position_ids` is 0."""
-    document = (position_ids == 0).cumsum(-1)
-    t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+def documents_for(position_ids: torch.Tensor | None) -> Documents | None:
+    """The documents a model's forward given `position_ids` attends within: the sharded forward's (of
+    the whole rows), else those of `position_ids` (a forward of its own on whole rows); None: causal."""
+    if _active is not None:
+        return _active.documents
+    return documents(position_ids) if position_ids is not None else None
 
 
 def heads_to_sequence(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
@@ -107,17 +136,48 @@ def sequence_to_heads(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, h * group.size, s // group.size, d)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              documents: Documents | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens, SDPA's layout ([b, heads, tokens, head_dim]; key
-    and value heads as many as the queries'); in a sharded forward, over the whole sequence, within
-    each packed document. Outside one: plain causal SDPA."""
+    and value heads as many as the queries' at sp > 1, else as many or a divisor); in a sharded forward, over the whole sequence; within
+    each packed document of `documents`, or else of the sharded forward's. Else plain causal SDPA."""
     shard = _active
-    if shard is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    group = shard.group
-    q, k, v = (heads_to_sequence(x, group) for x in (q, k, v))
-    if shard.position_ids is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if documents is None and shard is not None:
+        documents = shard.documents
+    split = shard is not None and shard.group.size > 1
+    if split:
+        q, k, v = (heads_to_sequence(x, shard.group) for x in (q, k, v))
+    if documents is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(shard.position_ids), scale=scale)
-    return sequence_to_heads(y, group)
+        y = within_documents(q, k, v, documents, scale)
+    return sequence_to_heads(y, shard.group) if split else y
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+           scale: float | None) -> torch.Tensor:
+    """`within_documents` with torch's varlen flash attention: the rows laid end to end, [tokens,
+    heads, head_dim], causal within each document of `cu_seqlens`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, heads, t, head_dim = q.shape
+    flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], head_dim) for x in (q, k, v)]
+    cu, longest = documents.cu_seqlens, documents.max_seqlen
+    y = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != heads)
+    return y.reshape(b, t, heads, head_dim).transpose(1, 2)
+
+
+def within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+                     scale: float | None) -> torch.Tensor:
+    """Causal attention within each document of whole rows, [b, heads, t, head_dim] in and out (key
+    and value heads may be fewer: grouped-query attention). The one place that picks the kernel:
+    flash attention over variable lengths on CUDA in half precision (one call; what it keeps for
+    backward is q, k, v, the output and the log-sum-exp), else causal SDPA per document."""
+    b, heads, t, head_dim = q.shape
+    gqa = k.shape[1] != heads
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return varlen(q, k, v, documents, scale)
+    pieces = [F.scaled_dot_product_attention(q[row:row + 1, :, start:end], k[row:row + 1, :, start:end],
+                                             v[row:row + 1, :, start:end], is_causal=True, scale=scale, enable_gqa=gqa)
+              for row, start, end in documents.spans]  # row by row, in order: the rows laid end to end
+    return torch.cat(pieces, dim=2).view(heads, b, t, head_dim).transpose(0, 1)

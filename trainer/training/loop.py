@@ -16,7 +16,7 @@ from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
 from trainer.checks import check_validation_rows
-from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName
+from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName, rows_carry_positions
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
@@ -56,7 +56,7 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     blocks, wrap them for activation checkpointing, compile them, then let the strategy shard it
     and give each rank its part of the first weights (AC -> compile -> setup, as torchtitan).
     Returns (model, optimizer, blocks, where the weights came from)."""
-    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft, cfg.strategy.sp)
+    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft, cfg.strategy.sp, rows_carry_positions(cfg))
     if cfg.train.fused_loss:  # before the backend's hooks: they gather the output layer's weight for it
         fuse_output_layer(model, cfg.model.vocab_size)
     blocks = find_blocks(model, cfg.strategy.wrap)

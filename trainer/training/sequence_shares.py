@@ -14,9 +14,10 @@ def share(batch: list[torch.Tensor], group: SequenceGroup) -> tuple[list[torch.T
     """(this rank's share of `batch` (inputs, targets[, position_ids, ...]), the context its forward
     and backward run in). A share always carries position ids: those of the whole row (plain rows:
     0..seq_len-1), so that a rank's learned or rotary positions are the global ones; packed rows'
-    whole position ids also give attention its document mask. At sp=1 the batch as it is."""
+    whole position ids also give attention its documents (found once, as the context is entered).
+    At sp=1 the batch as it is."""
     if group.size == 1:
-        return batch, sharded(group, None)
+        return batch, sharded(group, batch[2] if len(batch) > 2 else None)
     inputs, targets, *rest = batch
     whole = rest[0] if rest else None
     positions = whole if whole is not None else torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
