@@ -26,6 +26,7 @@ from trainer.losses.objectives import NextToken
 from trainer.memory import DTYPE_BYTES
 from trainer.models import build_model, sequence
 from trainer.models.blocks import apply_checkpointing, find_blocks
+from trainer.models.checks import attends_packed_rows
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.saved_bytes import SavedBytes
 
@@ -181,7 +182,8 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
                       sp, packed], default=str)
     if key not in _COUNTS:
-        model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, packed).to(dtype)
+        attended = packed and attends_packed_rows(cfg.model)  # else transformers' own, with its packed mask
+        model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, attended).to(dtype)
         if fused_loss:
             fuse_output_layer(model, cfg.model.vocab_size)
         blocks = find_blocks(model, cfg.strategy.wrap)

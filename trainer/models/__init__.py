@@ -41,7 +41,7 @@ def build_model(cfg: ModelConfig, context: AbstractContextManager, peft: PeftCon
     or `torch.device("meta")` to count and check; with LoRA adapters where `peft` asks for them;
     its attention split over `sp` ranks per sequence (strategy.sp; a Hugging Face model's differs)
     and, for rows of `packed` documents, a Hugging Face model's through the trainer's attention
-    where the family takes it (models/hf.py)."""
+    (`packed` only where the family takes it: models.checks.attends_packed_rows)."""
     make = builder(cfg, sp, packed)
     with context, own_build_context(cfg):
         model = make()

@@ -192,3 +192,24 @@ def check_hf_sequence_parallel(cfg: ModelConfig, sp: int) -> None:
     if found := next((k for c in calls for k in UNSUPPORTED if c[k] is not None), None):
         raise ConfigError(f"{what}: its attention takes {found}, which sequence parallelism's attention does not "
                           "apply; strategy.sp=1 trains it")
+
+
+_ATTENDS_PACKED_ROWS: dict[str, bool] = {}
+
+
+def attends_packed_rows(cfg: ModelConfig) -> bool:
+    """Whether the model attends rows of packed documents through the trainer's attention
+    (models/sequence.py: within each document, without a [t, t] mask): the built-in and custom models
+    always; a Hugging Face family where sequence parallelism's check passes at sp=1 (SDPA through
+    transformers' interface, nothing hf_sequence's attention does not do), found once per process.
+    Elsewhere transformers' own attention keeps the documents apart with its packed mask."""
+    if ModelKind(cfg.kind) is not ModelKind.hf:
+        return True
+    key = f"{cfg.path}|{cfg.attn_implementation}|{cfg.seq_len}"
+    if key not in _ATTENDS_PACKED_ROWS:
+        try:
+            check_hf_sequence_parallel(cfg, 1)
+            _ATTENDS_PACKED_ROWS[key] = True
+        except ConfigError:
+            _ATTENDS_PACKED_ROWS[key] = False
+    return _ATTENDS_PACKED_ROWS[key]

@@ -107,12 +107,12 @@ def check_longer_context(cfg: ModelConfig, config, positions: int) -> None:
 
 def builder(cfg: ModelConfig, sp: int = 1, packed: bool = False) -> Callable[[], nn.Module]:
     """At strategy.sp > 1, with Ulysses attention (hf_sequence): each rank holds its share of the tokens.
-    At sp=1 on rows of `packed` documents, with the same attention function where the family takes it
-    (`hf_sequence.takes_packed_rows`): documents attended without a [t, t] mask (models/sequence.py);
-    elsewhere transformers' own, with its packed mask."""
+    At sp=1 on rows of `packed` documents, with the same attention function (the caller asks for it
+    where the family takes it: `models.checks.attends_packed_rows`): documents attended without a
+    [t, t] mask (models/sequence.py); elsewhere transformers' own, with its packed mask."""
     from trainer.models import hf_sequence
 
-    replaced = sp > 1 or (packed and hf_sequence.takes_packed_rows(cfg))
+    replaced = sp > 1 or packed
     config = read_config(cfg, hf_sequence.register() if replaced else None)
     cls = model_class(config)
     return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters

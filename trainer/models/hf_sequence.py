@@ -8,7 +8,7 @@ document of the whole rows (their position ids, from `sequence.active()`) and tr
 name has no mask function in transformers' `AttentionMaskInterface`, so the model builds no mask
 of its own (one would be the local length): whatever the family, the mask comes from the whole
 rows' position ids alone. At sp=1 on packed rows the model is built with ATTENTION too where the
-family takes it (`takes_packed_rows`): documents attended without a [t, t] mask, key/value heads
+family takes it (`models.checks.attends_packed_rows`): documents attended without a [t, t] mask, key/value heads
 as they are. The positions the model gets are the global ones (the loop gives it its share of the
 rows' position ids), so rotary and learned positions are right.
 
@@ -39,27 +39,6 @@ def register() -> str:
 
     AttentionInterface.register(ATTENTION, ulysses_attention)
     return ATTENTION
-
-
-_TAKES_PACKED_ROWS: dict[str, bool] = {}
-
-
-def takes_packed_rows(cfg) -> bool:
-    """Whether the family (a ModelConfig) attends packed rows at sp=1 through ATTENTION, within each
-    document and without a [t, t] mask: where sequence parallelism's check passes at sp=1 (SDPA through
-    transformers' interface, nothing ATTENTION does not do: models/checks.py), found once per process.
-    Elsewhere transformers' own attention keeps them apart with its packed mask."""
-    from trainer.errors import ConfigError
-    from trainer.models.checks import check_hf_sequence_parallel
-
-    key = f"{cfg.path}|{cfg.attn_implementation}|{cfg.seq_len}"
-    if key not in _TAKES_PACKED_ROWS:
-        try:
-            check_hf_sequence_parallel(cfg, 1)
-            _TAKES_PACKED_ROWS[key] = True
-        except ConfigError:
-            _TAKES_PACKED_ROWS[key] = False
-    return _TAKES_PACKED_ROWS[key]
 
 
 def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -25,6 +25,7 @@ from trainer.losses.router_loss import AUX, language_loss, start_words, with_rou
 from trainer.models import ModelFacts, build_model, description, initial_weights, model_facts
 from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
+from trainer.models.checks import attends_packed_rows
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.weights import WeightSource
 from trainer.oom import Plan, Watch, size
@@ -56,7 +57,8 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     blocks, wrap them for activation checkpointing, compile them, then let the strategy shard it
     and give each rank its part of the first weights (AC -> compile -> setup, as torchtitan).
     Returns (model, optimizer, blocks, where the weights came from)."""
-    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft, cfg.strategy.sp, rows_carry_positions(cfg))
+    packed = rows_carry_positions(cfg) and attends_packed_rows(cfg.model)
+    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft, cfg.strategy.sp, packed)
     if cfg.train.fused_loss:  # before the backend's hooks: they gather the output layer's weight for it
         fuse_output_layer(model, cfg.model.vocab_size)
     blocks = find_blocks(model, cfg.strategy.wrap)
