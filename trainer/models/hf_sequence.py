@@ -1,8 +1,9 @@
 """strategy.sp=N for model=hf: every Hugging Face family's attention through Ulysses (models/sequence.py).
 
 transformers dispatches a family's attention by `config._attn_implementation` to a function of its
-`AttentionInterface`. At sp > 1 the model is built with ATTENTION, registered there: it repeats key
-and value heads to the queries' (grouped-query attention), then calls `sequence.attention`, which
+`AttentionInterface`. At sp > 1 the model is built with ATTENTION, registered there: it calls
+`sequence.attention` with the family's key and value heads as they are (grouped-query attention:
+fewer than the queries'; that call sends as few as the split allows), which
 trades this rank's tokens of every head for every token of heads / sp, attends within each packed
 document of the whole rows (their position ids, from `sequence.active()`) and trades back. The
 name has no mask function in transformers' `AttentionMaskInterface`, so the model builds no mask
@@ -49,8 +50,5 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             kwargs.get(k) is not None for k in UNSUPPORTED):
         raise NotImplementedError(f"{type(module).__name__}: sequence parallelism's attention takes no dropout, "
                                   "sliding window shorter than the sequence, soft-capping, sinks or position bias")
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = query.shape[1] // key.shape[1]  # grouped-query attention: key/value heads shared by `groups` queries
-    out = sequence.attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scale=scaling)
+    out = sequence.attention(query, key, value, scale=scaling)  # key/value heads as they are: grouped-query attention
     return out.transpose(1, 2).contiguous(), None
