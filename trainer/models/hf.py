@@ -111,6 +111,8 @@ def builder(cfg: ModelConfig, sp: int = 1) -> Callable[[], nn.Module]:
 
     config = read_config(cfg, hf_sequence.register() if sp > 1 else None)
     cls = model_class(config)
+    if sp > 1:
+        return lambda: hf_sequence.whole_row_rotary(cls(config))
     return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters
 
 

@@ -9,7 +9,9 @@ document of the whole rows (their position ids, from `sequence.active()`) and tr
 name has no mask function in transformers' `AttentionMaskInterface`, so the model builds no mask
 of its own (one would be the local length): whatever the family, the mask comes from the whole
 rows' position ids alone. The positions the model gets are the global ones (the loop gives it its
-share of the rows' position ids), so rotary and learned positions are right.
+share of the rows' position ids), so rotary and learned positions are right; a rotary embedding
+whose frequencies depend on the positions it sees (longrope, dynamic) takes them from the whole
+rows' largest position (`whole_row_rotary`).
 
 What works: families whose attention goes through the interface, with `sdpa` (SDPA runs inside);
 `eager`, flash and flex implementations are refused (SDPA is what attends the whole sequence here),
@@ -52,3 +54,37 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                   "sliding window shorter than the sequence, soft-capping, sinks or position bias")
     out = sequence.attention(query, key, value, scale=scaling)  # key/value heads as they are: grouped-query attention
     return out.transpose(1, 2).contiguous(), None
+
+
+# transformers' RoPE types that pick their frequencies from the largest position they are given
+# (modeling_rope_utils.dynamic_rope_update): at sp > 1 a rank's share would give each rank other ones.
+POSITION_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def whole_row_rotary(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (in place) with each rotary embedding whose frequencies depend on the positions it sees
+    (longrope: Phi-3; dynamic) choosing them from the whole rows' largest position in a sharded forward:
+    its own update runs once on that position alone, then its cos/sin are computed for the rank's
+    positions with those frequencies (the undecorated forward, `__wrapped__`)."""
+    for module in model.modules():
+        types = getattr(module, "rope_type", None)
+        types = types.values() if isinstance(types, dict) else [types]  # one per layer type (Gemma 3)
+        forward = getattr(type(module).forward, "__wrapped__", None)
+        if forward is not None and any(isinstance(t, str) and t.startswith(POSITION_DEPENDENT_ROPE) for t in types):
+            module.forward = _whole_row_forward(module, forward)
+    return model
+
+
+def _whole_row_forward(module: torch.nn.Module, unwrapped):
+    updating = type(module).forward  # transformers' decorated forward: the frequency update, then cos/sin
+
+    def forward(x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        shard = sequence.active()
+        if shard is None:
+            return updating(module, x, position_ids, *args, **kwargs)
+        # the whole rows' largest position: of their position ids, or of plain rows 0 .. tokens x sp - 1
+        last = (shard.position_ids.max() if shard.position_ids is not None
+                else torch.tensor(position_ids.shape[-1] * shard.group.size - 1))
+        updating(module, x, last.to(position_ids).view(1, 1), *args, **kwargs)
+        return unwrapped(module, x, position_ids, *args, **kwargs)
+    return forward
