@@ -120,24 +120,33 @@ PROBE_VOCAB, PROBE_WIDTH = 128, 64
 
 
 def small_builder(cfg: ModelConfig, attention: str | None = None) -> Callable[[], nn.Module]:
-    """The model cut to one layer, a vocabulary of PROBE_VOCAB and MLPs (experts too) PROBE_WIDTH
-    wide: the same attention (its kind, heads, positions and implementation) in a fraction of the
-    memory, for a check that runs it (a 7B Llama: 69 M parameters); `attention` as read_config's."""
+    """The model cut to one layer of each of its layer types (`layer_types`: full and sliding-window
+    attention, ...; one layer where it names none), a vocabulary of PROBE_VOCAB and MLPs (experts too)
+    PROBE_WIDTH wide: the same attention (its kind, heads, positions and implementation) in a fraction
+    of the memory, for a check that runs it (a 7B Llama: 69 M parameters); `attention` as read_config's."""
     config = read_config(cfg, attention)
     text = config.get_text_config()
     layers = getattr(text, "num_hidden_layers", None)
+    kept = first_of_each_layer_type(text)
     for key, value in text.to_dict().items():
         if isinstance(value, list) and layers and len(value) == layers:  # one entry per layer (layer_types)
-            setattr(text, key, value[:1])
+            setattr(text, key, [value[i] for i in kept])
         elif key.endswith("intermediate_size") and isinstance(value, int):
             setattr(text, key, min(value, PROBE_WIDTH))
         elif key.endswith("token_id") and isinstance(value, int) and value >= PROBE_VOCAB:
             setattr(text, key, None)  # no such token in the smaller vocabulary
     if layers:
-        text.num_hidden_layers = 1
+        text.num_hidden_layers = len(kept)
     text.vocab_size = min(text.vocab_size, PROBE_VOCAB)
     cls = model_class(config)
     return lambda: cls(config)
+
+
+def first_of_each_layer_type(text_config) -> list[int]:
+    """The index of the first layer of each type the config's `layer_types` names (in order); [0]
+    where it names none."""
+    types = getattr(text_config, "layer_types", None) or []
+    return [i for i, kind in enumerate(types) if kind not in types[:i]] or [0]
 
 
 @contextmanager

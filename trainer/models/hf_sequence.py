@@ -17,10 +17,12 @@ What works: families whose attention goes through the interface, with `sdpa` (SD
 `eager`, flash and flex implementations are refused (SDPA is what attends the whole sequence here),
 as are what `sequence.attention` does not do: a sliding window shorter than the sequence, logit
 soft-capping, attention sinks, position biases, attention dropout. models/checks.py finds these
-before any rank starts (`check_hf_sequence_parallel`), by running the family cut to one small layer
-(`hf.small_builder`) once on the CPU.
+before any rank starts (`check_hf_sequence_parallel`), by running the family cut to one small layer of each of its layer
+types (`hf.small_builder`: full and sliding-window attention alike) once on the CPU.
 """
 from __future__ import annotations
+
+from types import MethodType
 
 import torch
 
@@ -69,22 +71,19 @@ def whole_row_rotary(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         types = getattr(module, "rope_type", None)
         types = types.values() if isinstance(types, dict) else [types]  # one per layer type (Gemma 3)
-        forward = getattr(type(module).forward, "__wrapped__", None)
-        if forward is not None and any(isinstance(t, str) and t.startswith(POSITION_DEPENDENT_ROPE) for t in types):
-            module.forward = _whole_row_forward(module, forward)
+        if hasattr(type(module).forward, "__wrapped__") and any(
+                isinstance(t, str) and t.startswith(POSITION_DEPENDENT_ROPE) for t in types):
+            module.forward = MethodType(_whole_row_forward, module)  # bound: a deep copy binds to the copy
     return model
 
 
-def _whole_row_forward(module: torch.nn.Module, unwrapped):
-    updating = type(module).forward  # transformers' decorated forward: the frequency update, then cos/sin
-
-    def forward(x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        shard = sequence.active()
-        if shard is None:
-            return updating(module, x, position_ids, *args, **kwargs)
-        # the whole rows' largest position: of their position ids, or of plain rows 0 .. tokens x sp - 1
-        last = (shard.position_ids.max() if shard.position_ids is not None
-                else torch.tensor(position_ids.shape[-1] * shard.group.size - 1))
-        updating(module, x, last.to(position_ids).view(1, 1), *args, **kwargs)
-        return unwrapped(module, x, position_ids, *args, **kwargs)
-    return forward
+def _whole_row_forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+    updating = type(self).forward  # transformers' decorated forward: the frequency update, then cos/sin
+    shard = sequence.active()
+    if shard is None:
+        return updating(self, x, position_ids, *args, **kwargs)
+    # the whole rows' largest position: of their position ids, or of plain rows 0 .. tokens x sp - 1
+    last = (shard.position_ids.max() if shard.position_ids is not None
+            else torch.tensor(position_ids.shape[-1] * shard.group.size - 1))
+    updating(self, x, last.to(position_ids).view(1, 1), *args, **kwargs)
+    return updating.__wrapped__(self, x, position_ids, *args, **kwargs)
