@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
@@ -87,22 +88,56 @@ def attention_implementation(cfg: ModelConfig, config) -> str:
 
 
 def check_longer_context(cfg: ModelConfig, config, positions: int) -> None:
-    """model.seq_len past max_position_embeddings: refused where positions are learned (an
-    embedding of that many rows, +2 for OPT's offset: there is no row for the later ones); a
-    warning for the others (rotary, ALiBi), which run but were not trained that long."""
+    """model.seq_len past max_position_embeddings: refused where positions are learned (an embedding
+    the model looks positions up in: there is no row for the later ones); a warning for the others
+    (rotary, ALiBi), which run but were not trained that long."""
     from trainer.log import log
 
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    learned = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
-               and positions <= m.num_embeddings <= positions + 2]
+    learned = position_embedding(cfg)
     if learned:
         raise ConfigError(f"model.seq_len: {cfg.seq_len} is longer than this {config.model_type} model's "
-                          f"{positions} positions, which are learned ({learned[0]}: one row per position); "
+                          f"{positions} positions, which are learned ({learned}: one row per position); "
                           f"use model.seq_len <= {positions}")
     log.warning(f"model.seq_len={cfg.seq_len} is longer than the {positions} positions (max_position_embeddings) "
                 f"this {config.model_type} model was made for; its positions are computed, so it runs, but "
                 "quality past them is not what it was trained for")
+
+
+class _EmbeddingInputs(TorchFunctionMode):
+    """Inside: the weights of the embedding lookups whose indices differ along the row."""
+
+    def __init__(self):
+        super().__init__()
+        self.varying: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.embedding:
+            indices, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            if indices.numel() and bool((indices != indices.flatten()[0]).any()):
+                self.varying.append(weight)
+        return func(*args, **kwargs)
+
+
+def position_embedding(cfg: ModelConfig) -> str | None:
+    """The name of the embedding the model looks its positions up in, seen by what it does: the model
+    cut small (`small_builder`, which keeps its positions), run on the CPU on a row of one token id
+    repeated; the embedding whose lookup differs along that row is indexed by position (GPT-2's wpe,
+    OPT's offset positions), a token embedding's is not (whatever its rows: Mistral-7B-v0.3 has as
+    many words as positions). None: positions are computed (rotary, ALiBi) or not used."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = small_builder(cfg)()
+    names = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    lookups = _EmbeddingInputs()
+    try:
+        with torch.no_grad(), lookups:
+            model(torch.ones(1, 4, dtype=torch.long))
+    except Exception as e:
+        raise ConfigError(f"model.seq_len: {cfg.seq_len} is past the model's max_position_embeddings, and how it "
+                          f"uses positions is seen by running it on the CPU, which failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); use model.seq_len <= its positions") from None
+    return next((names[id(w)] for w in lookups.varying if id(w) in names), None)
 
 
 def builder(cfg: ModelConfig, sp: int = 1) -> Callable[[], nn.Module]:
