@@ -120,12 +120,22 @@ def step_traffic(strategy: StrategyName, n_params: int, small_params: int, world
     return traffic
 
 
+def sequence_traffic(count: ActivationCount, row_len: int, rows: int, checkpointing: bool) -> int:
+    """Payload bytes of the sequence group's all-to-alls (strategy.sp > 1) per optimizer step, for
+    `rows` rows of `row_len` tokens: the forward's, counted on the meta device (grouped-query key/value
+    heads as few as models/sequence.py sends them), as much again for their gradients in backward,
+    and once more with activation checkpointing (the forward runs again in backward)."""
+    passes = 3 if checkpointing else 2
+    return int(count.exchanged_per_token * row_len / count.sp * rows * passes)
+
+
 def step_seconds(traffic: dict[str, int], world_size: int, compute_flops: float, cfg: Config) -> float:
     """Compute at plan.flops_per_s, ring collectives over plan.link_gbps (an all-reduce moves
-    2 (N-1)/N of its payload per rank, the others (N-1)/N), offload copies over plan.pcie_gbps;
-    no overlap assumed, so an upper bound."""
-    ring = (world_size - 1) / world_size
-    moved = 2 * ring * traffic["all_reduce"] + ring * (traffic["reduce_scatter"] + traffic["all_gather"])
+    2 (N-1)/N of its payload per rank, the others (N-1)/N; an all-to-all within a sequence group of
+    sp ranks (sp-1)/sp), offload copies over plan.pcie_gbps; no overlap assumed, so an upper bound."""
+    ring, sp = (world_size - 1) / world_size, cfg.strategy.sp
+    moved = 2 * ring * traffic["all_reduce"] + ring * (traffic["reduce_scatter"] + traffic["all_gather"]) \
+        + (sp - 1) / sp * traffic.get("all_to_all", 0)
     return (compute_flops / cfg.plan.flops_per_s + moved * 8 / (cfg.plan.link_gbps * 1e9)
             + traffic["host"] * 8 / (cfg.plan.pcie_gbps * 1e9))
 
@@ -176,6 +186,8 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
                 whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole
                 traffic = step_traffic(stage, trainable, whole, world_size, precision, t.grad_accum_steps,
                                        cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype, frozen)
+                traffic["all_to_all"] = sequence_traffic(need, row_len, t.micro_batch_size * t.grad_accum_steps,
+                                                         checkpointing)
                 # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
                 flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
                 option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), traffic,
@@ -249,7 +261,7 @@ def format_plan(plan: Plan) -> str:
                      + ("  <- chosen" if o.chosen else ""))
     if not plan.choice:
         lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
-    lines.append(f"  comm: collective payload per step (offload copies included); step s: estimated at "
+    lines.append(f"  comm: collective payload per step (offload copies and strategy.sp's all-to-alls included); step s: estimated at "
                  f"{plan.flops_per_s:.3g} FLOP/s, {plan.link_gbps:g} Gbit/s links, {plan.pcie_gbps:g} Gbit/s PCIe, "
                  "without overlap; chosen: the fastest that fits, the first of those within 1 %; "
                  "max seq: the longest model.seq_len whose activations fit beside the rest")

@@ -84,6 +84,7 @@ class ActivationCount:
     per_token_per_layer: float = 0.0  # of per_token, what each block keeps (without checkpointing)
     logits_per_token: float = 0.0  # of per_token, the output layer's and loss's [tokens, vocab] share (none: fused)
     sp: int = 1  # counted for strategy.sp: a rank holds seq_len / sp tokens of each row
+    exchanged_per_token: float = 0.0  # bytes the forward's all-to-alls carry (sp > 1), per token a rank holds
 
     def bytes(self, seq_len: int, micro_batch: int = 1) -> int:
         held = seq_len / self.sp
@@ -99,10 +100,16 @@ class ActivationCount:
         return int(held) * self.sp
 
 
-def _same_shape_exchange(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+class _SameShapeExchange:
     """On meta, in place of the sequence group's all-to-all: a tensor of its output's shape, as a
-    differentiable op that keeps nothing (as the all-to-all keeps nothing)."""
-    return input.clone()
+    differentiable op that keeps nothing (as the all-to-all keeps nothing); counts the bytes it carries."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+        self.bytes += input.numel() * input.element_size()
+        return input.clone()
 
 
 def _autocast_on_meta(device_type: str, *args, **kwargs) -> torch.autocast:
@@ -122,13 +129,14 @@ def packed_positions(tokens: int) -> torch.Tensor:
 
 
 def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: int = 1,
-          packed: bool = False) -> SavedBytes:
+          packed: bool = False) -> tuple[SavedBytes, int]:
     """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
     blocks apart; at sp > 1, as rank 0 of a sequence-parallel group holding `tokens` of each row
-    (attention over the whole row for 1 / sp of the heads, models/sequence.py); `packed`: rows of
-    packed documents, whose position ids the model gets (`loss_of(model, ids, positions)`: at sp > 1
-    also plain rows carry theirs in the whole row, training/sequence_shares.py)."""
-    saved = SavedBytes(model)
+    (attention over the whole row for 1 / sp of the heads, models/sequence.py), and the bytes its
+    all-to-alls carried; `packed`: rows of packed documents, whose position ids the model gets
+    (`loss_of(model, ids, positions)`: at sp > 1 also plain rows carry theirs in the whole row,
+    training/sequence_shares.py)."""
+    saved, exchange = SavedBytes(model), _SameShapeExchange()
     handles = [h for block in blocks for h in (
         block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
         block.register_forward_hook(lambda *_: setattr(saved, "part", "outside")))]
@@ -138,14 +146,14 @@ def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: i
     positions = (group.local(whole) if packed else torch.arange(tokens)[None]).to("meta") if packed or sp > 1 else None
     sharded = sequence.sharded(group, whole)
     try:
-        with _MetaItems(), _AsFusedKernels(), mock.patch.object(sequence, "all_to_all_single", _same_shape_exchange), \
+        with _MetaItems(), _AsFusedKernels(), mock.patch.object(sequence, "all_to_all_single", exchange), \
                 mock.patch.object(torch, "autocast", _autocast_on_meta), sharded, saved:
             loss = loss_of(model, ids, positions)
         saved.kept_by_functions(loss)
     finally:
         for h in handles:
             h.remove()
-    return saved
+    return saved, exchange.bytes
 
 
 def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int, logits: bool = True) -> ActivationCount:
@@ -175,8 +183,8 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     device in the training dtype, built as the trainer builds it: activation checkpointing per
     block, with train.fused_loss the output layer that gives each token's loss
     (models/fused_loss.py), at strategy.sp=`sp` the rank's share of each row through Ulysses
-    attention (the all-to-alls exchanged for a copy of the same shape), on rows of packed
-    documents where the data packs them (`rows_carry_positions`)."""
+    attention (the all-to-alls exchanged for a copy of the same shape, their bytes counted), on rows
+    of packed documents where the data packs them (`rows_carry_positions`)."""
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
     packed = rows_carry_positions(cfg)
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
@@ -194,7 +202,8 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
         def loss_of(m, ids, positions):
             return objective.loss_sum(m, [ids, ids, *([positions] if positions is not None else [])])[0]
 
-        counts = {n: trace(model, blocks, loss_of, n, sp, packed) for n in (short, 2 * short, 4 * short)}
+        traced = {n: trace(model, blocks, loss_of, n, sp, packed) for n in (short, 2 * short, 4 * short)}
+        counts = {n: saved for n, (saved, _) in traced.items()}
         _COUNTS[key] = dataclasses.replace(fit(counts, cfg.model.vocab_size, len(blocks), logits=not fused_loss),
-                                           sp=sp)
+                                           sp=sp, exchanged_per_token=traced[short][1] / short)
     return _COUNTS[key]

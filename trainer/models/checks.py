@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 def probe_model(cfg: ModelConfig, attention: str | None = None) -> tuple[nn.Module, int]:
     """The model as the run builds it, small enough to run on the CPU before any work: a Hugging
-    Face model cut to one small layer (`hf.small_builder`: the same attention, its kind, heads and
+    Face model cut to one small layer of each layer type (`hf.small_builder`: the same attention, its kind, heads and
     positions; `attention` as `hf.read_config` takes it), a custom model whole; built with a fixed
     seed, the caller's random state left as it was. With the vocabulary its inputs come from."""
     hf_model = ModelKind(cfg.kind) is ModelKind.hf
@@ -94,7 +94,7 @@ def check_output_layer(cfg: ModelConfig, model: nn.Module) -> None:
     as it is) has a torch Linear output layer, and its logits are that layer's output unchanged (no
     scaling or capping after it: Gemma 2's softcap, Cohere's logit_scale) for that layer's input
     [b, t, width] of token ids [b, t]: seen in a forward of `probe_model` (a Hugging Face model cut
-    to one small layer; a custom model whole), on the CPU."""
+    to one small layer of each layer type; a custom model whole), on the CPU."""
     the_output_layer(model, cfg.vocab_size)
     kind = ModelKind(cfg.kind)
     if kind is ModelKind.reference:

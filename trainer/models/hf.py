@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
@@ -87,22 +88,56 @@ def attention_implementation(cfg: ModelConfig, config) -> str:
 
 
 def check_longer_context(cfg: ModelConfig, config, positions: int) -> None:
-    """model.seq_len past max_position_embeddings: refused where positions are learned (an
-    embedding of that many rows, +2 for OPT's offset: there is no row for the later ones); a
-    warning for the others (rotary, ALiBi), which run but were not trained that long."""
+    """model.seq_len past max_position_embeddings: refused where positions are learned (an embedding
+    the model looks positions up in: there is no row for the later ones); a warning for the others
+    (rotary, ALiBi), which run but were not trained that long."""
     from trainer.log import log
 
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    learned = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
-               and positions <= m.num_embeddings <= positions + 2]
+    learned = position_embedding(cfg)
     if learned:
         raise ConfigError(f"model.seq_len: {cfg.seq_len} is longer than this {config.model_type} model's "
-                          f"{positions} positions, which are learned ({learned[0]}: one row per position); "
+                          f"{positions} positions, which are learned ({learned}: one row per position); "
                           f"use model.seq_len <= {positions}")
     log.warning(f"model.seq_len={cfg.seq_len} is longer than the {positions} positions (max_position_embeddings) "
                 f"this {config.model_type} model was made for; its positions are computed, so it runs, but "
                 "quality past them is not what it was trained for")
+
+
+class _EmbeddingInputs(TorchFunctionMode):
+    """Inside: the weights of the embedding lookups whose indices differ along the row."""
+
+    def __init__(self):
+        super().__init__()
+        self.varying: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.embedding:
+            indices, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            if indices.numel() and bool((indices != indices.flatten()[0]).any()):
+                self.varying.append(weight)
+        return func(*args, **kwargs)
+
+
+def position_embedding(cfg: ModelConfig) -> str | None:
+    """The name of the embedding the model looks its positions up in, seen by what it does: the model
+    cut small (`small_builder`, which keeps its positions), run on the CPU on a row of one token id
+    repeated; the embedding whose lookup differs along that row is indexed by position (GPT-2's wpe,
+    OPT's offset positions), a token embedding's is not (whatever its rows: Mistral-7B-v0.3 has as
+    many words as positions). None: positions are computed (rotary, ALiBi) or not used."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = small_builder(cfg)()
+    names = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    lookups = _EmbeddingInputs()
+    try:
+        with torch.no_grad(), lookups:
+            model(torch.ones(1, 4, dtype=torch.long))
+    except Exception as e:
+        raise ConfigError(f"model.seq_len: {cfg.seq_len} is past the model's max_position_embeddings, and how it "
+                          f"uses positions is seen by running it on the CPU, which failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); use model.seq_len <= its positions") from None
+    return next((names[id(w)] for w in lookups.varying if id(w) in names), None)
 
 
 def builder(cfg: ModelConfig, sp: int = 1, packed: bool = False) -> Callable[[], nn.Module]:
@@ -115,6 +150,8 @@ def builder(cfg: ModelConfig, sp: int = 1, packed: bool = False) -> Callable[[],
     replaced = sp > 1 or packed
     config = read_config(cfg, hf_sequence.register() if replaced else None)
     cls = model_class(config)
+    if sp > 1:
+        return lambda: hf_sequence.whole_row_rotary(cls(config))
     return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters
 
 
@@ -122,24 +159,33 @@ PROBE_VOCAB, PROBE_WIDTH = 128, 64
 
 
 def small_builder(cfg: ModelConfig, attention: str | None = None) -> Callable[[], nn.Module]:
-    """The model cut to one layer, a vocabulary of PROBE_VOCAB and MLPs (experts too) PROBE_WIDTH
-    wide: the same attention (its kind, heads, positions and implementation) in a fraction of the
-    memory, for a check that runs it (a 7B Llama: 69 M parameters); `attention` as read_config's."""
+    """The model cut to one layer of each of its layer types (`layer_types`: full and sliding-window
+    attention, ...; one layer where it names none), a vocabulary of PROBE_VOCAB and MLPs (experts too)
+    PROBE_WIDTH wide: the same attention (its kind, heads, positions and implementation) in a fraction
+    of the memory, for a check that runs it (a 7B Llama: 69 M parameters); `attention` as read_config's."""
     config = read_config(cfg, attention)
     text = config.get_text_config()
     layers = getattr(text, "num_hidden_layers", None)
+    kept = first_of_each_layer_type(text)
     for key, value in text.to_dict().items():
         if isinstance(value, list) and layers and len(value) == layers:  # one entry per layer (layer_types)
-            setattr(text, key, value[:1])
+            setattr(text, key, [value[i] for i in kept])
         elif key.endswith("intermediate_size") and isinstance(value, int):
             setattr(text, key, min(value, PROBE_WIDTH))
         elif key.endswith("token_id") and isinstance(value, int) and value >= PROBE_VOCAB:
             setattr(text, key, None)  # no such token in the smaller vocabulary
     if layers:
-        text.num_hidden_layers = 1
+        text.num_hidden_layers = len(kept)
     text.vocab_size = min(text.vocab_size, PROBE_VOCAB)
     cls = model_class(config)
     return lambda: cls(config)
+
+
+def first_of_each_layer_type(text_config) -> list[int]:
+    """The index of the first layer of each type the config's `layer_types` names (in order); [0]
+    where it names none."""
+    types = getattr(text_config, "layer_types", None) or []
+    return [i for i, kind in enumerate(types) if kind not in types[:i]] or [0]
 
 
 @contextmanager

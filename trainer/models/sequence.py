@@ -4,7 +4,9 @@ Each rank of a sequence-parallel group holds `seq_len / N` consecutive tokens of
 (consecutive ranks form a group: DeepSpeed's layout). Everything but attention is per token and
 runs on the local tokens alone. Attention needs the whole sequence: before it, an all-to-all
 trades the sequence for heads (each rank gets every token of `heads / N` heads), attention runs
-on the whole sequence of those heads, and a second all-to-all trades back. Both are autograd
+on the whole sequence of those heads, and a second all-to-all trades back. With fewer key/value
+heads than query heads (grouped-query attention) the keys and values travel as few as the split
+allows (`key_value_heads_sent`) and attention pairs them with their queries (`enable_gqa`). Both are autograd
 all-to-alls, so each rank's gradients are those of its own tokens' loss and the backends'
 average over all ranks (dp x sp) gives the gradient of the global mean: no backend is told.
 
@@ -136,17 +138,40 @@ def sequence_to_heads(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, h * group.size, s // group.size, d)
 
 
+def key_value_heads_sent(heads: int, kv_heads: int, sp: int) -> int:
+    """How many key/value heads the all-to-all carries for `heads` query heads at strategy.sp=`sp`
+    (grouped-query attention, DeepSpeed ALST's scheme): the `kv_heads` themselves where they split
+    over the ranks (kv_heads / sp a rank); `sp` where there are fewer (each repeated sp / kv_heads
+    times: one a rank); else one per query head, as many as the queries'."""
+    if kv_heads % sp == 0:
+        return kv_heads
+    if sp % kv_heads == 0:
+        return sp
+    return heads
+
+
+def key_values_to_sequence(x: torch.Tensor, heads: int, group: SequenceGroup) -> torch.Tensor:
+    """Keys or values [b, kv_heads, s/N, d] -> this rank's [b, sent / N, s, d], `sent` of
+    `key_value_heads_sent`: each head repeated as often as that takes (in place, so that a rank's
+    key/value heads are those of its query heads), then traded like the queries."""
+    sent = key_value_heads_sent(heads, x.shape[1], group.size)
+    return heads_to_sequence(x.repeat_interleave(sent // x.shape[1], dim=1) if sent != x.shape[1] else x, group)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
               documents: Documents | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens, SDPA's layout ([b, heads, tokens, head_dim]; key
-    and value heads as many as the queries' at sp > 1, else as many or a divisor); in a sharded forward, over the whole sequence; within
-    each packed document of `documents`, or else of the sharded forward's. Else plain causal SDPA."""
+    and value heads as many as the queries' or fewer, a divisor of them: grouped-query attention);
+    in a sharded forward, over the whole sequence; within each packed document of `documents`, or
+    else of the sharded forward's. Else plain causal SDPA."""
     shard = _active
     if documents is None and shard is not None:
         documents = shard.documents
     split = shard is not None and shard.group.size > 1
     if split:
-        q, k, v = (heads_to_sequence(x, shard.group) for x in (q, k, v))
+        heads = q.shape[1]
+        q, k, v = (heads_to_sequence(q, shard.group), key_values_to_sequence(k, heads, shard.group),
+                   key_values_to_sequence(v, heads, shard.group))
     if documents is None:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     else:
