@@ -168,8 +168,7 @@ def is_step(record: dict) -> bool:
 def launch(command: list[str], records: Path, ranks: int, latest: Path | None = None) -> dict:
     """Run `command`, polling its records (the first step's appearance), its processes' RSS and,
     for the trainer's save, its `latest` file. The command's output goes to records' folder."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
     out = records.parent / "output.txt"
     start = time.perf_counter()
     seen: dict[int, float] = {}  # step -> seconds since the command when its record was first seen
@@ -304,6 +303,8 @@ def main() -> None:
     # load DeepSpeed's CPU ops from where the trainer builds them (a peer's first run would build its own).
     os.environ["HF_DATASETS_CACHE"] = str(root / "hf_datasets")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     facts = prepare(args, root)
     print(f"[bench] Llama-style {facts['params'] / 1e6:.1f}M params, vocab {facts['vocab']}, {facts['text_rows']} text "
           f"windows, {facts['chat_conversations']} conversations ({root})", flush=True)

@@ -3,7 +3,8 @@ as their users run them, under torchrun. Not run by hand: bench/peers.py writes 
 
     torchrun --nproc_per_node 2 bench/peers_hf.py SETTINGS.json
 
-Strategies go through the Trainer's own switches, which build Accelerate's plugins: ddp (none),
+The optimizer is the Trainer's default (`optim`: torch's fused AdamW from torch 2.8 on). Strategies go
+through the Trainer's own switches, which build Accelerate's plugins: ddp (none),
 fsdp (`fsdp="full_shard"`, FSDP2 per decoder layer), zero2/zero3 (`deepspeed=` a config of
 "auto" values). Rank 0 appends one JSON line per optimizer step to `records` in the settings:
 {"step", "loss", "input_tokens" (cumulative, all ranks), "t" (perf_counter at the step's end)},
@@ -26,10 +27,9 @@ def strategy_args(strategy: str, block: str) -> dict:
         return {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": [block],
                                                       "reshard_after_forward": True}}
     stage = {"zero2": 2, "zero3": 3}[strategy]
+    # no "optimizer" section: the Trainer's own (its default optim) goes to DeepSpeed as the client optimizer
     return {"deepspeed": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
-                          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                                    "weight_decay": "auto", "torch_adam": True}}}}
+                          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}}
 
 
 def main(settings_path: str) -> None:
@@ -62,7 +62,7 @@ def main(settings_path: str) -> None:
 
     common = dict(output_dir=s["output_dir"], max_steps=s["max_steps"], per_device_train_batch_size=s["micro_batch"],
                   learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                  adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch",
+                  adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
                   logging_steps=1, save_strategy="steps" if s["save_steps"] else "no", save_steps=s["save_steps"] or 1,
                   report_to=[], use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, seed=s["seed"],
                   dataloader_num_workers=0, include_num_input_tokens_seen="non_padding", disable_tqdm=True,
