@@ -13,7 +13,7 @@ TEST_BUDGET_S := 360
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup train test test-all test-matrix test-docs lint bench soak clean
+.PHONY: setup train test test-all test-matrix test-docs lint bench bench-peers soak clean
 
 # DeepSpeed JIT-compiles its CPU ops at first use: its shared-memory collectives at the first
 # zero run, CPUAdam at the first optimizer offload (about 100 s together here). Built once at
@@ -59,6 +59,10 @@ lint: setup  # pyflakes, bugbear, import order ([tool.ruff] in pyproject.toml); 
 
 bench: setup
 	$(PY) bench/strategies.py --threads 1 $(ARGS)
+
+bench-peers: setup  # the trainer against HF Trainer and TRL on the same model, data and batch (bench/peers.py; long)
+	$(PY) -m pip install -q -e '.[peers]'
+	$(PY) bench/peers.py $(ARGS)
 
 soak: setup  # the multi-process fault paths, many times (not part of `make test`)
 	$(PY) tests/soak.py $(ARGS)

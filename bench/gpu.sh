@@ -8,9 +8,16 @@
 #   PEAK_FLOPS=312e12 bench/gpu.sh    # A100
 #   bench/gpu.sh --steps 20           # further flags go to bench/strategies.py (the last one wins)
 #   bench/gpu.sh --device cpu --model tiny --steps 6 --warmup 2   # the same path on a CPU
+#   bench/gpu.sh peers [flags]        # bench/peers.py on CUDA: the trainer against HF Trainer and TRL,
+#                                     # one rank per GPU (RANKS=N to choose), bench/results/peers_cuda.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ -x "$PYTHON" ] || make setup
+if [ "${1:-}" = peers ]; then
+    shift
+    exec "$PYTHON" bench/peers.py --device cuda --ranks "${RANKS:-$(nvidia-smi -L | wc -l)}" \
+        --out bench/results/peers_cuda.json "$@"
+fi
 exec "$PYTHON" bench/strategies.py --device cuda --model gpt_1b --precision bf16 --ranks 1 \
     --global-batch "${GLOBAL_BATCH:-8}" --steps "${STEPS:-12}" --peak-flops "${PEAK_FLOPS:-989e12}" "$@"
