@@ -16,7 +16,7 @@ from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
 from trainer.checks import check_validation_rows
-from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName, rows_carry_positions
+from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName, Precision, rows_carry_positions
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
@@ -41,16 +41,16 @@ from trainer.training.sequence_shares import share
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
 
-def adamw_factory(o: OptimConfig):
+def adamw_factory(o: OptimConfig, fused: bool = True):
     """AdamW with weight decay on matrices only (nanoGPT's split), over the trainable parameters
-    and their full shapes, as the strategy gives them (frozen ones, LoRA's base, get no state)."""
+    and their full shapes, as the strategy gives them (frozen ones, LoRA's base, get no state).
+    `fused`: one kernel for every parameter in place of ~12 ops each; under FSDP2 each op on a
+    DTensor also pays its dispatch (30M Llama, 2 CPU ranks: 1.10 s a step -> 0.15 s). HF Trainer's
+    default optim since torch 2.8 too. DeepSpeed steps its flat partitions with it."""
     def build(params: list[tuple[nn.Parameter, tuple[int, ...]]]) -> torch.optim.Optimizer:
         groups = [{"params": [p for p, shape in params if len(shape) >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p, shape in params if len(shape) < 2], "weight_decay": 0.0}]
-        # fused: one kernel for every parameter in place of ~12 ops each; under FSDP2 each op on a
-        # DTensor also pays its dispatch (30M Llama, 2 CPU ranks: 1.10 s a step -> 0.15 s). HF
-        # Trainer's default optim since torch 2.8 too. DeepSpeed steps its flat partitions with it.
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
+        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
     return build
 
 
@@ -71,7 +71,10 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     if cfg.train.compile:  # regional: each block compiled in place (names unchanged), before sharding
         for block in blocks:
             block.compile()
-    model, optimizer = strategy.setup(model, adamw_factory(cfg.optim), weights)
+    # fp16: FSDP2's sharded grad scaler hands the fused step a found_inf of shape [1] against its
+    # step count's [] (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]")
+    fused = cfg.train.precision is not Precision.fp16
+    model, optimizer = strategy.setup(model, adamw_factory(cfg.optim, fused), weights)
     return model, optimizer, blocks, weights
 
 
