@@ -24,9 +24,10 @@ CPU_OPS := import trainer.distributed, torch; from deepspeed.accelerator import 
 
 setup: $(VENV)/.dev
 
-# --no-compile: pip byte-compiles every module of every package at install (torch: 61 s with it,
-# 23 s without, here); Python compiles the modules a run imports, once, at their first import.
-PIP_INSTALL := $(PY) -m pip install -q --no-compile
+# pip byte-compiles every module at install (torch: 61 s of its install here, 23 s without):
+# kept, since where PYTHONDONTWRITEBYTECODE is set (this machine, CI) nothing else writes the
+# .pyc files, and every rank process would compile all it imports from source, every time.
+PIP_INSTALL := $(PY) -m pip install -q
 
 $(VENV)/.core: pyproject.toml
 	python3 -m venv $(VENV)
