@@ -142,6 +142,8 @@ def moe_case(path, strategy: str, micro: int, accum: int = 1, **overrides) -> di
                              **cfg.get("model", {})}}
 
 
+DPO_RTOL = 3e-6
+
 TWO_RANKS = {  # name: (strategy, micro, accum, overrides): global batch 4 each
     "ddp": ("ddp", 2, 1, {}),
     "fsdp": ("fsdp", 1, 2, {}),
@@ -268,7 +270,9 @@ def test_chat_and_dpo_rows_on_two_ranks_give_one_ranks_losses_with_the_term_on(t
            "chat_padded_ddp_sp2": "chat_padded", "dpo_zero2": "dpo"}[name]
     base, two = records(trained / one), records(trained / name)
     assert len(base) == STEPS and all(a > 1.0 for a in aux(base))
-    assert_close(losses(two), losses(base), name, rtol=1e-6)
+    # DPO's loss is a sigmoid of beta x a difference of log-probs summed over ~200 tokens each: the
+    # ~1e-7 of a reduction in another order comes out ~1e-6 (CI saw 1.01e-6 at step 4)
+    assert_close(losses(two), losses(base), name, rtol=DPO_RTOL if name == "dpo_zero2" else 1e-6)
     assert_close(aux(two), aux(base), f"{name}: aux_loss", rtol=1e-6)
 
 
