@@ -1,8 +1,8 @@
 """Issues 28 and 40: the import rules of the layout (docs/architecture.md), read from the source of every
 module under trainer/, every import counted (one inside a function too: it runs when the function is
-called; one under `if TYPE_CHECKING` never runs): no import circle among modules, none among rooms (a
-top-level module or package of trainer/: so no import runs back up from a lower room to a higher
-one), and the rooms that must not know each other do not."""
+called; one under `if TYPE_CHECKING` too: a type named is a room known): no import circle among
+modules, none among rooms (a top-level module or package of trainer/: so no import runs back up from
+a lower room to a higher one), and the rooms that must not know each other do not."""
 from __future__ import annotations
 
 import ast
@@ -22,23 +22,15 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in TRAINER.rglob("*.py")}
 
 
-def under_type_checking(node: ast.AST, parents: dict) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
-
-
 def imports(source: str, importer: str) -> list[tuple[str, bool]]:
-    """(module imported, at module level) for each import run when its code runs: an import under
-    `if TYPE_CHECKING` runs never; one inside a function, when the function is called. `from a import
-    b` imports module a.b where that is a module, else a."""
+    """(module imported, at module level) for each import: one inside a function runs when the
+    function is called; one under `if TYPE_CHECKING` never runs, but names a room this one knows.
+    `from a import b` imports module a.b where that is a module, else a."""
     tree = ast.parse(source)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
     for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)) or under_type_checking(node, parents):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         top, parent = True, parents.get(node)
         while parent is not None:
@@ -117,7 +109,7 @@ def violations(graph: dict[str, list[tuple[str, bool]]]) -> list[str]:
             if under(importer, "trainer.checkpoint") and (under(imported, "trainer.training")
                                                           or under(imported, "trainer.strategies")):
                 bad.append(f"{importer} imports {imported}: the checkpoint package stands below training and the "
-                           "backends (a Strategy only as a type, under TYPE_CHECKING)")
+                           "backends (what it needs of a strategy: checkpoint.holder.StateHolder)")
             if under(importer, "trainer.strategies") and (imported in MODEL_FAMILIES
                                                           or under(imported, "trainer.training")):
                 bad.append(f"{importer} imports {imported}: a backend knows no model family and not the loop")
@@ -152,6 +144,6 @@ def test_the_rules_catch_each_kind_of_wrong_import():
     assert violations(adding("trainer.training.loop", "trainer.strategies.ds_state"))
     assert not violations(adding("trainer.training.loop", "trainer.strategies"))  # build_strategy: fine
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.strategies.base import Strategy\n"
-    assert imports(source, "trainer.checkpoint.manager") == []  # a type only: never runs
+    assert violations({"trainer.checkpoint.manager": imports(source, "trainer.checkpoint.manager")})  # a type too
     assert imports("def f():\n    from trainer.training import loop\n", "trainer.checkpoint.convert") == [
         ("trainer.training.loop", False)]

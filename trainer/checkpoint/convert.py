@@ -9,22 +9,20 @@ import tempfile
 import warnings
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from trainer.checkpoint.format import ADAM_KEYS, LATEST, MANIFEST, Portable, read_step_dir, write_step_dir
+from trainer.checkpoint.holder import StateHolder
 from trainer.checkpoint.resume import latest_checkpoint
 from trainer.errors import CheckpointError
 from trainer.models.weights import safetensors_files
 
-if TYPE_CHECKING:
-    from trainer.strategies.base import Strategy
-
 # A strategy of one rank holding a step dir of ours, its model built again from what the checkpoint
 # records of it (the manifest's source["model"]), for as long as the block runs: composed by the
 # job (python -m trainer.convert), which may build models and strategies; this package does neither.
-Holding = Callable[[Path, dict], AbstractContextManager["Strategy"]]
+Holding = Callable[[Path, dict], AbstractContextManager[StateHolder]]
 
 FORMATS = ("trainer", "dcp", "deepspeed", "universal", "hf", "accelerate")
 # accelerate save_state of a DDP or one-process run: the model's weights, the optimizer by position

@@ -8,7 +8,6 @@ import math
 import shutil
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from trainer.checkpoint.format import (
     write_manifest,
     write_tensors,
 )
+from trainer.checkpoint.holder import StateHolder
 from trainer.checkpoint.resume import checkpoints_with_manifest, latest_checkpoint
 from trainer.config import CheckpointConfig
 from trainer.distributed import broadcast_object
@@ -42,9 +42,6 @@ from trainer.errors import CheckpointError
 from trainer.log import log
 from trainer.models import param_shapes
 from trainer.models.weights import canonical_name, persistent_buffers
-
-if TYPE_CHECKING:  # the manager works through the Strategy interface; it imports no backend
-    from trainer.strategies.base import Strategy
 
 
 def rng_state_of_new_rank(rank0_state: torch.Tensor, rank: int, device: str = "cpu") -> torch.Tensor:
@@ -67,7 +64,7 @@ class CheckpointManager:
     """Used by the loop with any strategy: saves and loads the strategy's portable state plus
     the trainer's state (step, data position, RNG). Every method is called on all ranks."""
 
-    def __init__(self, cfg: CheckpointConfig, strategy: Strategy, strategy_name: str, source: dict | None = None,
+    def __init__(self, cfg: CheckpointConfig, strategy: StateHolder, strategy_name: str, source: dict | None = None,
                  records=None, base_fingerprint: str | None = None):
         self.cfg, self.strategy, self.strategy_name = cfg, strategy, strategy_name
         self.source = source or {}  # where the model came from (trainer.models.description), for export

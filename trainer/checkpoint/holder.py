@@ -1,0 +1,40 @@
+"""What the checkpoint package needs of whoever holds the training state: a Strategy (DESIGN §2)
+satisfies it. Written here, as a Protocol, so that checkpoints stand below the strategies, which
+build on the format (format.Piece), and never import them."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from trainer.checkpoint.format import Piece
+
+
+class StateHolder(Protocol):
+    rank: int
+    world_size: int
+    is_main: bool
+    device: torch.device
+
+    @property
+    def module(self) -> nn.Module:
+        """The model, unwrapped: its parameter names and shapes are the checkpoint's keys."""
+
+    def barrier(self) -> None: ...
+
+    def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """A parameter's full shape, also where this rank holds a part of it."""
+
+    def state_dict(self, model_only: bool = False) -> dict[str, Piece]:
+        """The flat ranges this rank saves; together the ranks' pieces cover every key once."""
+
+    def state_layout(self) -> dict[str, tuple[int, int]]:
+        """key -> (start, numel): the ranges this rank needs to resume."""
+
+    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        """Take the fp32 ranges of `state_layout`."""
+
+    def save_native(self, directory: Path, tag: str) -> None:
+        """The backend's own checkpoint format, by the backend's own code (convert --to deepspeed)."""
