@@ -151,6 +151,9 @@ def dpo_case(pairs, strategy: str, steps: int = 4, peft: dict | None = None, **o
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 LORA = {"name": "lora", "r": 4, "alpha": 8.0}
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+# 0 at step 1, where the policy is its reference: not the accuracy, the share of pairs whose chosen
+# reward is above the rejected one, where one pair's log-prob one ulp off counts (seen: 0.1 here)
+REWARDS_AT_START = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 # fp32 at 2 ranks against 1 with the same global batch (the bound)
 DPO_RTOL = 1e-6
 TRL_REWARD_ATOL = 2e-6
@@ -203,7 +206,7 @@ def test_dpo_starts_at_ln2_and_two_ranks_equal_one_on_every_strategy(parity):
             rows = records(run)
             first = rows[0]
             assert abs(first["loss"] - math.log(2)) < 1e-6, (run.name, first["loss"])
-            assert all(abs(first[k]) < 1e-6 for k in REWARDS), (run.name, first)
+            assert all(abs(first[k]) < 1e-6 for k in REWARDS_AT_START), (run.name, first)
             assert [r.get("split") for r in rows] == [r.get("split") for r in one], run.name
             for mine, base in zip(rows, one):  # steps and the validation line: loss and rewards
                 assert math.isclose(mine["loss"], base["loss"], rel_tol=DPO_RTOL), (run.name, mine, base)
@@ -297,7 +300,7 @@ def test_full_fine_tuning_against_the_frozen_copy_gives_the_precomputed_runs_los
     assert held == dict.fromkeys(held, 2 * base[0]["mem"]["params"]), (held, base[0]["mem"])
     for run in runs:
         rows = records(run)
-        assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and all(abs(rows[0][k]) < 1e-6 for k in REWARDS), \
+        assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and all(abs(rows[0][k]) < 1e-6 for k in REWARDS_AT_START), \
             (run.name, rows[0])
         assert [r.get("split") for r in rows] == [r.get("split") for r in base], run.name
         for mine, theirs, one in zip(rows, base, records(frozen_copy_runs / "copy@1")):
@@ -548,7 +551,7 @@ def test_continuing_from_an_adapter_starts_at_ln2_against_it_on_every_strategy(s
     assert len(runs) == 1 + len(STRATEGIES)
     for run in runs:
         rows = records(run)
-        assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and all(abs(rows[0][k]) < 1e-6 for k in REWARDS), \
+        assert abs(rows[0]["loss"] - math.log(2)) < 1e-6 and all(abs(rows[0][k]) < 1e-6 for k in REWARDS_AT_START), \
             (run.name, rows[0])
         assert [r.get("split") for r in rows] == [r.get("split") for r in one], run.name
         for mine, base in zip(rows, one):
@@ -607,7 +610,7 @@ def test_the_frozen_copy_in_bf16_fp16_and_with_the_optimizer_offloaded(pairs):
         assert len(steps) == 3, name
         # (precomputed log-probs in bf16 come from batches of other shapes: ~2e-5 off ln 2 on zero3)
         assert name.endswith(":pre") or abs(steps[0]["loss"] - math.log(2)) < 1e-6 and \
-            all(abs(steps[0][k]) < 1e-6 for k in REWARDS), (name, steps[0])
+            all(abs(steps[0][k]) < 1e-6 for k in REWARDS_AT_START), (name, steps[0])
         assert all(math.isfinite(r["loss"]) for r in steps) and abs(steps[-1]["loss"] - math.log(2)) > 1e-4, \
             (name, steps)
     params = {name: records(out / name)[0]["mem"]["params"] for name in PRECISIONS}

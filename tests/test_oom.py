@@ -234,7 +234,10 @@ def test_a_real_host_out_of_memory_under_an_address_space_limit_adapts_down_from
     reference = run_cli(*BIG_LOGITS, "train.micro_batch_size=8", f"hydra.run.dir={planned}")
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = [r["loss"] for r in records(planned)]
-    assert all(abs(a - e) <= 1e-6 * e for a, e in zip([r["loss"] for r in records(run_dir)], expected, strict=True))
+    # a step an attempt logged before a later step ran out of memory is logged again by the restart
+    # (seen: step 1 fit at micro-batch 4, step 2 did not): the last attempt's losses
+    last = {r["step"]: r["loss"] for r in records(run_dir)}
+    assert all(abs(a - e) <= 1e-6 * e for a, e in zip([last[s] for s in sorted(last)], expected, strict=True))
 
 
 def test_the_planner_reads_a_runs_records_and_plans_at_the_plan_it_adapted_to(tmp_path, capsys):
