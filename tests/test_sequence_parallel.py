@@ -105,20 +105,36 @@ CASES_2.update({
 CASES_4 = {f"{s}_dp2_sp2": sp_case(s, 2, GLOBAL_BATCH // 2) for s in STRATEGIES}
 
 
+# a checkpoint saved at sp=2 (by CASES_2's ddp_sp2, at step 4), resumed in each world size's launch
+RESUMED = {"one_rank": (1, sp_case("ddp", 1, GLOBAL_BATCH)), "zero3_dp2": (2, sp_case("zero3", 1, GLOBAL_BATCH // 2)),
+           "zero2_sp4": (4, sp_case("zero2", 4, GLOBAL_BATCH))}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, chat):  # noqa: F811
+    """One launch per world size (2, 1, 4 ranks), each training its cases in turn: the parity cases,
+    the resumes of the checkpoint the 2-rank launch saved first, the packed conversations."""
     out = tmp_path_factory.mktemp("sp")
+    ckpt = out / "ckpt"
+
+    def resumed(world_size: int) -> dict:
+        return {name: resuming(cfg, ckpt, 4) for name, (n, cfg) in RESUMED.items() if n == world_size}
+
+    on_ranks(2, train_cases, {**CASES_2, "ddp_sp2": saving(CASES_2["ddp_sp2"], ckpt, 4), **resumed(2),
+                              "packed_sp2": chat_case(chat, chat.data, strategy__sp=2)}, str(out))
     on_ranks(1, train_cases, {"baseline": sp_case("ddp", 1, GLOBAL_BATCH),
                               "baseline_lora": sp_case("ddp", 1, GLOBAL_BATCH, peft__name="lora", peft__r=4),
-                              "baseline_custom": custom_case("ddp", 1, GLOBAL_BATCH)}, str(out))
-    on_ranks(2, train_cases, CASES_2, str(out))
-    on_ranks(4, train_cases, CASES_4, str(out))
-    return {name: records(out / name) for name in ["baseline", "baseline_lora", "baseline_custom", *CASES_2, *CASES_4]}
+                              "baseline_custom": custom_case("ddp", 1, GLOBAL_BATCH), **resumed(1),
+                              "padded": chat_case(chat, chat.data, data__packing=False),
+                              "packed": chat_case(chat, chat.data)}, str(out))
+    on_ranks(4, train_cases, {**CASES_4, **resumed(4)}, str(out))
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*(f"{s}_sp2" for s in STRATEGIES), *CASES_4])
 def test_losses_at_sp2_and_dp2_sp2_match_one_rank(runs, name):
+    runs = {n: records(runs / n) for n in ("baseline", name)}
     base = losses(runs["baseline"])
     assert base[-1] < base[0] - 0.5, "the baseline must learn"
     assert_close(losses(runs[name]), base, name, rtol=1e-6)
@@ -131,47 +147,39 @@ def test_losses_at_sp2_and_dp2_sp2_match_one_rank(runs, name):
 @pytest.mark.parametrize("name", ["ddp_sp2_ac", "fsdp_sp2_ac_offload", "zero3_sp2_offload", "ddp_sp2_compile",
                                   "ddp_sp2_lora", "zero3_sp2_lora"])
 def test_sp2_with_offload_ac_compile_and_lora_keeps_the_losses(runs, name):
-    base = losses(runs["baseline_lora" if "lora" in name else "baseline"])
-    assert_close(losses(runs[name]), base, name, rtol=LOSS_RTOL)
+    base = losses(records(runs / ("baseline_lora" if "lora" in name else "baseline")))
+    assert_close(losses(records(runs / name)), base, name, rtol=LOSS_RTOL)
 
 
 @pytest.mark.slow
 def test_a_custom_model_with_the_hook_keeps_its_losses_at_sp2(runs):
-    base = losses(runs["baseline_custom"])
+    base = losses(records(runs / "baseline_custom"))
     assert base[-1] < base[0] - 0.5, "the custom model must learn"
-    assert_close(losses(runs["fsdp_sp2_custom"]), base, "custom", rtol=1e-6)
+    assert_close(losses(records(runs / "fsdp_sp2_custom")), base, "custom", rtol=1e-6)
 
 
 # -- packed conversations -------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_packed_conversations_at_sp2_give_the_padded_loss_and_the_inputs_of_sp1(chat, tmp_path):  # noqa: F811
+def test_packed_conversations_at_sp2_give_the_padded_loss_and_the_inputs_of_sp1(runs):
     """One epoch of packed chat rows at sp=2 (lr 0): the summed loss of the same conversations in
     padded rows at sp=1 (tests/test_chat.py's packing test) and the input tokens of packed rows at
     sp=1 (a row's inputs run up to its last target, which a rank's share of it cannot tell). That
     attention stays within each conversation shows in a model whose attention is far from uniform:
     tests/test_sequence_hf.py's Qwen2 run of the same epoch (the tiny built-in model's barely shows it)."""
-    on_ranks(1, train_cases, {"padded": chat_case(chat, chat.data, data__packing=False),
-                              "packed": chat_case(chat, chat.data)}, str(tmp_path))
-    on_ranks(2, train_cases, {"packed_sp2": chat_case(chat, chat.data, strategy__sp=2)}, str(tmp_path))
-    packed_loss, packed_tokens, packed_rows = summed_loss(tmp_path / "packed_sp2")
-    padded_loss, padded_tokens, padded_rows = summed_loss(tmp_path / "padded")
+    packed_loss, packed_tokens, packed_rows = summed_loss(runs / "packed_sp2")
+    padded_loss, padded_tokens, padded_rows = summed_loss(runs / "padded")
     assert packed_tokens == padded_tokens > 0
     assert packed_rows < padded_rows / 2
     assert math.isclose(packed_loss, padded_loss, rel_tol=PACKED_RTOL), (packed_loss, padded_loss)
-    assert [r["input_tokens"] for r in records(tmp_path / "packed_sp2")] == \
-        [r["input_tokens"] for r in records(tmp_path / "packed")]
+    assert [r["input_tokens"] for r in records(runs / "packed_sp2")] == \
+        [r["input_tokens"] for r in records(runs / "packed")]
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_at_sp2_resumes_at_sp1_sp4_and_on_another_strategy_and_world_size(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    on_ranks(2, train_cases, {"straight": saving(sp_case("ddp", 2, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
-    on_ranks(1, train_cases, {"one_rank": resuming(sp_case("ddp", 1, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
-    on_ranks(2, train_cases, {"zero3_dp2": resuming(sp_case("zero3", 1, GLOBAL_BATCH // 2), ckpt, 4)}, str(tmp_path))
-    on_ranks(4, train_cases, {"zero2_sp4": resuming(sp_case("zero2", 4, GLOBAL_BATCH), ckpt, 4)}, str(tmp_path))
-    straight = records(tmp_path / "straight")
-    for name in ("one_rank", "zero3_dp2", "zero2_sp4"):  # the same steps, tokens (the data position) and losses
-        assert_resumes(records(tmp_path / name), straight, at=4, what=name, rtol=LOSS_RTOL)
+def test_a_checkpoint_saved_at_sp2_resumes_at_sp1_sp4_and_on_another_strategy_and_world_size(runs):
+    straight = records(runs / "ddp_sp2")
+    for name in RESUMED:  # the same steps, tokens (the data position) and losses
+        assert_resumes(records(runs / name), straight, at=4, what=name, rtol=LOSS_RTOL)
