@@ -180,18 +180,17 @@ def kind_case(pairs, kind: str, strategy: str, world: int, steps: int = 3, **ove
                     train__grad_accum_steps=2, data__val_fraction=0.25, **spec, **overrides)
 
 
-@pytest.fixture(scope="module")
-def parity(pairs):
+def parity_cases(pairs) -> dict[int, dict]:
     """Every kind at 1 rank (ddp); LoRA and full on every strategy at 2 ranks, LoRA with
     precomputed log-probs on ddp and zero3."""
-    from tests.harness import on_ranks, train_cases
-
-    out = pairs.root / "parity"
-    on_ranks(1, train_cases, {f"{k}@1": kind_case(pairs, k, "ddp", 1) for k in KINDS}, str(out))
     two = {f"{k}:{s}@2": kind_case(pairs, k, s, 2) for k in ("lora", "full") for s in STRATEGIES}
     two.update({f"lora_pre:{s}@2": kind_case(pairs, "lora_pre", s, 2) for s in ("ddp", "zero3")})
-    on_ranks(2, train_cases, two, str(out))
-    return out
+    return {1: {f"{k}@1": kind_case(pairs, k, "ddp", 1) for k in KINDS}, 2: two}
+
+
+@pytest.fixture(scope="module")
+def parity(dpo_runs):
+    return dpo_runs / "parity"
 
 
 @pytest.mark.slow
@@ -221,23 +220,23 @@ RESUMES = [("lora", ("zero3", 2), ("ddp", 1), "same"), ("full", ("fsdp", 2), ("z
            ("init", ("zero2", 2), ("fsdp", 1), "same")]
 
 
-@pytest.fixture(scope="module")
-def resumed_runs(pairs, tmp_path_factory):
-    """Each of RESUMES trained 4 steps, checkpointed at 2, and resumed from there: the runs of one
-    world size in one launch."""
-    from tests.harness import on_ranks, resuming, saving, train_cases
+def resume_cases(pairs, out) -> dict[int, dict]:
+    """Each of RESUMES trained 4 steps, checkpointed at 2 (into `out`), and resumed from there."""
+    from tests.harness import resuming, saving
 
-    out = tmp_path_factory.mktemp("dpo_resumes")
-    straight, resumed = {}, {}
+    runs = {1: {}, 2: {}}
     for i, (kind, (s1, w1), (s2, w2), cache) in enumerate(RESUMES):
         ckpt = out / f"ckpt{i}"
-        straight[w1, f"straight{i}"] = saving(kind_case(pairs, kind, s1, w1, steps=4), ckpt, 2)
+        runs[w1][f"straight{i}"] = saving(kind_case(pairs, kind, s1, w1, steps=4), ckpt, 2)
         fresh = {"data__cache_dir": str(out / f"fresh_cache{i}")} if cache == "fresh" else {}
-        resumed[w2, f"resumed{i}"] = resuming(kind_case(pairs, kind, s2, w2, steps=4, **fresh), ckpt, 2)
-    for runs in (straight, resumed):
-        for world in sorted({w for w, _ in runs}):
-            on_ranks(world, train_cases, {name: cfg for (w, name), cfg in runs.items() if w == world}, str(out))
-    return out
+        runs[w2][f"resumed{i}"] = resuming(kind_case(pairs, kind, s2, w2, steps=4, **fresh), ckpt, 2)
+    assert all(w1 == 2 and w2 == 1 for _, (_, w1), (_, w2), _ in RESUMES), "saved by the 2-rank launch, which runs first"
+    return runs
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(dpo_runs):
+    return dpo_runs / "resumes"
 
 
 @pytest.mark.slow
@@ -264,18 +263,17 @@ BAD = {
 }
 
 
-@pytest.fixture(scope="module")
-def frozen_copy_runs(pairs):
+def frozen_copy_cases(pairs) -> dict[int, dict]:
     """Full fine-tuning against the frozen copy (no precompute_ref), at 1 rank (ddp) and on every
     strategy at 2, beside the precomputed-reference run of the same settings at 1 rank."""
-    from tests.harness import on_ranks, train_cases
-
-    out = pairs.root / "frozen_copy"
     copy = {"optim__lr": 1e-3}
-    on_ranks(1, train_cases, {"copy@1": dpo_case_of(pairs, "ddp", 1, **copy),
-                              "precomputed@1": kind_case(pairs, "full", "ddp", 1)}, str(out))
-    on_ranks(2, train_cases, {f"copy:{s}@2": dpo_case_of(pairs, s, 2, **copy) for s in STRATEGIES}, str(out))
-    return out
+    return {1: {"copy@1": dpo_case_of(pairs, "ddp", 1, **copy), "precomputed@1": kind_case(pairs, "full", "ddp", 1)},
+            2: {f"copy:{s}@2": dpo_case_of(pairs, s, 2, **copy) for s in STRATEGIES}}
+
+
+@pytest.fixture(scope="module")
+def frozen_copy_runs(dpo_runs):
+    return dpo_runs / "frozen_copy"
 
 
 def dpo_case_of(pairs, strategy: str, world: int, **overrides) -> dict:
@@ -306,7 +304,7 @@ def test_full_fine_tuning_against_the_frozen_copy_gives_the_precomputed_runs_los
         for mine, theirs, one in zip(rows, base, records(frozen_copy_runs / "copy@1")):
             for other in (theirs, one):  # the precomputed run; the copy at 1 rank
                 assert math.isclose(mine["loss"], other["loss"], rel_tol=DPO_RTOL), (run.name, mine, other)
-                for key in REWARDS:
+                for key in REWARDS if mine["step"] > 1 else REWARDS_AT_START:
                     assert math.isclose(mine[key], other[key], abs_tol=REWARD_ATOL), (run.name, key, mine, other)
 
 
@@ -525,17 +523,17 @@ def test_the_starting_adapter_as_reference_gives_the_policys_logits_at_the_start
             model(ids)
 
 
-@pytest.fixture(scope="module")
-def starting_adapter_runs(pairs):
+def starting_adapter_cases(pairs) -> dict[int, dict]:
     """LoRA continuing from a starting adapter (peft.init), its reference that adapter, held whole
     beside the policy: at 1 rank (ddp) and on every strategy at 2 ranks (global batch 8)."""
-    from tests.harness import on_ranks, train_cases
-
-    out = pairs.root / "starting_adapter"
     peft = {"name": "lora", "init": str(starting_adapter(pairs))}
-    on_ranks(1, train_cases, {"init@1": dpo_case_of(pairs, "ddp", 1, peft=peft)}, str(out))
-    on_ranks(2, train_cases, {f"init:{s}@2": dpo_case_of(pairs, s, 2, peft=peft) for s in STRATEGIES}, str(out))
-    return out
+    return {1: {"init@1": dpo_case_of(pairs, "ddp", 1, peft=peft)},
+            2: {f"init:{s}@2": dpo_case_of(pairs, s, 2, peft=peft) for s in STRATEGIES}}
+
+
+@pytest.fixture(scope="module")
+def starting_adapter_runs(dpo_runs):
+    return dpo_runs / "starting_adapter"
 
 
 @pytest.mark.slow
@@ -595,24 +593,41 @@ PRECISIONS = {"bf16:fsdp": ("fsdp", {"train__precision": "bf16"}),
 
 
 @pytest.mark.slow
-def test_the_frozen_copy_in_bf16_fp16_and_with_the_optimizer_offloaded(pairs):
+def test_the_frozen_copy_in_bf16_fp16_and_with_the_optimizer_offloaded(dpo_runs):
     """Each at 2 ranks: ln 2 and rewards 0 at step 1 (the copy computes as the policy does), a
     loss that moves and stays finite. mem.params against the same run with precomputed log-probs
     (no copy): bf16 FSDP's copy holds half the bytes of the policy's fp32 shards, bf16 ZeRO-3's
     as many as the policy's bf16 partitions."""
-    from tests.harness import on_ranks, records, train_cases
+    from tests.harness import records
 
-    out = pairs.root / "precisions"
-    on_ranks(2, train_cases, {name: dpo_case_of(pairs, strategy, 2, optim__lr=1e-3, **settings)
-                              for name, (strategy, settings) in PRECISIONS.items()}, str(out))
+    out = dpo_runs / "precisions"
     for name in PRECISIONS:
         steps = [r for r in records(out / name) if "split" not in r]
         assert len(steps) == 3, name
-        # (precomputed log-probs in bf16 come from batches of other shapes: ~2e-5 off ln 2 on zero3)
-        assert name.endswith(":pre") or abs(steps[0]["loss"] - math.log(2)) < 1e-6 and \
-            all(abs(steps[0][k]) < 1e-6 for k in REWARDS_AT_START), (name, steps[0])
+        # In half precision the copy's log-probs and the policy's agree to a few 1e-6 after beta (seen:
+        # margins 1.5e-6 on bf16 fsdp, 2.2e-6 on zero3); precomputed log-probs in bf16 come from
+        # batches of other shapes: ~2e-5 off ln 2 on zero3.
+        assert name.endswith(":pre") or abs(steps[0]["loss"] - math.log(2)) < REWARD_ATOL and \
+            all(abs(steps[0][k]) < REWARD_ATOL for k in REWARDS_AT_START), (name, steps[0])
         assert all(math.isfinite(r["loss"]) for r in steps) and abs(steps[-1]["loss"] - math.log(2)) > 1e-4, \
             (name, steps)
     params = {name: records(out / name)[0]["mem"]["params"] for name in PRECISIONS}
     assert params["bf16:fsdp"] - params["bf16:fsdp:pre"] == params["bf16:fsdp:pre"] // 2, params
     assert params["bf16:zero3:offload"] - params["bf16:zero3:offload:pre"] == params["bf16:zero3:offload:pre"], params
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(pairs):
+    """Every multi-rank DPO run of the slow tests above, in two launches, each run into its group's
+    folder: the 2-rank one, then the 1-rank one, which also resumes the checkpoints the first saved."""
+    from tests.harness import on_ranks, train_cases
+
+    out = pairs.root / "runs"
+    groups = {"parity": parity_cases(pairs), "resumes": resume_cases(pairs, out / "resumes"),
+              "frozen_copy": frozen_copy_cases(pairs), "starting_adapter": starting_adapter_cases(pairs),
+              "precisions": {2: {name: dpo_case_of(pairs, strategy, 2, optim__lr=1e-3, **settings)
+                                 for name, (strategy, settings) in PRECISIONS.items()}}}
+    for world in (2, 1):
+        on_ranks(world, train_cases, {f"{group}/{name}": cfg for group, runs in groups.items()
+                                      for name, cfg in runs.get(world, {}).items()}, str(out))
+    return out

@@ -207,10 +207,10 @@ def trained(folders, tmp_path_factory):
     twos |= {name: chat_case(mixtral, data, s, micro, accum, **o) for name, (s, micro, accum, o) in CHAT_TWO_RANKS.items()}
     twos["dpo_zero2"] = dpo_case(mixtral, data, "zero2", 1, 2)
     twos["zero3_saved"] = saving(twos["zero3"], out / "ckpt", 2)
-    on_ranks(1, train_cases, ones, str(out))
     on_ranks(2, train_cases, twos, str(out))
-    # the checkpoint of 2 ranks on zero3 resumed at 1 rank on fsdp
-    on_ranks(1, train_cases, {"resumed_fsdp_1": resuming(moe_case(mixtral, "fsdp", 4), out / "ckpt", 2)}, str(out))
+    # with the checkpoint of 2 ranks on zero3 resumed at 1 rank on fsdp
+    on_ranks(1, train_cases, {**ones, "resumed_fsdp_1": resuming(moe_case(mixtral, "fsdp", 4), out / "ckpt", 2)},
+             str(out))
     return out
 
 
