@@ -64,20 +64,37 @@ def phi3(tmp_path_factory) -> Path:
     return make_phi3(tmp_path_factory.mktemp("phi3") / "model")
 
 
+def matrix_cases(phi3) -> dict:
+    """The other strategies at 2 ranks, and activation checkpointing and train.compile with LoRA."""
+    two = {s: lora_case(phi3, s, 2) for s in ("ddp", "zero1", "zero2")}
+    two.update({f"{s}:ac": lora_case(phi3, s, 2, train__activation_checkpointing=True) for s in ("fsdp", "zero3")})
+    two["ddp:compile"] = lora_case(phi3, "ddp", 2, train__compile=True)
+    return two
+
+
 @pytest.fixture(scope="module")
 def core(phi3, tmp_path_factory):
-    """1 rank; fsdp and zero3 at 2 ranks (zero3 saving at steps 4 and 8); bf16 runs for the bytes;
-    then zero3's step 4 resumed by ddp at 1 rank and fsdp at 2."""
+    """Two launches. 2 ranks: fsdp and zero3 (zero3 saving at steps 4 and 8), bf16 runs for the
+    bytes, zero3's step 4 resumed by fsdp, and the matrix (in matrix/); then 1 rank: the baseline
+    and zero3's step 4 resumed by ddp."""
     root = tmp_path_factory.mktemp("lora")
-    on_ranks(1, train_cases, {"ddp@1": lora_case(phi3, "ddp", 1)}, str(root))
+
+    def resumed(target: str, world: int) -> dict:
+        return {f"zero3->{target}@{world}": resuming(
+            lora_case(phi3, target, world, checkpoint__dir=str(root / f"ckpt_{target}@{world}")), root / "ckpt_zero3", 4)}
+
     two = {s: saving(lora_case(phi3, s, 2), root / f"ckpt_{s}", 4) for s in ("fsdp", "zero3")}
     two.update({f"{s}:bf16": lora_case(phi3, s, 2, steps=2, train__precision="bf16") for s in ("ddp", "fsdp", "zero2")})
+    two.update(resumed("fsdp", 2))
+    two.update({f"matrix/{name}": cfg for name, cfg in matrix_cases(phi3).items()})
     on_ranks(2, train_cases, two, str(root))
-    for target, world in (("ddp", 1), ("fsdp", 2)):
-        resumed = resuming(lora_case(phi3, target, world, checkpoint__dir=str(root / f"ckpt_{target}@{world}")),
-                           root / "ckpt_zero3", 4)
-        on_ranks(world, train_cases, {f"zero3->{target}@{world}": resumed}, str(root))
+    on_ranks(1, train_cases, {"ddp@1": lora_case(phi3, "ddp", 1), **resumed("ddp", 1)}, str(root))
     return root
+
+
+@pytest.fixture(scope="module")
+def matrix(core):
+    return core / "matrix"
 
 
 @pytest.mark.slow  # make test stays under 8 minutes: the rest of what it covers is in the quick suite
@@ -126,17 +143,6 @@ def test_only_the_adapters_have_gradients_and_optimizer_state_and_the_plan_count
         for key, value in want.items():
             assert mem[key] == pytest.approx(value, rel=0.01, abs=16), (strategy, key, mem)
             assert planned[key] == pytest.approx(value, rel=0.01), (strategy, key, planned)
-
-
-@pytest.fixture(scope="module")
-def matrix(phi3, tmp_path_factory):
-    """The other strategies at 2 ranks, and activation checkpointing and train.compile with LoRA."""
-    root = tmp_path_factory.mktemp("lora_matrix")
-    two = {s: lora_case(phi3, s, 2) for s in ("ddp", "zero1", "zero2")}
-    two.update({f"{s}:ac": lora_case(phi3, s, 2, train__activation_checkpointing=True) for s in ("fsdp", "zero3")})
-    two["ddp:compile"] = lora_case(phi3, "ddp", 2, train__compile=True)
-    on_ranks(2, train_cases, two, str(root))
-    return root
 
 
 @pytest.mark.slow
