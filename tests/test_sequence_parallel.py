@@ -134,13 +134,13 @@ def runs(tmp_path_factory, chat):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*(f"{s}_sp2" for s in STRATEGIES), *CASES_4])
 def test_losses_at_sp2_and_dp2_sp2_match_one_rank(runs, name):
-    runs = {n: records(runs / n) for n in ("baseline", name)}
-    base = losses(runs["baseline"])
+    rows = {n: records(runs / n) for n in ("baseline", name)}
+    base = losses(rows["baseline"])
     assert base[-1] < base[0] - 0.5, "the baseline must learn"
-    assert_close(losses(runs[name]), base, name, rtol=1e-6)
-    assert [r["tokens"] for r in runs[name]] == [r["tokens"] for r in runs["baseline"]], name  # every target once
+    assert_close(losses(rows[name]), base, name, rtol=1e-6)
+    assert [r["tokens"] for r in rows[name]] == [r["tokens"] for r in rows["baseline"]], name  # every target once
     # Adam and clipping hide a gradient's scale from the losses (DeepSpeed's sp recipe doubles ZeRO-1/2's): the norm shows it
-    assert_close([r["grad_norm"] for r in runs[name]], [r["grad_norm"] for r in runs["baseline"]], name, rtol=1e-5)
+    assert_close([r["grad_norm"] for r in rows[name]], [r["grad_norm"] for r in rows["baseline"]], name, rtol=1e-5)
 
 
 @pytest.mark.slow
