@@ -14,6 +14,7 @@ from tests.toys import build
 from trainer.config import PeftConfig, to_config
 from trainer.models import disable_dropout
 from trainer.models.lora import from_init
+from trainer.models.sequence import WHOLE_ROWS
 from trainer.training.dpo_reference import build_objective
 
 
@@ -43,7 +44,7 @@ def test_objective_dpo_disables_the_policys_dropout_unless_told_to_keep_it():
         cfg = to_config(with_overrides(case("ddp"), objective__name="dpo", data__name="preference",
                                        peft__name="lora", **objective))
         model = build(dropout=0.5)
-        build_objective(cfg, model, SimpleNamespace(autocast=nullcontext), None, None, None)
+        build_objective(cfg, model, SimpleNamespace(autocast=nullcontext, sequence=WHOLE_ROWS), None, None, None)
         return model.dropout.p
 
     assert dropout_after() == 0.0

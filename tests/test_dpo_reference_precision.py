@@ -12,7 +12,7 @@ def start_logps(env, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     copy's, as the objective reads them) of two sequences, on the tiny built-in model."""
     from trainer.config import to_config
     from trainer.distributed import seed_everything
-    from trainer.losses.objectives import Reference, forward, sequence_logps
+    from trainer.losses.objectives import Reference, sequence_logps
     from trainer.strategies import build_strategy
     from trainer.training.dpo_reference import frozen_copy
     from trainer.training.loop import setup_model
@@ -27,7 +27,7 @@ def start_logps(env, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     batch = (ids, ids.roll(-1, 1), torch.arange(seq).repeat(2, 1), torch.tensor([0, 1]).repeat_interleave(seq).view(2, seq))
     policy.eval()
     with torch.no_grad(), strategy.autocast():
-        policy_logps = sequence_logps(forward(policy, batch), batch[1], batch[3])[0]
+        policy_logps = sequence_logps(policy, batch, fused=False)[0]
     reference_logps = Reference(autocast=strategy.autocast, frozen=frozen).logps(policy, batch, torch.tensor([0, 1]))
     strategy.teardown()
     return policy_logps, reference_logps

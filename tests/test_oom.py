@@ -42,7 +42,7 @@ def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointin
         ladder.append((plan.micro_batch_size, plan.grad_accum_steps, plan.activation_checkpointing, plan.adaptations))
     assert ladder == [(4, 2, False, 1), (2, 4, False, 2), (1, 8, False, 3), (1, 8, True, 4)]
     assert plan is None and next_plan(Plan(1, 8, True, 8), failure(Plan(1, 8, True, 8)), can_fuse=True) == \
-        Plan(1, 8, True, 8, adaptations=1, fused_loss=True)  # then the fused loss, where the objective takes it
+        Plan(1, 8, True, 8, adaptations=1, fused_loss=True)  # then the fused loss, where the model takes it
     fused = Plan(1, 8, True, 8, fused_loss=True)
     assert next_plan(fused, failure(fused), can_fuse=True) is None
     assert fused.applied(to_config({})).train.fused_loss and fused.past(Plan(1, 8, True, 8), 1)
@@ -53,9 +53,11 @@ def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointin
     assert evaluation == Plan(8, 1, False, 4, adaptations=1)  # the evaluation's micro-batch only
 
 
-def test_the_fused_loss_rung_is_taken_only_where_the_objective_and_the_model_take_it():
+def test_the_fused_loss_rung_is_taken_only_where_the_model_takes_it():
     assert fusable(to_config({}))  # the built-in model, objective=lm
-    assert not fusable(to_config({"objective": {"name": "dpo"}}))  # DPO needs each token's log-probability
+    assert fusable(to_config({"objective": {"name": "dpo"}}))  # DPO's log-probs come from the fused layer too
+    scaled = {"name": "custom", "kind": "custom", "_target_": "tests.test_fused_loss.scaled_logits", "seq_len": 64}
+    assert not fusable(to_config({"model": scaled, "strategy": {"wrap": ["ToyBlock"]}}))  # logits x 2 after the layer
 
 
 def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_plan(tmp_path):

@@ -109,7 +109,7 @@ def saved_bytes(sp: int, rank: int, group, packed: bool) -> int:
     ids = torch.randint(0, VOCAB, (1, LONG), generator=torch.Generator().manual_seed(0))
     whole = torch.arange(LONG)[None] % (LONG // 4) if packed else torch.arange(LONG)[None]
     shares = sequence.SequenceGroup(group, sp, rank)
-    with sequence.sharded(shares, whole if packed else None), SavedBytes(model) as saved:
+    with sequence.sharded(shares, whole if packed else None), SavedBytes() as saved:
         model(shares.local(ids), position_ids=shares.local(whole)).square().sum()
     return saved.bytes
 

@@ -60,7 +60,7 @@ def saved_bytes(path: str, sp: int, rank: int, group, packed: bool) -> int:
     whole = torch.arange(LONG)[None] % (LONG // 4 if packed else LONG)
     shares = sequence.SequenceGroup(group, sp, rank)
     local = shares.local(whole) if packed or sp > 1 else None  # plain rows at sp=1 carry no position ids
-    with sequence.sharded(shares, whole if packed else None), SavedBytes(model) as saved:
+    with sequence.sharded(shares, whole if packed else None), SavedBytes() as saved:
         model(shares.local(ids), position_ids=local).logits.square().sum()
     return saved.bytes
 

@@ -66,8 +66,6 @@ REFUSED = {
               "model.n_heads=2 must divide by strategy.sp=4"),
     "custom model without the hook": (["nproc=2", "strategy.sp=2", "model=custom", "model._target_=tests.toys.build",
                                        "model.seq_len=32", "strategy.wrap=[ToyBlock]"], "does not declare sequence parallelism"),
-    "dpo": (["nproc=2", "strategy.sp=2", "objective=dpo", "data=preference", "data.path=pairs.jsonl"],
-            "objective=dpo sums each response's log-probabilities"),
     "sp 0": (["strategy.sp=0"], "strategy.sp: must be >= 1"),
 }
 

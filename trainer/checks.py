@@ -127,8 +127,6 @@ def validate(cfg: Config) -> None:
         _require(not is_set or data_name in readers, f"data.{key}",
                  f"only read by data={' and data='.join(r.value for r in readers)}, not data={data_name.value}")
     check_objective(cfg)
-    _require(not t.fused_loss or ObjectiveName(cfg.objective.name) is ObjectiveName.lm, "train.fused_loss",
-             "objective=dpo takes each token's log-probability from the logits; the fused loss is for objective=lm")
     check_mixture(cfg)
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", f"must be >= 0, got {cfg.eval.every_steps}")
@@ -187,9 +185,6 @@ def check_sequence_parallel(cfg: Config, world_size: int, model: Any) -> None:
              f"strategy.sp={sp}: the world is data-parallel x sequence-parallel ranks")
     _require(m.seq_len % sp == 0, "strategy.sp", f"model.seq_len={m.seq_len} must divide by strategy.sp={sp}: each "
              "rank holds seq_len / sp tokens of every row (rows are not padded to a multiple)")
-    _require(ObjectiveName(cfg.objective.name) is not ObjectiveName.dpo, "strategy.sp",
-             "objective=dpo sums each response's log-probabilities over its tokens, which sequence parallelism "
-             "splits over ranks: train DPO at strategy.sp=1")
     check_model_sequence_parallel(m, sp, model)
 
 

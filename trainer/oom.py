@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from trainer.config import Config, ObjectiveName, OnOom, StrategyName
+from trainer.config import Config, OnOom, StrategyName
 from trainer.errors import ConfigError
 from trainer.models import build_model
 from trainer.models.checks import check_output_layer
@@ -139,7 +139,7 @@ def smaller(rows: int) -> int:
 
 def next_plan(plan: Plan, failure: dict, can_fuse: bool = False) -> Plan | None:
     """The plan after `plan` ran out of memory as `failure` says; None where nothing is left to adapt.
-    can_fuse: whether the objective takes the fused loss (objective=lm: DPO needs each token's log-probability)."""
+    can_fuse: whether the model takes the fused loss (logits that are its output layer's own)."""
     step = {"adaptations": plan.adaptations + 1}
     if failure["where"] == "evaluation":
         rows = plan.eval_micro_batch_size
@@ -274,10 +274,8 @@ def append(run_dir: Path, record: dict) -> None:
 
 
 def fusable(cfg: Config) -> bool:
-    """Whether train.fused_loss can take the run's output layer and loss: objective=lm (DPO needs
-    each token's log-probability), and a model whose logits are its output layer's (models/checks.py)."""
-    if cfg.objective.name is not ObjectiveName.lm:
-        return False
+    """Whether train.fused_loss can take the run's output layer: a model whose logits are its output
+    layer's (models/checks.py)."""
     try:
         check_output_layer(cfg.model, build_model(cfg.model, torch.device("meta"), cfg.peft, cfg.strategy.sp))
     except ConfigError:

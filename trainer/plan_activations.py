@@ -136,7 +136,7 @@ def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: i
     all-to-alls carried; `packed`: rows of packed documents, whose position ids the model gets
     (`loss_of(model, ids, positions)`: at sp > 1 also plain rows carry theirs in the whole row,
     training/sequence_shares.py)."""
-    saved, exchange = SavedBytes(model), _SameShapeExchange()
+    saved, exchange = SavedBytes(), _SameShapeExchange()
     handles = [h for block in blocks for h in (
         block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
         block.register_forward_hook(lambda *_: setattr(saved, "part", "outside")))]

@@ -4,8 +4,7 @@ backward. `SavedBytes` around a micro-step's forward and loss sees every tensor 
 and ZeRO-3's gathered ones are parameters too, and so are their casts and views). Under activation
 checkpointing, torch's own hooks take the checkpointed blocks' saves, so only what is really kept
 is seen: the blocks' inputs. Tensors a custom autograd function keeps on its context rather than
-saving them (torch's `linear_cross_entropy` summed keeps the gradients it computed in the forward)
-are found by walking the loss's graph.
+saving them are found by walking the loss's graph.
 
 The planner counts with the same class on the meta device (trainer/plan_activations.py).
 """
@@ -37,11 +36,9 @@ def storage_key(t: torch.Tensor) -> int:
 
 class SavedBytes:
     """Within: the bytes of every storage autograd saves for backward, once each, parameters left
-    out: also a detached alias of one (an op that takes a weight as a plain tensor: torch's
-    linear_cross_entropy), seen by its storage among `model`'s parameters' storages."""
+    out. A detached alias of a parameter counts: ZeRO-3's release does not free it."""
 
-    def __init__(self, model: nn.Module | None = None):
-        self.model = model
+    def __init__(self):
         self.storages: dict[int, int] = {}  # storage -> bytes
         self.elements: dict[int, int] = {}
         self.where: dict[int, str] = {}  # storage -> "layers" (saved inside a block) or "outside"
@@ -56,21 +53,9 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor):
-        if not is_parameter(t) and not (t.grad_fn is None and self._shares_a_parameter(t)):
+        if not is_parameter(t):
             self._count(t)
         return t
-
-    def _shares_a_parameter(self, t: torch.Tensor) -> bool:
-        if self.model is None or not t.is_floating_point():
-            return False
-        key = storage_key(t)
-        for p in self.model.parameters():
-            try:
-                if storage_key(p) == key:
-                    return True
-            except (RuntimeError, NotImplementedError):  # a parameter without a plain storage (a DTensor shard)
-                continue
-        return False
 
     def _count(self, t: torch.Tensor) -> None:
         key = storage_key(t)

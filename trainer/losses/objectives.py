@@ -27,6 +27,7 @@ from trainer.config import DpoLoss, ObjectiveConfig
 from trainer.data.sources import IGNORE_INDEX
 from trainer.models import logits_of
 from trainer.models.fused_loss import token_losses
+from trainer.models.sequence import WHOLE_ROWS, SequenceGroup
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 # summed per micro-batch like the rewards; logits/* are means over the responses' tokens, summed
@@ -89,26 +90,44 @@ class NextToken:
         return self
 
 
-def per_sequence(values: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor
+def per_sequence(values: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor, group: SequenceGroup = WHOLE_ROWS
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the sum of `values` [b, t] over each sequence's targets, its number of targets, its number),
     for the sequences of the micro-batch that have targets, in the order of their numbers: a pair's
     chosen (2 p) then its rejected (2 p + 1). Positions without a target count for nothing (a
-    validation slot that repeats a row without targets, too)."""
+    validation slot that repeats a row without targets, too). At strategy.sp > 1 each rank of the
+    `group` holds a share of every row: the sums are over the whole rows, on every rank of the group,
+    with gradients to each rank's own tokens."""
     targeted = targets.flatten() != IGNORE_INDEX
-    numbers, which = torch.unique(sequence.flatten()[targeted], return_inverse=True)
+    whole_targets, whole_sequence = group.whole(targets), group.whole(sequence)
+    numbers = torch.unique(whole_sequence[whole_targets != IGNORE_INDEX])
+    which = torch.searchsorted(numbers, sequence.flatten()[targeted])
     sums = torch.zeros(len(numbers), dtype=values.dtype, device=values.device)
     sums = sums.index_add(0, which, values.flatten()[targeted])
-    return sums, torch.bincount(which, minlength=len(numbers)), numbers
+    return group.summed(sums), group.summed(torch.bincount(which, minlength=len(numbers))), numbers
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the summed log-probability of each sequence's targets, its number of targets, its number):
-    `per_sequence` of the token log-probabilities."""
-    token_logps = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="none")
-    return per_sequence(token_logps.view(targets.shape), targets, sequence)
+def token_logps(model: nn.Module, batch, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's log-probability of its target [b, t] fp32, 0 where there is none; each token's
+    logits' mean over the vocabulary [b, t] fp32, without gradient). `fused` (train.fused_loss): from
+    the model's fused output layer (models/fused_loss.py), never the [b, t, vocab] logits."""
+    if fused:
+        with token_losses(batch[1], IGNORE_INDEX) as layer:
+            losses = forward(model, batch)
+        return -losses, layer.mean_logits
+    logits = forward(model, batch)
+    losses = F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+    return -losses.view(batch[1].shape), logits.detach().float().mean(-1)
+
+
+def sequence_logps(model: nn.Module, batch, fused: bool, group: SequenceGroup = WHOLE_ROWS
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the summed log-probability of each sequence's targets, its number of targets, its number, the
+    sum of its target tokens' mean logits): `per_sequence` of `token_logps`."""
+    logps, mean_logits = token_logps(model, batch, fused)
+    sums, lengths, numbers = per_sequence(logps, batch[1], batch[3], group)
+    return sums, lengths, numbers, per_sequence(mean_logits, batch[1], batch[3], group)[0]
 
 
 def pair_count(batch) -> torch.Tensor:
@@ -134,8 +153,10 @@ class Reference:
     Always in eval mode, never with gradients."""
 
     def __init__(self, table: torch.Tensor | None = None, autocast=nullcontext, frozen: nn.Module | None = None,
-                 adapters=None):
+                 adapters=None, fused: bool = False, sequence: SequenceGroup = WHOLE_ROWS):
         self.table, self.autocast, self.frozen, self.adapters = table, autocast, frozen, adapters
+        self.fused = fused  # train.fused_loss: the model's (and the frozen copy's) output layer is fused
+        self.sequence = sequence  # strategy.sp: the ranks that hold shares of the same rows
 
     @torch.no_grad()
     def logps(self, model: nn.Module, batch, numbers: torch.Tensor) -> torch.Tensor:
@@ -149,7 +170,7 @@ class Reference:
         model.eval()  # no dropout in the reference (trl#1652)
         try:
             with switch, self.autocast():
-                logps, _, ref_numbers = sequence_logps(forward(model, batch), batch[1], batch[3])
+                logps, _, ref_numbers, _ = sequence_logps(model, batch, self.fused, self.sequence)
         finally:
             model.train(was_training)
         assert torch.equal(ref_numbers, numbers)
@@ -160,8 +181,10 @@ class DirectPreference:
     """objective=dpo: the summed pair losses of a micro-batch, and its summed statistics (DPO_STATS)."""
     stats = DPO_STATS
 
-    def __init__(self, cfg: ObjectiveConfig, reference: Reference, splits: dict | None = None):
-        self.cfg, self.beta, self.loss = cfg, cfg.beta, DpoLoss(cfg.loss)
+    def __init__(self, cfg: ObjectiveConfig, reference: Reference, splits: dict | None = None, fused: bool = False,
+                 sequence: SequenceGroup = WHOLE_ROWS):
+        self.cfg, self.beta, self.loss, self.fused = cfg, cfg.beta, DpoLoss(cfg.loss), fused
+        self.sequence = sequence  # strategy.sp: each rank holds a share of the rows, the pairs are the group's
         self.reference = reference
         self.splits = splits or {}  # split name -> its own table (validation pairs are numbered apart)
 
@@ -170,12 +193,11 @@ class DirectPreference:
 
     def evaluation(self, split: str) -> DirectPreference:
         """The same loss against another split's reference (a table of its own, where precomputed)."""
-        return DirectPreference(self.cfg, self.splits.get(split, self.reference), self.splits)
+        return DirectPreference(self.cfg, self.splits.get(split, self.reference), self.splits, self.fused, self.sequence)
 
     def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = forward(model, batch)
-        logps, lengths, numbers = sequence_logps(logits, batch[1], batch[3])
-        mean_logits = per_sequence(logits.detach().float().mean(-1), batch[1], batch[3])[0].view(-1, 2)
+        logps, lengths, numbers, mean_logits = sequence_logps(model, batch, self.fused, self.sequence)
+        mean_logits = mean_logits.view(-1, 2)
         ref = self.reference.logps(model, batch, numbers)
         ratios = (logps - ref).view(-1, 2)  # [pair, chosen | rejected]
         if self.loss is DpoLoss.sigmoid:
@@ -187,7 +209,10 @@ class DirectPreference:
         stats = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] > rewards[:, 1]).float().sum(),
                              (rewards[:, 0] - rewards[:, 1]).sum(), *pair_logps.sum(0), *mean_logits.sum(0),
                              *lengths.view(-1, 2).sum(0).to(rewards.dtype)])
-        return losses.sum(), stats
+        # strategy.sp: every rank of the group has every pair's loss; each takes 1 / sp of it, whose
+        # gradient the group's all-reduce sums back to the whole (per_sequence), and the first its statistics
+        first = self.sequence.rank == 0
+        return losses.sum() / self.sequence.size, stats if first else torch.zeros_like(stats)
 
 
 def record(stats: tuple[str, ...], sums: torch.Tensor, units: torch.Tensor) -> dict:

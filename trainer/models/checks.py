@@ -17,11 +17,11 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
-from trainer.config import ModelConfig, ModelKind
+from trainer.config import Config, ModelConfig, ModelKind, PeftConfig, rows_carry_positions
 from trainer.errors import ConfigError
 from trainer.log import log
-from trainer.models import custom, hf, logits_of
-from trainer.models.fused_loss import the_output_layer
+from trainer.models import build_model, custom, hf, logits_of
+from trainer.models.fused_loss import fuse_output_layer, the_output_layer
 from trainer.models.hf_sequence import PROBE, UNSUPPORTED
 
 T = TypeVar("T")
@@ -213,3 +213,15 @@ def attends_packed_rows(cfg: ModelConfig) -> bool:
         except ConfigError:
             _ATTENDS_PACKED_ROWS[key] = False
     return _ATTENDS_PACKED_ROWS[key]
+
+
+def build_as_trained(cfg: Config, context, peft: PeftConfig | None = None) -> nn.Module:
+    """The model as the run trains it, built inside `context`: attention split over strategy.sp
+    ranks, through the trainer's attention for rows of packed documents where the family takes it,
+    the output layer fused for train.fused_loss; with `peft`'s adapters. The policy, and DPO's frozen
+    copy of it, which must compute as the policy does."""
+    packed = rows_carry_positions(cfg) and attends_packed_rows(cfg.model)
+    model = build_model(cfg.model, context, peft, cfg.strategy.sp, packed)
+    if cfg.train.fused_loss:  # before the backend's hooks: they gather the output layer's weight for it
+        fuse_output_layer(model, cfg.model.vocab_size)
+    return model

@@ -1,6 +1,6 @@
 """train.fused_loss=true: the output layer returns each token's loss in place of its logits,
-computed by torch's `linear_cross_entropy` in chunks of tokens, so that the [tokens, vocab] logits
-and their gradient are never held whole.
+computed a chunk of the vocabulary at a time, so that the [tokens, vocab] logits and their gradient
+are never held whole.
 
 The loss is computed inside the output layer's own forward (its class gets `ChunkedLoss` mixed
 in: `fuse_output_layer`), so each backend's hooks on that layer give it its whole weight, in
@@ -11,14 +11,22 @@ in around the model's forward (`token_losses`); the layer's input must be the hi
 those targets' tokens, and the model's logits its output unchanged: `check_output_layer`
 (models/checks.py) runs a forward of the model built small on the CPU to see so, before any work.
 
-Each token's loss (reduction="none", 0 where there is no target), summed by the caller in fp32:
-a bf16 or fp16 sum of a micro-batch's losses would round (fp16: overflow past 65504). torch's op
-recomputes each chunk's logits in backward, from the layer's input and weight (which it keeps:
-the activations it saves are [tokens] log-sum-exps, nothing [tokens, vocab]).
+Each token's loss in fp32 (0 where there is no target), from `ChunkedCrossEntropy`: the output layer's
+vocabulary in chunks, each chunk's logits in the compute dtype as the layer makes them, their
+log-sum-exp and the loss in fp32, so a bf16 or fp16 run's losses are those of its plain loss (logits
+in the compute dtype, cross-entropy in fp32), not rounded to bf16. Backward recomputes each chunk's
+logits and scales their gradient by each token's own fp32 gradient before the cast to the compute
+dtype: no common factor (1 / tokens) is rounded, and a per-sequence weight (DPO) stays exact. What it
+keeps for backward: the layer's input, the tokens' log-sum-exps [tokens] fp32, and the weight
+parameter itself, not an alias of it, so that ZeRO-3 frees the gathered weight after forward (and
+gathers it again for backward) as it does for any linear layer. torch's `linear_cross_entropy` (used
+before) returns bf16 losses for bf16 inputs, takes their gradient in bf16 and keeps a detached alias
+of the weight, which ZeRO-3's release leaves alive until backward (1.1 GB bf16 for an 8B model).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -28,17 +36,26 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.models.lora import output_layer
 
-_targets: tuple[torch.Tensor, int] | None = None  # (targets [b, t], ignore_index) inside `token_losses`
+
+@dataclass
+class FusedTargets:
+    """What the fused output layer reads inside `token_losses`, and what it leaves beside its losses."""
+    targets: torch.Tensor  # [b, t]
+    ignore_index: int  # the target of no token (its loss is 0)
+    mean_logits: torch.Tensor | None = None  # [b, t] fp32, no gradient: each token's logits' mean over the vocabulary
+
+
+_targets: FusedTargets | None = None  # inside `token_losses`
 
 
 @contextmanager
-def token_losses(targets: torch.Tensor, ignore_index: int) -> Iterator[None]:
-    """Inside, a model whose output layer is fused returns each token's loss [b, t] where it
-    returned logits [b, t, vocab]; `ignore_index`: the target of no token (its loss is 0)."""
+def token_losses(targets: torch.Tensor, ignore_index: int) -> Iterator[FusedTargets]:
+    """Inside, a model whose output layer is fused returns each token's loss [b, t] (fp32) where it
+    returned logits [b, t, vocab]; the context's `mean_logits` are set by that forward (DPO's logits/*)."""
     global _targets
-    previous, _targets = _targets, (targets, ignore_index)
+    previous, _targets = _targets, FusedTargets(targets, ignore_index)
     try:
-        yield
+        yield _targets
     finally:
         _targets = previous
 
@@ -50,14 +67,90 @@ class ChunkedLoss:
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if _targets is None:
             return super().forward(hidden)
-        targets, ignore_index = _targets
+        targets = _targets.targets
         if hidden.shape[:-1] != targets.shape:
             raise RuntimeError(f"train.fused_loss: the output layer's input {tuple(hidden.shape)} is not the hidden "
                                f"states of the targets {tuple(targets.shape)}")
-        losses = F.linear_cross_entropy(hidden.flatten(0, -2), self.weight, targets.flatten(), linear_bias=self.bias,
-                                        reduction="none", ignore_index=ignore_index,
-                                        options=nn.LinearCrossEntropyOptions())
+        losses, mean_logits = ChunkedCrossEntropy.apply(hidden.flatten(0, -2), self.weight, self.bias,
+                                                        targets.flatten(), _targets.ignore_index)
+        _targets.mean_logits = mean_logits.view(targets.shape)
         return losses.view(targets.shape)
+
+
+def vocabulary_chunks(weight: torch.Tensor) -> list[tuple[int, int]]:
+    """The output layer's rows in chunks as wide as its input: a chunk's fp32 logits [tokens, width]
+    are twice the bf16 hidden states, never [tokens, vocab]."""
+    vocab, width = weight.shape
+    return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
+
+
+def autocasting(device: torch.device) -> bool:
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)  # meta has none
+
+
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the layer's matmul runs in: autocast's (DDP's bf16/fp16), else its input's."""
+    return torch.get_autocast_dtype(hidden.device.type) if autocasting(hidden.device) else hidden.dtype
+
+
+def chunk_logits(hidden, weight, bias, start: int, end: int) -> torch.Tensor:
+    """The logits of the vocabulary rows [start, end) in `hidden`'s dtype, as the plain layer makes
+    them (autocast's too), in fp32."""
+    bias = None if bias is None else bias[start:end].to(hidden.dtype)
+    with torch.autocast(hidden.device.type, enabled=False) if autocasting(hidden.device) else nullcontext():
+        return F.linear(hidden, weight[start:end].to(hidden.dtype), bias).float()
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Each token's cross-entropy loss (fp32 [tokens]) of the logits `linear(hidden, weight, bias)`,
+    a chunk of the vocabulary at a time; and, without gradient, each token's logits' mean."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ignore_index):
+        ctx.dtype = compute_dtype(hidden)  # backward runs outside autocast: it makes the same logits
+        computed = hidden.to(ctx.dtype)
+        counted = targets != ignore_index
+        log_sum_exp = torch.full(targets.shape, -torch.inf, device=hidden.device)
+        target_logit = torch.zeros(targets.shape, device=hidden.device)
+        logit_sum = torch.zeros(targets.shape, device=hidden.device)
+        for start, end in vocabulary_chunks(weight):
+            logits = chunk_logits(computed, weight, bias, start, end)
+            log_sum_exp = torch.logaddexp(log_sum_exp, logits.logsumexp(-1))
+            logit_sum += logits.sum(-1)
+            inside = (targets >= start) & (targets < end)
+            column = (targets - start).clamp(0, end - start - 1).unsqueeze(1)
+            target_logit += torch.where(inside, logits.gather(1, column).squeeze(1), 0.0)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp)
+        ctx.ignore_index = ignore_index
+        mean_logits = logit_sum / weight.shape[0]
+        ctx.mark_non_differentiable(mean_logits)
+        return torch.where(counted, log_sum_exp - target_logit, 0.0), mean_logits
+
+    @staticmethod
+    def backward(ctx, grad_losses, _):
+        hidden, weight, bias, targets, log_sum_exp = ctx.saved_tensors
+        scale = torch.where(targets != ctx.ignore_index, grad_losses, 0.0).unsqueeze(1)  # fp32 [tokens, 1]
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.empty_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        computed = hidden.to(ctx.dtype)
+        for start, end in vocabulary_chunks(weight):
+            logits = chunk_logits(computed, weight, bias, start, end)
+            grad_logits = (logits - log_sum_exp.unsqueeze(1)).exp_()  # the softmax
+            inside = (targets >= start) & (targets < end)
+            column = (targets - start).clamp(0, end - start - 1).unsqueeze(1)
+            grad_logits.scatter_add_(1, column, -inside.float().unsqueeze(1))  # minus one at the target
+            grad_logits *= scale
+            if grad_bias is not None:
+                grad_bias[start:end] = grad_logits.sum(0)
+            grad_logits = grad_logits.to(ctx.dtype)
+            if grad_weight is not None:
+                grad_weight[start:end] = grad_logits.t() @ computed
+            if grad_hidden is not None:
+                grad_hidden += grad_logits @ weight[start:end].to(ctx.dtype)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 _FUSED_CLASSES: dict[type, type] = {}

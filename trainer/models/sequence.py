@@ -34,6 +34,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
@@ -54,12 +55,34 @@ class SequenceGroup:
         """This rank's consecutive share of a whole-sequence tensor along `dim`."""
         return tensor.chunk(self.size, dim=dim)[self.rank]
 
+    def whole(self, share: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole-sequence tensor whose `local` shares the group's ranks hold (no gradient)."""
+        if self.size == 1:
+            return share
+        shares = [torch.empty_like(share) for _ in range(self.size)]
+        dist.all_gather(shares, share.contiguous(), group=self.group)
+        return torch.cat(shares, dim=dim)
+
+    def summed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of `tensor` over the group's ranks; with gradients, each rank's gradient is the
+        sum of the ranks' gradients of the sum (torch.distributed.nn's all-reduce)."""
+        if self.size == 1:
+            return tensor
+        if tensor.requires_grad:
+            return dist_nn.all_reduce(tensor, group=self.group)
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+
+WHOLE_ROWS = SequenceGroup(None, 1, 0)  # strategy.sp=1: every rank holds whole rows
+
 
 def sequence_group(rank: int, world_size: int, sp: int) -> SequenceGroup:
     """This rank's group of `sp` consecutive ranks (DeepSpeed's layout: ranks 0..sp-1, sp..2sp-1, ...).
     Every rank creates every group, in the same order (torch's `new_group` is collective)."""
     if sp == 1:
-        return SequenceGroup(None, 1, 0)
+        return WHOLE_ROWS
     groups = [dist.new_group(list(range(start, start + sp))) for start in range(0, world_size, sp)]
     return SequenceGroup(groups[rank // sp], sp, rank % sp)
 

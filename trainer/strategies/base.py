@@ -15,7 +15,7 @@ from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError
-from trainer.models.sequence import SequenceGroup, sequence_group
+from trainer.models.sequence import WHOLE_ROWS, sequence_group
 from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
@@ -73,7 +73,7 @@ class Strategy(ABC):
         # strategy.sp: this rank's sequence-parallel group, created here on every rank. The backend
         # is not told: every rank is a data-parallel rank to it (models/sequence.py says why).
         sp = cfg.strategy.sp
-        self.sequence = sequence_group(env.rank, env.world_size, sp) if sp > 1 else SequenceGroup(None, 1, 0)
+        self.sequence = sequence_group(env.rank, env.world_size, sp) if sp > 1 else WHOLE_ROWS
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)

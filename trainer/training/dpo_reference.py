@@ -29,10 +29,12 @@ from trainer.config import Config, ObjectiveName, PeftName
 from trainer.data import data_fingerprint, eval_batches, token_keys
 from trainer.data.tokenized import default_cache_dir
 from trainer.log import log
-from trainer.losses.objectives import DirectPreference, NextToken, Reference, forward, sequence_logps
-from trainer.models import build_model, description, disable_dropout, initial_weights
+from trainer.losses.objectives import DirectPreference, NextToken, Reference, sequence_logps
+from trainer.models import description, disable_dropout, initial_weights
+from trainer.models.checks import build_as_trained
 from trainer.strategies import Strategy
 from trainer.strategies.base import DTYPES
+from trainer.training.sequence_shares import share
 
 
 def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
@@ -55,17 +57,18 @@ def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
 
 
 @torch.no_grad()
-def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size: int) -> torch.Tensor:
+def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size: int, fused: bool) -> torch.Tensor:
     """The log-probability of every sequence of `rows` (PairRows) under the model as it is, by
     sequence number: each rank its share of the rows, summed over ranks (a sequence is in one row)."""
     table = torch.zeros(2 * rows.n_pairs, dtype=torch.float64, device=strategy.device)
     was_training = model.training
     model.eval()
-    for batch in eval_batches(rows, micro_batch_size, strategy.rank, strategy.world_size):
-        batch = [t.to(strategy.device) for t in batch]
-        with strategy.autocast():
-            logps, _, numbers = sequence_logps(forward(model, batch), batch[1], batch[3])
-        table[numbers] = logps.double()
+    for batch in eval_batches(rows, micro_batch_size, strategy.dp_rank, strategy.dp_size):
+        batch, sharded = share([t.to(strategy.device) for t in batch], strategy.sequence)
+        with sharded, strategy.autocast():
+            logps, _, numbers, _ = sequence_logps(model, batch, fused, strategy.sequence)
+        if strategy.sequence.rank == 0:  # strategy.sp: the group's ranks have the same sums; one writes them
+            table[numbers] = logps.double()
     model.train(was_training)
     return strategy.all_reduce(table).cpu()
 
@@ -75,11 +78,11 @@ def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict,
     """{split: table} for the splits' rows, read from the cache or computed now (and cached by rank 0)."""
     root = (Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()) / "reference"
     return cached_tables(root / reference_key(cfg, weights_fingerprint), model, strategy, splits,
-                         cfg.train.micro_batch_size)
+                         cfg.train.micro_batch_size, cfg.train.fused_loss)
 
 
-def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dict, micro_batch_size: int
-                  ) -> dict[str, torch.Tensor]:
+def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dict, micro_batch_size: int,
+                  fused: bool = False) -> dict[str, torch.Tensor]:
     """{split: table}: rank 0's file in `entry`, else computed now by every rank and written by rank 0.
     Rank 0 decides for all: with a cache on each node's own disk, the ranks of a node without the
     file would run the pass's collectives while rank 0 reads (a hang); they get rank 0's table."""
@@ -92,7 +95,7 @@ def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dic
             tables[split] = strategy.all_reduce(table.to(strategy.device)).cpu()  # the others' zeros: rank 0's
             continue
         log.info(f"objective.precompute_ref: the reference's log-probs of {rows.n_pairs:,} {split} pairs, once")
-        tables[split] = reference_logps(model, strategy, rows, micro_batch_size)
+        tables[split] = reference_logps(model, strategy, rows, micro_batch_size, fused)
         if strategy.is_main:
             entry.mkdir(parents=True, exist_ok=True)
             tmp = file.with_suffix(f".tmp{os.getpid()}")
@@ -106,7 +109,7 @@ def frozen_copy(cfg: Config, strategy: Strategy) -> nn.Module:
     """Full fine-tuning's reference: the starting model built again, from the same weights by the
     same loader (model.path's files, or the seeded init), held as the strategy holds a model that
     never trains (Strategy.setup_frozen: replicated, or sharded like the policy)."""
-    model = build_model(cfg.model, strategy.model_init_context())
+    model = build_as_trained(cfg, strategy.model_init_context())  # as the policy computes (sp, packed rows, fused loss)
     frozen = strategy.setup_frozen(model, initial_weights(cfg.model, model, cfg.train.seed, shape_of=strategy.full_shape))
     strategy.holds(frozen)
     return frozen
@@ -126,17 +129,20 @@ def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_row
                     weights_fingerprint: str | None):
     """The run's objective; for dpo, with its reference (see the top). Called with the model as it
     starts, before a checkpoint is loaded into it."""
-    o = cfg.objective
+    o, fused, sequence = cfg.objective, cfg.train.fused_loss, strategy.sequence
     if ObjectiveName(o.name) is ObjectiveName.lm:
-        return NextToken(fused=cfg.train.fused_loss)
+        return NextToken(fused=fused)
     if o.disable_dropout:  # else step 1 is not ln 2 and the rewards are noise (TRL disables it too)
         disable_dropout(model)
     if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
         adapters = starting_adapters(cfg, strategy) if cfg.peft.init else None
-        return DirectPreference(o, Reference(autocast=strategy.autocast, adapters=adapters))
+        reference = Reference(autocast=strategy.autocast, adapters=adapters, fused=fused, sequence=sequence)
+        return DirectPreference(o, reference, fused=fused, sequence=sequence)
     if not o.precompute_ref:
-        return DirectPreference(o, Reference(autocast=strategy.autocast, frozen=frozen_copy(cfg, strategy)))
+        reference = Reference(autocast=strategy.autocast, frozen=frozen_copy(cfg, strategy), fused=fused,
+                              sequence=sequence)
+        return DirectPreference(o, reference, fused=fused, sequence=sequence)
     splits = {"train": train_rows, **({"val": val_rows} if val_rows is not None else {})}
     tables = precomputed(cfg, model, strategy, splits, weights_fingerprint)
-    return DirectPreference(o, Reference(tables["train"]),
-                            {split: Reference(table) for split, table in tables.items()})
+    return DirectPreference(o, Reference(tables["train"]), {split: Reference(table) for split, table in tables.items()},
+                            fused=fused, sequence=sequence)

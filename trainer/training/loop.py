@@ -16,17 +16,16 @@ from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
 from trainer.checks import check_validation_rows
-from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName, Precision, rows_carry_positions
+from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName, Precision
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
 from trainer.losses.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
 from trainer.losses.router_loss import AUX, language_loss, start_words, with_router_loss
-from trainer.models import ModelFacts, build_model, description, initial_weights, model_facts
+from trainer.models import ModelFacts, description, initial_weights, model_facts
 from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
-from trainer.models.checks import attends_packed_rows
-from trainer.models.fused_loss import fuse_output_layer
+from trainer.models.checks import build_as_trained
 from trainer.models.weights import WeightSource
 from trainer.oom import Plan, Watch, size
 from trainer.saved_bytes import SavedBytes
@@ -60,10 +59,7 @@ def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim
     blocks, wrap them for activation checkpointing, compile them, then let the strategy shard it
     and give each rank its part of the first weights (AC -> compile -> setup, as torchtitan).
     Returns (model, optimizer, blocks, where the weights came from)."""
-    packed = rows_carry_positions(cfg) and attends_packed_rows(cfg.model)
-    model = build_model(cfg.model, strategy.model_init_context(), cfg.peft, cfg.strategy.sp, packed)
-    if cfg.train.fused_loss:  # before the backend's hooks: they gather the output layer's weight for it
-        fuse_output_layer(model, cfg.model.vocab_size)
+    model = build_as_trained(cfg, strategy.model_init_context(), cfg.peft)
     blocks = find_blocks(model, cfg.strategy.wrap)
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft, strategy.full_shape)
     if cfg.train.activation_checkpointing:
@@ -92,11 +88,13 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
     the means of the objective's statistics."""
     model.eval()
     totals = torch.zeros(2 + len(objective.stats), dtype=torch.float64, device=device)  # loss sum, units, stats
-    for batch in batches:
-        batch, sharded = share([t.to(device) for t in batch], strategy.sequence)
+    first = int(strategy.sequence.rank == 0)  # strategy.sp: the units are counted on the whole rows, once a group
+    for whole in batches:
+        whole = [t.to(device) for t in whole]
+        batch, sharded = share(whole, strategy.sequence)
         with sharded, strategy.autocast():
             loss, stats = objective.loss_sum(model, batch)
-        totals += torch.cat([loss.double().view(1), objective.count(batch).double().view(1), stats.double()])
+        totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first, stats.double()])
     model.train()
     strategy.all_reduce(totals)
     return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
@@ -125,6 +123,7 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
                      f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
                      f"offload={offload or 'none'}",
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
+                     *(["fused_loss=on"] if t.fused_loss else []),
                      f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
                      f"{ranks}) seq_len={cfg.model.seq_len}", *sp])
 
@@ -139,13 +138,14 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     # x world size.
     objective = objective or NextToken()
     during = watch.during if watch else lambda where, rows: nullcontext()  # out of memory: recorded, train.on_oom
-    # strategy.sp: each rank counts and computes the loss of its own share of the rows' tokens; a
-    # row's inputs run up to its last target, which a share cannot tell: the group's first rank
-    # counts them on the whole rows
+    # strategy.sp: each rank computes the loss of its own share of the rows' tokens; the group's first
+    # rank counts the units and inputs on the whole rows (a pair, or a row's inputs up to its last
+    # target, spans the shares)
     whole, (micro_batches, contexts) = micro_batches, zip(*(share(batch, strategy.sequence) for batch in micro_batches))
+    first = int(strategy.sequence.rank == 0)
     units, targets, inputs = strategy.all_reduce(torch.stack([
-        sum(objective.count(batch) for batch in micro_batches), sum(target_count(batch[1]) for batch in micro_batches),
-        sum(input_count(batch[1]) for batch in whole) * int(strategy.sequence.rank == 0)]))
+        sum(objective.count(batch) for batch in whole) * first, sum(target_count(batch[1]) for batch in micro_batches),
+        sum(input_count(batch[1]) for batch in whole) * first]))
     scale = world_size / units
     loss_sum, mem, activations = torch.zeros((), device=targets.device), None, None
     stats = torch.zeros(len(objective.stats), device=targets.device)
@@ -154,7 +154,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
         with strategy.micro_step(final=i == len(micro_batches) - 1), contexts[i]:
             # at log steps: the bytes the forward saves for backward (mem.activations), this rank's
             with during("forward", len(batch[0])), strategy.autocast(), \
-                    SavedBytes(model) if track_memory else nullcontext() as saved:
+                    SavedBytes() if track_memory else nullcontext() as saved:
                 micro_loss, micro_stats = objective.loss_sum(model, batch)
             if saved is not None:
                 saved.kept_by_functions(micro_loss)
