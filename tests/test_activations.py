@@ -149,6 +149,58 @@ def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_t
     assert found.choice is not None and settings == {("strategy", "sp"): 2, ("train", "fused_loss"): False}
 
 
+def profiled_backward_peak(head: nn.Linear, fused: bool, tokens: int) -> int:
+    """On the CPU, torch.profiler's reading: the most bytes the backward of `head` and the loss over
+    `tokens` tokens holds at once (each op's own allocations and frees, in the order the ops end)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden = torch.randn(1, tokens, head.in_features, dtype=head.weight.dtype, requires_grad=True)
+    loss = NextToken(fused=fused).loss_sum(head, [hidden, torch.randint(0, head.out_features, (1, tokens))])[0]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.end):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_the_plan_counts_the_output_layers_gradients_at_the_start_of_backward():
+    """The plain loss's backward holds two fp32 [tokens, vocab] gradients at once beside everything
+    kept (8 bytes a token and vocabulary entry, read by torch.profiler on the CPU): the plan counts
+    them on meta and adds them to what an option needs; the fused loss holds a chunk's."""
+    from trainer.plan import activation_need
+    from trainer.plan_activations import planned
+
+    cfg = to_config({"model": {"name": "tiny", "vocab_size": 4096}, "train": {"precision": "bf16"}})
+    plain, fused = planned(cfg, False, False), planned(cfg, False, True)
+    head = nn.Linear(cfg.model.d_model, cfg.model.vocab_size, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    read = (profiled_backward_peak(head, False, 512) - profiled_backward_peak(head, False, 256)) / 256
+    assert read == pytest.approx(8 * cfg.model.vocab_size, rel=0.01)
+    assert plain.output_backward_per_token == pytest.approx(read, rel=0.01)
+    assert 0 < fused.output_backward_per_token < plain.output_backward_per_token / 4
+    assert activation_need(cfg, False, False).per_token == plain.per_token + plain.output_backward_per_token
+    # with checkpointing, the larger of those gradients and one block recomputed (later in backward)
+    recomputed = plain.per_token_per_layer
+    assert activation_need(cfg, True, False).per_token == planned(cfg, True, False).per_token + max(
+        recomputed, planned(cfg, True, False).output_backward_per_token)
+
+
+def test_the_plan_divides_a_ranks_compute_by_sp_and_considers_every_sp_the_heads_allow():
+    """At sp=2 a rank computes half of each row: with links and PCIe too fast to count, every
+    option's step time halves. Any divisor of the heads and the world is an sp size, not only powers of 2."""
+    from trainer.plan import make_plan, sequence_parallel_sizes
+
+    fast = {"link_gbps": 1e12, "pcie_gbps": 1e12}
+    one, two = (make_plan(to_config({"model": {"name": "tiny"}, "strategy": {"sp": sp}, "plan": fast}), 2, 10 ** 12)
+                for sp in (1, 2))
+    for alone, halved in zip(one.options, two.options):
+        assert halved.step_s == pytest.approx(alone.step_s / 2, rel=1e-3), (alone.name, alone.step_s, halved.step_s)
+    six_heads = to_config({"model": {"name": "tiny", "n_heads": 6, "d_model": 96}})
+    assert sequence_parallel_sizes(six_heads, 6) == [1, 2, 3, 6]
+    assert sequence_parallel_sizes(six_heads, 4) == [1, 2]
+
+
 @pytest.mark.slow  # ranks on a real gloo group
 def test_at_sp_2_each_rank_keeps_about_half_and_the_plan_knows(tmp_path):
     """strategy.sp=2: rank 0's mem.activations is its own share, at most 0.55x of one rank's with the

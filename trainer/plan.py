@@ -163,7 +163,8 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
     reference = n_params if dpo and not cfg.objective.precompute_ref and PeftName(cfg.peft.name) is PeftName.none else 0
     starting_adapter = trainable if dpo and not cfg.objective.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora \
         and cfg.peft.init else 0
-    tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * row_len
+    # strategy.sp: a rank computes 1 / sp of each row (its tokens, and attention for 1 / sp of the heads)
+    tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * row_len // cfg.strategy.sp
     # The decision order: cheaper in speed first; offload last of all.
     for offload in (False, True):
         for stage in STAGES:
@@ -208,15 +209,17 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
 
 def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool, sp: int = 1) -> ActivationCount:
     """The activation bytes an option needs per rank (trainer/plan_activations.py counts them on the
-    meta device): those kept for backward, and with checkpointing one block's, recomputed in backward."""
+    meta device) at the peak of backward: those kept for backward, and beside them the larger of the
+    output layer's and loss's gradients (at backward's start) and, with checkpointing, one block's
+    activations, recomputed in backward (later, when the former are gone)."""
     kept = planned(cfg, checkpointing, fused_loss, sp)
-    if not checkpointing:
-        return kept
-    return dataclasses.replace(kept, per_token=kept.per_token + planned(cfg, False, fused_loss, sp).per_token_per_layer)
+    recomputed = planned(cfg, False, fused_loss, sp).per_token_per_layer if checkpointing else 0.0
+    return dataclasses.replace(kept, per_token=kept.per_token + max(recomputed, kept.output_backward_per_token))
 
 
 def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
-    """strategy.sp values this world and model allow: dividing the world and the attention heads."""
+    """strategy.sp values this world and model allow: every size dividing the world and the attention
+    heads (6 heads on 6 ranks: 1, 2, 3 and 6)."""
     from trainer.models import meta_model
 
     model = meta_model(cfg.model, cfg.peft)
@@ -224,7 +227,7 @@ def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
         getattr(model, "shape", None), "n_heads", None)
     if heads is None:  # a custom model: its own attention, sp=1 planned
         return [1]
-    return [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size and world_size % n == 0 and heads % n == 0]
+    return [n for n in range(1, world_size + 1) if world_size % n == 0 and heads % n == 0]
 
 
 def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequence: int) -> None:
@@ -389,7 +392,7 @@ def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tu
 
 
 def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[Plan, dict]:
-    """strategy=auto when nothing fits: the first of train.fused_loss=true, then strategy.sp=2, 4, ...
+    """strategy=auto when nothing fits: the first of train.fused_loss=true, then strategy.sp=2, 3, 4, ...
     (each with and without the fused loss) whose plan has a choice; the settings it takes."""
     for sp in sequence_parallel_sizes(typed, world_size):
         for fused in (False, True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import weakref
 from dataclasses import dataclass
 from unittest import mock
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.config import model_node, rows_carry_positions
@@ -28,6 +30,7 @@ from trainer.models import build_model, sequence
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.checks import attends_packed_rows
 from trainer.models.fused_loss import fuse_output_layer
+from trainer.models.lora import output_layer
 from trainer.saved_bytes import SavedBytes
 
 
@@ -85,6 +88,9 @@ class ActivationCount:
     logits_per_token: float = 0.0  # of per_token, the output layer's and loss's [tokens, vocab] share (none: fused)
     sp: int = 1  # counted for strategy.sp: a rank holds seq_len / sp tokens of each row
     exchanged_per_token: float = 0.0  # bytes the forward's all-to-alls carry (sp > 1), per token a rank holds
+    # beside everything kept, at the start of backward: the output layer's and loss's gradients (the
+    # plain loss: [tokens, vocab] fp32 twice and their cast to the compute dtype), per token a rank holds
+    output_backward_per_token: float = 0.0
 
     def bytes(self, seq_len: int, micro_batch: int = 1) -> int:
         held = seq_len / self.sp
@@ -156,6 +162,49 @@ def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: i
     return saved, exchange.bytes
 
 
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors the ops inside make (views and in-place results are their inputs'),
+    alive at once (`live`), and the most of them (`peak`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in given and not t._is_view():
+                made = t.untyped_storage().nbytes()
+                self.live += made
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, made)
+        return out
+
+    def _free(self, made: int) -> None:
+        self.live -= made
+
+
+def output_backward_bytes(model: nn.Module, vocab: int, fused_loss: bool, tokens: int) -> int:
+    """On meta: the most bytes the backward of the output layer and the loss of a [1, tokens] row
+    makes alive at once (its weight's gradient left out: that is the gradients' own memory)."""
+    head = output_layer(model, vocab)
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    hidden = torch.zeros(1, tokens, head.weight.shape[1], dtype=head.weight.dtype, device="meta", requires_grad=True)
+    targets = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    try:
+        for p in trainable:
+            p.requires_grad_(False)
+        with _LiveBytes() as live, mock.patch.object(torch, "autocast", _autocast_on_meta):
+            loss = NextToken(fused=fused_loss).loss_sum(head, [hidden, targets])[0]
+            start = live.peak = live.live
+            loss.backward()
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+    return live.peak - start
+
+
 def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int, logits: bool = True) -> ActivationCount:
     """From the saves at three lengths t, 2t, 4t: f(n) = C + a n + c n^2 for the total, the layers'
     part and the logits' part (`logits`: storages of at least tokens x vocab elements outside the
@@ -204,6 +253,8 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
 
         traced = {n: trace(model, blocks, loss_of, n, sp, packed) for n in (short, 2 * short, 4 * short)}
         counts = {n: saved for n, (saved, _) in traced.items()}
+        gradients = [output_backward_bytes(model, cfg.model.vocab_size, fused_loss, n) for n in (short, 2 * short)]
         _COUNTS[key] = dataclasses.replace(fit(counts, cfg.model.vocab_size, len(blocks), logits=not fused_loss),
-                                           sp=sp, exchanged_per_token=traced[short][1] / short)
+                                           sp=sp, exchanged_per_token=traced[short][1] / short,
+                                           output_backward_per_token=(gradients[1] - gradients[0]) / short)
     return _COUNTS[key]
