@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import CPU_ONLY, REPO, records, run_cli
+from tests.harness import CPU_ONLY, REPO, assert_close, records, run_cli
 from trainer import distributed
 from trainer.launchers import accelerate_choice, take_local_rank
 
@@ -30,18 +30,30 @@ def assert_no_compiler_probes(run_dir, *outputs: str) -> None:
         assert "compilers.C" not in text and "a.out" not in text, text[-3000:]
 
 
+@pytest.fixture(scope="module")
+def one_rank_losses(tmp_path_factory) -> list[float]:
+    """SHORT's losses on one rank: those of every launcher's run at sp=2 (dp=1, the same batch)."""
+    run_dir = tmp_path_factory.mktemp("one_rank")
+    result = run_cli("nproc=1", *SHORT, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [r["loss"] for r in records(run_dir)]
+
+
 @pytest.mark.slow
-def test_torchrun_two_nodes_on_one_machine(tmp_path):
+def test_torchrun_two_nodes_on_one_machine(tmp_path, one_rank_losses):
+    """A sequence-parallel group across the two nodes (strategy.sp=2): one rank's losses."""
     port = str(distributed.free_port())
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
          "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-         "-m", "trainer", "strategy=zero3", *SHORT, f"hydra.run.dir={tmp_path}"],
+         "-m", "trainer", "strategy=zero3", "strategy.sp=2", *SHORT, f"hydra.run.dir={tmp_path}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **CPU_ONLY}) for node in (0, 1)]
     outputs = [node.communicate(timeout=600) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert_trained(tmp_path, "zero3", outputs[0][0])
+    assert "sp=2 (dp=1)" in outputs[0][0]
+    assert_close([r["loss"] for r in records(tmp_path)], one_rank_losses, "torchrun sp=2", rtol=1e-6)
     assert_no_compiler_probes(tmp_path, *outputs[0], *outputs[1])
 
 
@@ -81,16 +93,19 @@ def test_accelerate_variables_map_to_overrides():
 
 
 @pytest.mark.slow
-def test_deepspeed_launcher_local_rank_argument(tmp_path):
+def test_deepspeed_launcher_local_rank_argument(tmp_path, one_rank_losses):
+    """At strategy.sp=2 too: one rank's losses."""
     env = {}
     assert take_local_rank(["--local_rank=1", "strategy=zero3"], env) == ["strategy=zero3"]
     assert env == {"LOCAL_RANK": "1"}
     launcher = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(distributed.free_port()),
                 "--module", "trainer"]
-    result = run_cli("strategy=zero2", *SHORT, f"hydra.run.dir={tmp_path}", launcher=launcher)
+    result = run_cli("strategy=zero2", "strategy.sp=2", *SHORT, f"hydra.run.dir={tmp_path}", launcher=launcher)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--local_rank=0" in result.stdout + result.stderr  # the launcher did append it
     assert_trained(tmp_path, "zero2", result.stdout)
+    assert "sp=2 (dp=1)" in result.stdout
+    assert_close([r["loss"] for r in records(tmp_path)], one_rank_losses, "deepspeed launcher sp=2", rtol=1e-6)
     assert_no_compiler_probes(tmp_path, result.stdout, result.stderr)
 
 
