@@ -4,12 +4,27 @@ backend gathered, a tied one too), with LoRA, sequence parallelism, compile and 
 cannot be fused is refused before any rank starts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from examples.toy_model import ToyLM
-from tests.harness import assert_close, case, on_ranks, records, refusal, train_cases, with_overrides
+from tests.harness import (
+    LOSS_RTOL,
+    assert_close,
+    assert_resumes,
+    case,
+    losses,
+    on_ranks,
+    records,
+    refusal,
+    resuming,
+    saving,
+    train_cases,
+    with_overrides,
+)
 from trainer.data.sources import IGNORE_INDEX
 from trainer.losses.objectives import NextToken
 from trainer.models.builtin import ModelShape, Transformer
@@ -208,14 +223,43 @@ def logits_bytes(name: str) -> int:
     return tokens * ((512 if name.startswith("qwen2") else 256) - 1) * 4
 
 
+def packed_chat(root: Path, strategy: str, fused: bool, **overrides) -> dict:
+    """Packed conversations (rows of several, position ids restarting), 2 micro-batches accumulated."""
+    from examples.tiny_hf import VOCAB, conversations, documents, train_chat_tokenizer, write_rows
+
+    if not (root / "chat.jsonl").exists():
+        texts = documents()
+        train_chat_tokenizer(root / "tokenizer", texts)
+        write_rows(root / "chat.jsonl", conversations(texts, n=60))
+    return with_overrides(case(strategy, steps=6), model__vocab_size=VOCAB, model__seq_len=256, data__name="chat",
+                          data__path=str(root / "chat.jsonl"), data__tokenizer=str(root / "tokenizer"),
+                          data__cache_dir=str(root / "cache"), train__micro_batch_size=2, train__grad_accum_steps=2,
+                          train__fused_loss=fused, **overrides)
+
+
 @pytest.fixture(scope="module")
 def runs(hf_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("fused")
     cases = {}
     for name, (plain, fused) in pairs(hf_assets.pretrained["qwen2"]).items():
         cases[f"{name}_plain"], cases[f"{name}_fused"] = plain, fused
+    # the fused loss x packed rows x accumulation x a resume on another strategy (in turn: saved first)
+    chat, ckpt = out / "chat", out / "ckpt"
+    chat.mkdir()
+    cases["packed_accum_plain"] = packed_chat(chat, "zero3", False)
+    cases["packed_accum_fused"] = saving(packed_chat(chat, "zero3", True), ckpt, 3)
+    cases["packed_accum_fused_resumed"] = resuming(packed_chat(chat, "fsdp", True), ckpt, 3)
     on_ranks(2, train_cases, cases, str(out))
     return {name: records(out / name) for name in cases}
+
+
+@pytest.mark.slow
+def test_packed_accumulated_fused_runs_give_the_plain_losses_and_resume_on_another_strategy(runs):
+    plain, fused = runs["packed_accum_plain"], runs["packed_accum_fused"]
+    assert len(fused) == 6 and plain[-1]["loss"] < plain[0]["loss"], plain
+    assert_close(losses(fused), losses(plain), "packed, accumulated", FUSED_RTOL)
+    assert [r["input_tokens"] for r in fused] == [r["input_tokens"] for r in plain]
+    assert_resumes(runs["packed_accum_fused_resumed"], fused, at=3, what="zero3 -> fsdp", rtol=LOSS_RTOL)
 
 
 @pytest.mark.slow
