@@ -58,7 +58,7 @@ def cell(env, node: dict, seq: int, documents: int, steps: int) -> tuple[int, fl
     kept, times = 0, []
     for _ in range(steps):
         start = time.perf_counter()
-        with sequence.sharded(group, whole), SavedBytes(model) as saved:
+        with sequence.sharded(group, whole), SavedBytes() as saved:
             loss = logits_of(model(group.local(ids), position_ids=local)).float().square().mean()
         loss.backward()
         times.append(time.perf_counter() - start)

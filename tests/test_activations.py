@@ -141,7 +141,7 @@ def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_t
             assert longest[4, fused, ac] >= 1.8 * longest[2, fused, ac]
     assert longest[1, True, False] > longest[1, False, False]  # no [tokens, vocab] log-probabilities kept
     # strategy=auto: where nothing fits, the fused loss first, then sequence parallelism
-    tight = to_config({"model": {"name": "tiny", "seq_len": longest[1, True, True] + 512},
+    tight = to_config({"model": {"name": "tiny", "seq_len": (longest[1, True, True] + 512) // 4 * 4},  # sp divides it
                        "train": {"micro_batch_size": 1}})
     nothing = make_plan(tight, 4, 10 ** 9)
     assert nothing.choice is None
@@ -186,6 +186,20 @@ def test_the_plan_counts_the_output_layers_gradients_at_the_start_of_backward():
         recomputed, planned(cfg, True, False).output_backward_per_token)
 
 
+def test_a_model_whose_logits_no_linear_layer_makes_is_planned_without_the_output_gradients():
+    from trainer.plan_activations import output_backward_bytes
+
+    class TiedByHand(nn.Module):  # a custom model's F.linear on its embedding: no output layer to count
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 8, device="meta")
+
+        def forward(self, ids):
+            return torch.nn.functional.linear(self.embed(ids), self.embed.weight)
+
+    assert output_backward_bytes(TiedByHand(), 64, False, 16) == 0
+
+
 def test_the_plan_divides_a_ranks_compute_by_sp_and_considers_every_sp_the_heads_allow():
     """At sp=2 a rank computes half of each row: with links and PCIe too fast to count, every
     option's step time halves. Any divisor of the heads and the world is an sp size, not only powers of 2."""
@@ -196,9 +210,11 @@ def test_the_plan_divides_a_ranks_compute_by_sp_and_considers_every_sp_the_heads
                 for sp in (1, 2))
     for alone, halved in zip(one.options, two.options):
         assert halved.step_s == pytest.approx(alone.step_s / 2, rel=1e-3), (alone.name, alone.step_s, halved.step_s)
-    six_heads = to_config({"model": {"name": "tiny", "n_heads": 6, "d_model": 96}})
+    six_heads = to_config({"model": {"name": "tiny", "n_heads": 6, "d_model": 96, "seq_len": 96}})
     assert sequence_parallel_sizes(six_heads, 6) == [1, 2, 3, 6]
     assert sequence_parallel_sizes(six_heads, 4) == [1, 2]
+    six_heads.model.seq_len = 128  # sp=3 and 6 would not divide the rows (the checks refuse them)
+    assert sequence_parallel_sizes(six_heads, 6) == [1, 2]
 
 
 @pytest.mark.slow  # ranks on a real gloo group

@@ -59,6 +59,18 @@ def test_a_sequence_parallel_rung_keeps_the_global_batch_with_more_accumulation(
     assert adapt(cfg, tmp_path, kept=None, world_size=2) == (plan, [])  # past the settings' plan: kept
 
 
+def test_a_sequence_parallel_rung_whose_accumulation_would_not_be_whole_is_skipped(tmp_path):
+    """From sp=2 at accumulation 1 on 6 ranks, sp=3 would need 1.5 micro-steps (the global batch would
+    change): skipped, saying so; sp=6 (3 micro-steps) is the rung."""
+    model = {"name": "tiny", "n_heads": 6, "d_model": 96, "seq_len": 96}
+    cfg = to_config({"model": model, "strategy": {"sp": 2}, "train": {**AT_THE_BOTTOM, "grad_accum_steps": 1}})
+    append(tmp_path, failure(Plan.of(cfg), asked=1_000))
+    plan, [event] = adapt(cfg, tmp_path, kept=None, world_size=6)
+    assert (plan.strategy["sp"], plan.grad_accum_steps) == (6, 3), (plan, event)
+    assert event["skipped"][0] == ("strategy.sp=3 refused: train.grad_accum_steps=1 x 3 / 2 is not whole "
+                                   "(the global batch would change)"), event
+
+
 def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_be_refused(tmp_path, monkeypatch):
     """A machine without DeepSpeed (the GPU image): zero1 and zero2 would fit, the checks refuse them."""
     import importlib.metadata

@@ -206,6 +206,7 @@ def trained(folders, tmp_path_factory):
     twos = {name: moe_case(mixtral, s, micro, accum, **o) for name, (s, micro, accum, o) in TWO_RANKS.items()}
     twos |= {name: chat_case(mixtral, data, s, micro, accum, **o) for name, (s, micro, accum, o) in CHAT_TWO_RANKS.items()}
     twos["dpo_zero2"] = dpo_case(mixtral, data, "zero2", 1, 2)
+    twos["dpo_zero3_sp2"] = dpo_case(mixtral, data, "zero3", 2, 2, strategy__sp=2)  # a pair's units from the whole row
     twos["zero3_saved"] = saving(twos["zero3"], out / "ckpt", 2)
     on_ranks(2, train_cases, twos, str(out))
     # with the checkpoint of 2 ranks on zero3 resumed at 1 rank on fsdp
@@ -264,15 +265,17 @@ def test_packed_chat_rows_give_the_padded_rows_loss_and_aux_loss_over_an_epoch(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*CHAT_TWO_RANKS, "dpo_zero2"])
+@pytest.mark.parametrize("name", [*CHAT_TWO_RANKS, "dpo_zero2", "dpo_zero3_sp2"])
 def test_chat_and_dpo_rows_on_two_ranks_give_one_ranks_losses_with_the_term_on(trained, name):
     one = {"chat_packed_fsdp": "chat_packed", "chat_packed_zero2_sp2": "chat_packed",
-           "chat_padded_ddp_sp2": "chat_padded", "dpo_zero2": "dpo"}[name]
+           "chat_padded_ddp_sp2": "chat_padded", "dpo_zero2": "dpo", "dpo_zero3_sp2": "dpo"}[name]
     base, two = records(trained / one), records(trained / name)
     assert len(base) == STEPS and all(a > 1.0 for a in aux(base))
     # DPO's loss is a sigmoid of beta x a difference of log-probs summed over ~200 tokens each: the
     # ~1e-7 of a reduction in another order comes out ~1e-6 (CI saw 1.01e-6 at step 4)
-    assert_close(losses(two), losses(base), name, rtol=DPO_RTOL if name == "dpo_zero2" else 1e-6)
+    # at sp=2 attention sums in other orders too, and the rate is high: measured 0 at step 1, 3.3e-6 at step 4
+    rtol = {"dpo_zero2": DPO_RTOL, "dpo_zero3_sp2": 1e-5}.get(name, 1e-6)
+    assert_close(losses(two), losses(base), name, rtol=rtol)
     assert_close(aux(two), aux(base), f"{name}: aux_loss", rtol=1e-6)
 
 

@@ -218,8 +218,8 @@ def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool, sp: int 
 
 
 def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
-    """strategy.sp values this world and model allow: every size dividing the world and the attention
-    heads (6 heads on 6 ranks: 1, 2, 3 and 6)."""
+    """strategy.sp values this world and model allow: every size dividing the world, the attention
+    heads and model.seq_len (6 heads on 6 ranks: 1, 2, 3 and 6 where seq_len divides by 3)."""
     from trainer.models import meta_model
 
     model = meta_model(cfg.model, cfg.peft)
@@ -227,7 +227,7 @@ def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
         getattr(model, "shape", None), "n_heads", None)
     if heads is None:  # a custom model: its own attention, sp=1 planned
         return [1]
-    return [n for n in range(1, world_size + 1) if world_size % n == 0 and heads % n == 0]
+    return [n for n in range(1, world_size + 1) if world_size % n == 0 and heads % n == 0 and cfg.model.seq_len % n == 0]
 
 
 def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequence: int) -> None:

@@ -187,8 +187,11 @@ class _LiveBytes(TorchDispatchMode):
 
 def output_backward_bytes(model: nn.Module, vocab: int, fused_loss: bool, tokens: int) -> int:
     """On meta: the most bytes the backward of the output layer and the loss of a [1, tokens] row
-    makes alive at once (its weight's gradient left out: that is the gradients' own memory)."""
+    makes alive at once (its weight's gradient left out: that is the gradients' own memory); 0 for a
+    model whose logits no linear layer makes (a custom model's `F.linear` on its embedding)."""
     head = output_layer(model, vocab)
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
+        return 0
     trainable = [p for p in head.parameters() if p.requires_grad]
     hidden = torch.zeros(1, tokens, head.weight.shape[1], dtype=head.weight.dtype, device="meta", requires_grad=True)
     targets = torch.zeros(1, tokens, dtype=torch.long, device="meta")
@@ -249,7 +252,8 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
         objective = NextToken(fused=fused_loss)
 
         def loss_of(m, ids, positions):
-            return objective.loss_sum(m, [ids, ids, *([positions] if positions is not None else [])])[0]
+            # the targets a tensor of their own, as a batch's are (the fused loss keeps them: 8 bytes a token)
+            return objective.loss_sum(m, [ids, ids.clone(), *([positions] if positions is not None else [])])[0]
 
         traced = {n: trace(model, blocks, loss_of, n, sp, packed) for n in (short, 2 * short, 4 * short)}
         counts = {n: saved for n, (saved, _) in traced.items()}

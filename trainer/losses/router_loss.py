@@ -153,12 +153,15 @@ class RouterBalanced:
         mask = real_tokens(batch[1], docs, n_docs, self.group)
         choices, probs, tokens = balance_sums(router_logits, docs, n_docs, mask, self.top_k, self.experts)
         targets = torch.zeros_like(tokens).scatter_add(1, docs, (batch[1] != IGNORE_INDEX).float())
-        units = torch.stack([self.inner.count([field[i:i + 1] for field in batch]) for i in range(mask.shape[0])])
+        # a row's units from the whole row (strategy.sp: a DPO pair's two sequences may lie in two shares)
+        rows = [self.group.whole(field) for field in batch]
+        units = torch.stack([self.inner.count([field[i:i + 1] for field in rows]) for i in range(mask.shape[0])])
         b, e = mask.shape[0], self.experts
-        whole = torch.cat([choices.flatten(), tokens.flatten(), targets.flatten(), units.float()])
+        whole = torch.cat([choices.flatten(), tokens.flatten(), targets.flatten()])
         if self.group.size > 1:  # the whole rows' counts; the probabilities stay this rank's share
             dist.all_reduce(whole, group=self.group.group)
-        choices, tokens, targets, units = whole.split([b * n_docs * e, b * n_docs, b * n_docs, b])
+        choices, tokens, targets = whole.split([b * n_docs * e, b * n_docs, b * n_docs])
+        units = units.to(whole.dtype)
         choices, tokens, targets = choices.view(b, n_docs, e), tokens.view(b, n_docs), targets.view(b, n_docs)
         tokens = tokens.clamp(min=1)  # a document without tokens has no targets either: it adds 0
         aux = self.experts * ((choices / tokens[..., None]) * (probs / tokens[..., None])).sum(-1)  # [b, D]

@@ -120,20 +120,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             inside = (targets >= start) & (targets < end)
             column = (targets - start).clamp(0, end - start - 1).unsqueeze(1)
             target_logit += torch.where(inside, logits.gather(1, column).squeeze(1), 0.0)
-        ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp)
-        ctx.ignore_index = ignore_index
+        ctx.save_for_backward(computed, weight, bias, targets, log_sum_exp)  # the input as autocast's linear keeps it
+        ctx.ignore_index, ctx.input_dtype = ignore_index, hidden.dtype
         mean_logits = logit_sum / weight.shape[0]
         ctx.mark_non_differentiable(mean_logits)
         return torch.where(counted, log_sum_exp - target_logit, 0.0), mean_logits
 
     @staticmethod
     def backward(ctx, grad_losses, _):
-        hidden, weight, bias, targets, log_sum_exp = ctx.saved_tensors
+        computed, weight, bias, targets, log_sum_exp = ctx.saved_tensors
         scale = torch.where(targets != ctx.ignore_index, grad_losses, 0.0).unsqueeze(1)  # fp32 [tokens, 1]
-        grad_hidden = torch.zeros(hidden.shape, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad_hidden = torch.zeros(computed.shape, device=computed.device) if ctx.needs_input_grad[0] else None
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         grad_bias = torch.empty_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-        computed = hidden.to(ctx.dtype)
         for start, end in vocabulary_chunks(weight):
             logits = chunk_logits(computed, weight, bias, start, end)
             grad_logits = (logits - log_sum_exp.unsqueeze(1)).exp_()  # the softmax
@@ -149,7 +148,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden += grad_logits @ weight[start:end].to(ctx.dtype)
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.to(hidden.dtype)
+            grad_hidden = grad_hidden.to(ctx.input_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None
 
 

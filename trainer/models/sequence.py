@@ -42,6 +42,8 @@ from torch.distributed.nn.functional import all_to_all_single
 # layer and forward); its successor in _functional_collectives is private. Not repeated on the console.
 warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated",
                         category=FutureWarning)
+warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_reduce is deprecated",
+                        category=FutureWarning)  # SequenceGroup.summed, per call as the all-to-all
 
 
 @dataclass(frozen=True)

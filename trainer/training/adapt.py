@@ -24,7 +24,11 @@ def strategy_rung(plan: Plan, failure: dict, cfg: Config, world_size: int) -> tu
     here, skipped = plan.applied(cfg), []
     for settings, why in strategy_rungs(here, world_size, missing):
         # a larger sp leaves fewer data-parallel ranks: more accumulation keeps the global batch
-        accumulation = plan.grad_accum_steps * settings["sp"] // here.strategy.sp
+        accumulation, rest = divmod(plan.grad_accum_steps * settings["sp"], here.strategy.sp)
+        if rest:
+            skipped.append(f"strategy.sp={settings['sp']} refused: train.grad_accum_steps={plan.grad_accum_steps} "
+                           f"x {settings['sp']} / {here.strategy.sp} is not whole (the global batch would change)")
+            continue
         rung = replace(plan, strategy=settings, grad_accum_steps=accumulation, adaptations=plan.adaptations + 1)
         try:
             check_settings(rung.applied(cfg), world_size)
