@@ -8,8 +8,8 @@ data-parallel replica: the same global batch in every cell) on `sp` CPU ranks th
 itself (`nproc=sp strategy.sp=sp`), fp32, synthetic data, and reads the step records: the
 measured `mem.activations` of rank 0 (each rank of a sequence-parallel group holds the same
 share) and the median `tokens_per_s` of the steps after the first. Beside them, what
-`python -m trainer.plan` counts for the cell. `small` is the built-in preset (6 heads: sp=4 is
-skipped); `qwen2` a tiny Qwen2 (4 heads, 2 key/value heads) built on the spot from a config.
+`python -m trainer.plan` counts for the cell. `small` is the built-in preset (6 heads: its sp=4
+cells print a line saying they are skipped); `qwen2` a tiny Qwen2 (4 heads, 2 key/value heads) built on the spot from a config.
 Cells that are refused (a setting not in this build, heads that do not divide) print why.
 """
 from __future__ import annotations
@@ -95,7 +95,9 @@ def main() -> None:
             for seq, sp, fused, ac in itertools.product(seqs, [int(n) for n in args.sp.split(",")],
                                                          [on[f] for f in args.fused.split(",")],
                                                          [on[a] for a in args.ac.split(",")]):
+                cells = f"{model:<7}{seq:>6}{sp:>4}{'on' if fused else 'off':>6}{'on' if ac else 'off':>4}"
                 if heads and heads % sp:
+                    print(f"{cells}  skipped: {heads} attention heads do not divide by sp={sp}", flush=True)
                     continue
                 overrides = [*base, *cell_overrides(seq, sp, fused, ac, args.steps), *args.extra]
                 run_dir = Path(tmp) / f"{model}_{seq}_{sp}_{fused}_{ac}"
@@ -103,7 +105,6 @@ def main() -> None:
                 plan = planned_bytes([*base, *args.extra, f"model.seq_len={seq}"], seq, sp, fused, ac)
                 results.append({"model": model, "seq": seq, "sp": sp, "fused_loss": fused,
                                 "activation_checkpointing": ac, "planned": plan, **found})
-                cells = f"{model:<7}{seq:>6}{sp:>4}{'on' if fused else 'off':>6}{'on' if ac else 'off':>4}"
                 if "error" in found:
                     print(f"{cells}  refused: {found['error']}", flush=True)
                 else:
