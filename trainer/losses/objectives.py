@@ -92,18 +92,18 @@ class NextToken:
 
 def per_sequence(values: torch.Tensor, targets: torch.Tensor, sequence: torch.Tensor, group: SequenceGroup = WHOLE_ROWS
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the sum of `values` [b, t] over each sequence's targets, its number of targets, its number),
-    for the sequences of the micro-batch that have targets, in the order of their numbers: a pair's
-    chosen (2 p) then its rejected (2 p + 1). Positions without a target count for nothing (a
-    validation slot that repeats a row without targets, too). At strategy.sp > 1 each rank of the
-    `group` holds a share of every row: the sums are over the whole rows, on every rank of the group,
-    with gradients to each rank's own tokens."""
+    """(the sum of `values` [..., b, t] over each sequence's targets [..., sequences], its number of
+    targets, its number), for the sequences of the micro-batch that have targets, in the order of
+    their numbers: a pair's chosen (2 p) then its rejected (2 p + 1). Positions without a target
+    count for nothing (a validation slot that repeats a row without targets, too). At strategy.sp > 1
+    each rank of the `group` holds a share of every row: the sums are over the whole rows, on every
+    rank of the group, with gradients to each rank's own tokens."""
     targeted = targets.flatten() != IGNORE_INDEX
     whole_targets, whole_sequence = group.whole(targets), group.whole(sequence)
     numbers = torch.unique(whole_sequence[whole_targets != IGNORE_INDEX])
     which = torch.searchsorted(numbers, sequence.flatten()[targeted])
-    sums = torch.zeros(len(numbers), dtype=values.dtype, device=values.device)
-    sums = sums.index_add(0, which, values.flatten()[targeted])
+    sums = torch.zeros(*values.shape[:-2], len(numbers), dtype=values.dtype, device=values.device)
+    sums = sums.index_add(-1, which, values.flatten(-2)[..., targeted])
     return group.summed(sums), group.summed(torch.bincount(which, minlength=len(numbers))), numbers
 
 
@@ -126,8 +126,8 @@ def sequence_logps(model: nn.Module, batch, fused: bool, group: SequenceGroup = 
     """(the summed log-probability of each sequence's targets, its number of targets, its number, the
     sum of its target tokens' mean logits): `per_sequence` of `token_logps`."""
     logps, mean_logits = token_logps(model, batch, fused)
-    sums, lengths, numbers = per_sequence(logps, batch[1], batch[3], group)
-    return sums, lengths, numbers, per_sequence(mean_logits, batch[1], batch[3], group)[0]
+    sums, lengths, numbers = per_sequence(torch.stack([logps, mean_logits]), batch[1], batch[3], group)  # one pass
+    return sums[0], lengths, numbers, sums[1]
 
 
 def pair_count(batch) -> torch.Tensor:
