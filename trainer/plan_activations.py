@@ -1,7 +1,8 @@
 """The planner's count of activation memory (`python -m trainer.plan`): the bytes autograd keeps
 from a forward for its backward, counted with the loop's own counter (trainer/saved_bytes.py:
 `SavedBytes`, what `mem.activations` measures) around the model's forward and loss on the meta
-device (no memory, no compute), at three short lengths. That gives bytes per token per layer and
+device (no memory, no compute), at three short lengths (of a model whose blocks are all alike, the
+first two blocks, the second's saves counted for each block after it). That gives bytes per token per layer and
 outside the layers (the logits' share apart), and any part that grows with the square of the
 length. On meta, attention is counted as a fused kernel keeps it (flash / memory-efficient, and
 torch's CPU kernel: queries, keys and values, the output and its log-sum-exp; never the
@@ -13,12 +14,15 @@ import dataclasses
 import json
 import math
 import weakref
+from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -108,13 +112,17 @@ class ActivationCount:
 
 class _SameShapeExchange:
     """On meta, in place of the sequence group's all-to-all: a tensor of its output's shape, as a
-    differentiable op that keeps nothing (as the all-to-all keeps nothing); counts the bytes it carries."""
+    differentiable op that keeps nothing (as the all-to-all keeps nothing); counts the bytes it
+    carries, in all and in the part of the model `saved` is in."""
 
-    def __init__(self):
-        self.bytes = 0
+    def __init__(self, saved: SavedBytes):
+        self.saved = saved
+        self.bytes = self.last_block_bytes = 0
 
     def __call__(self, output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
         self.bytes += input.numel() * input.element_size()
+        if self.saved.part == LAST_BLOCK:
+            self.last_block_bytes += input.numel() * input.element_size()
         return input.clone()
 
 
@@ -134,17 +142,22 @@ def packed_positions(tokens: int) -> torch.Tensor:
     return (torch.arange(tokens) % -(-tokens // 2))[None]
 
 
+LAST_BLOCK = "last block"  # SavedBytes' part: the saves first made in the last of the blocks traced
+
+
 def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: int = 1,
-          packed: bool = False) -> tuple[SavedBytes, int]:
+          packed: bool = False) -> tuple[SavedBytes, _SameShapeExchange]:
     """The saves of one forward and loss of a [1, tokens] row on the meta device, those inside the
-    blocks apart; at sp > 1, as rank 0 of a sequence-parallel group holding `tokens` of each row
+    blocks apart ("layers", the last block's `LAST_BLOCK`); at sp > 1, as rank 0 of a sequence-parallel group holding `tokens` of each row
     (attention over the whole row for 1 / sp of the heads, models/sequence.py), and the bytes its
     all-to-alls carried; `packed`: rows of packed documents, whose position ids the model gets
     (`loss_of(model, ids, positions)`: at sp > 1 also plain rows carry theirs in the whole row,
     training/sequence_shares.py)."""
-    saved, exchange = SavedBytes(), _SameShapeExchange()
-    handles = [h for block in blocks for h in (
-        block.register_forward_pre_hook(lambda *_: setattr(saved, "part", "layers")),
+    saved = SavedBytes()
+    exchange = _SameShapeExchange(saved)
+    parts = ["layers"] * (len(blocks) - 1) + [LAST_BLOCK]
+    handles = [h for block, part in zip(blocks, parts) for h in (
+        block.register_forward_pre_hook(lambda *_, part=part: setattr(saved, "part", part)),
         block.register_forward_hook(lambda *_: setattr(saved, "part", "outside")))]
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     group = sequence.SequenceGroup(None, sp, 0)
@@ -159,7 +172,7 @@ def trace(model: nn.Module, blocks: list[nn.Module], loss_of, tokens: int, sp: i
     finally:
         for h in handles:
             h.remove()
-    return saved, exchange.bytes
+    return saved, exchange
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -208,23 +221,94 @@ def output_backward_bytes(model: nn.Module, vocab: int, fused_loss: bool, tokens
     return live.peak - start
 
 
-def fit(counts: dict[int, SavedBytes], vocab: int, n_layers: int, logits: bool = True) -> ActivationCount:
+@dataclass(frozen=True)
+class Saves:
+    """What one trace of a [1, tokens] row kept: in all, inside the blocks, the logits' share
+    (storages of at least tokens x vocab elements outside the blocks), and of the blocks' what the
+    last one traced kept first (storages shared with the blocks before it, as the rotary's cos and
+    sin, counted in the first); the bytes its all-to-alls carried, in all and in the last block."""
+    total: float
+    layers: float
+    logits: float
+    last_block: float
+    exchanged: float
+    last_block_exchanged: float
+
+    @classmethod
+    def of(cls, traced: tuple[SavedBytes, _SameShapeExchange], tokens: int, vocab: int) -> Saves:
+        saved, exchange = traced
+        last = saved.bytes_of(LAST_BLOCK)
+        return cls(saved.bytes, saved.bytes_of("layers") + last, saved.bytes_of("outside", elements_at_least=tokens * vocab),
+                   last, exchange.bytes, exchange.last_block_bytes)
+
+    def deeper(self, more: int) -> Saves:
+        """With `more` blocks alike the last one after it."""
+        return dataclasses.replace(self, total=self.total + more * self.last_block, layers=self.layers + more * self.last_block,
+                                   exchanged=self.exchanged + more * self.last_block_exchanged)
+
+
+_OUTPUT_BACKWARD: dict[tuple, float] = {}
+
+
+def output_backward_per_token(model: nn.Module, vocab: int, fused_loss: bool, short: int) -> float:
+    """`output_backward_bytes` per token (from `short` and 2 x `short` tokens), once per output
+    layer shape and loss (whatever sp and checkpointing)."""
+    weight = getattr(output_layer(model, vocab), "weight", None)
+    key = (vocab, fused_loss, short, *((tuple(weight.shape), weight.dtype) if isinstance(weight, torch.Tensor) else ()))
+    if key not in _OUTPUT_BACKWARD:
+        one, two = (output_backward_bytes(model, vocab, fused_loss, n) for n in (short, 2 * short))
+        _OUTPUT_BACKWARD[key] = (two - one) / short
+    return _OUTPUT_BACKWARD[key]
+
+
+def fit(counts: dict[int, Saves], n_layers: int, logits: bool = True) -> ActivationCount:
     """From the saves at three lengths t, 2t, 4t: f(n) = C + a n + c n^2 for the total, the layers'
-    part and the logits' part (`logits`: storages of at least tokens x vocab elements outside the
-    layers). C is once a micro-batch, whatever its rows."""
+    part and the logits' part. C is once a micro-batch, whatever its rows."""
     t = min(counts)
 
     def parts(f) -> tuple[float, float, float]:
-        f1, f2, f4 = (f(counts[n], n) for n in (t, 2 * t, 4 * t))
+        f1, f2, f4 = (f(counts[n]) for n in (t, 2 * t, 4 * t))
         # differences: f2 - f1 = a t + 3 c t^2, f4 - f2 = 2 a t + 12 c t^2
         c = max((f4 - f2) - 2 * (f2 - f1), 0) / (6 * t * t)
         a = ((f2 - f1) - 3 * c * t * t) / t
         return a, c, max(f1 - a * t - c * t * t, 0)
 
-    total, squared, constant = parts(lambda s, n: s.bytes)
-    layers = parts(lambda s, n: s.bytes_of("layers"))[0]
-    share = parts(lambda s, n: s.bytes_of("outside", elements_at_least=n * vocab))[0] if logits else 0.0
+    total, squared, constant = parts(lambda s: s.total)
+    layers = parts(lambda s: s.layers)[0]
+    share = parts(lambda s: s.logits)[0] if logits else 0.0
     return ActivationCount(total, squared, constant, layers / max(n_layers, 1), max(share, 0.0))
+
+
+def _signature(block: nn.Module) -> list:
+    """What makes blocks alike for the bytes they keep: their modules' classes, settings (a
+    sliding window, a layer's kind; its index left out) and parameter shapes."""
+    def settings(m: nn.Module) -> list:
+        return sorted((k, repr(v)) for k, v in vars(m).items()
+                      if isinstance(v, (bool, int, float, str, tuple, type(None))) and "layer_id" not in k)
+    return [(name, type(m).__name__, settings(m),
+             [(n, tuple(t.shape), t.dtype) for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]])
+            for name, m in block.named_modules()]
+
+
+def alike_stack(model: nn.Module, blocks: list[nn.Module]) -> nn.ModuleList | None:
+    """The ModuleList that holds `blocks` and nothing else, where the blocks are all alike and the
+    model names no kinds of layers; else None (traced whole)."""
+    kinds = getattr(getattr(model, "config", None), "layer_types", None)
+    if len(blocks) < 2 or (kinds and len(set(kinds)) > 1) or any(_signature(b) != _signature(blocks[0]) for b in blocks):
+        return None
+    ids = [id(b) for b in blocks]
+    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and [id(c) for c in m.children()] == ids), None)
+
+
+@contextmanager
+def first_blocks(stack: nn.ModuleList, n: int):
+    """`stack` holding only its first `n` modules, within."""
+    whole = stack._modules
+    stack._modules = OrderedDict(list(whole.items())[:n])
+    try:
+        yield
+    finally:
+        stack._modules = whole
 
 
 _COUNTS: dict[str, ActivationCount] = {}
@@ -249,16 +333,26 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
         blocks = find_blocks(model, cfg.strategy.wrap)
         if checkpointing:
             apply_checkpointing(model, blocks)
+            # a checkpointed block keeps what its wrapper does (its input)
+            wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
+            blocks = [wrappers.get(id(b), b) for b in blocks]
         objective = NextToken(fused=fused_loss)
 
         def loss_of(m, ids, positions):
             # the targets a tensor of their own, as a batch's are (the fused loss keeps them: 8 bytes a token)
             return objective.loss_sum(m, [ids, ids.clone(), *([positions] if positions is not None else [])])[0]
 
-        traced = {n: trace(model, blocks, loss_of, n, sp, packed) for n in (short, 2 * short, 4 * short)}
-        counts = {n: saved for n, (saved, _) in traced.items()}
-        gradients = [output_backward_bytes(model, cfg.model.vocab_size, fused_loss, n) for n in (short, 2 * short)]
-        _COUNTS[key] = dataclasses.replace(fit(counts, cfg.model.vocab_size, len(blocks), logits=not fused_loss),
-                                           sp=sp, exchanged_per_token=traced[short][1] / short,
-                                           output_backward_per_token=(gradients[1] - gradients[0]) / short)
+        lengths = (short, 2 * short, 4 * short)
+        vocab = cfg.model.vocab_size
+
+        # blocks all alike: the first two traced, the second's saves counted for every one after it
+        # (the whole depth traced: seconds for a 7B model, once per sp, fused loss and checkpointing)
+        stack = alike_stack(model, blocks)
+        traced = blocks[:2] if stack else blocks
+        with first_blocks(stack, 2) if stack else nullcontext():
+            counts = {n: Saves.of(trace(model, traced, loss_of, n, sp, packed), n, vocab).deeper(len(blocks) - len(traced))
+                      for n in lengths}
+        _COUNTS[key] = dataclasses.replace(fit(counts, len(blocks), logits=not fused_loss),
+                                           sp=sp, exchanged_per_token=counts[short].exchanged / short,
+                                           output_backward_per_token=output_backward_per_token(model, vocab, fused_loss, short))
     return _COUNTS[key]

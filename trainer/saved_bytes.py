@@ -10,6 +10,8 @@ The planner counts with the same class on the meta device (trainer/plan_activati
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -42,6 +44,9 @@ class SavedBytes:
         self.storages: dict[int, int] = {}  # storage -> bytes
         self.elements: dict[int, int] = {}
         self.where: dict[int, str] = {}  # storage -> "layers" (saved inside a block) or "outside"
+        # storage -> the tensors saved of it, weakly: a storage freed within (a graph dropped) is
+        # not kept, and its address may come back as another storage's
+        self.saved: dict[int, list[weakref.ref]] = {}
         self.part = "outside"
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -59,14 +64,26 @@ class SavedBytes:
 
     def _count(self, t: torch.Tensor) -> None:
         key = storage_key(t)
+        if key in self.storages and not self._alive(key):
+            self._forget(key)
         if key not in self.storages:
             self.storages[key] = t.untyped_storage().nbytes()
             self.elements[key] = self.storages[key] // t.element_size()
             self.where[key] = self.part
+            self.saved[key] = []
+        self.saved[key].append(weakref.ref(t))
+
+    def _alive(self, key: int) -> bool:
+        return any(ref() is not None for ref in self.saved[key])
+
+    def _forget(self, key: int) -> None:
+        for counted in (self.storages, self.elements, self.where, self.saved):
+            del counted[key]
 
     def kept_by_functions(self, output: torch.Tensor) -> None:
         """Tensors that custom autograd functions in `output`'s graph keep as attributes of their
-        context (not through save_for_backward, so no hook saw them)."""
+        context (not through save_for_backward, so no hook saw them); and no more the storages whose
+        saved tensors are gone (saved by a graph the forward dropped)."""
         seen, todo = set(), [output.grad_fn]
         while todo:
             node = todo.pop()
@@ -77,6 +94,8 @@ class SavedBytes:
                 if isinstance(value, torch.Tensor) and not is_parameter(value):
                     self._count(value)
             todo.extend(n for n, _ in node.next_functions)
+        for key in [k for k in self.storages if not self._alive(k)]:
+            self._forget(key)
 
     @property
     def bytes(self) -> int:
