@@ -236,6 +236,9 @@ def one_side(args, root: Path, side: str, strategy: str, data: str) -> dict:
         result = launch(peer_command(args, root, strategy, data, run, args.steps, save, None), run / "records.jsonl",
                         args.ranks)
     row = summarise(result, ours, data == "text")
+    if not ours:  # what Accelerate made of the strategy (on CPU: DDP, whatever was asked)
+        setup = [r for r in read_records(run / "records.jsonl") if r.get("event") == "setup"]
+        row["ran_as"] = setup[0]["distributed_type"] if setup else None
     if not save or "error" in result:
         return row
     if ours:
@@ -281,14 +284,21 @@ def cell(ours: dict, peer: dict, key: str, fmt: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| data | strategy | peer | " + " | ".join(name for name, _, _ in CELLS) + " | step losses max abs diff |",
-             "|---" * (len(CELLS) + 4) + "|"]
+    lines = ["| data | strategy | peer (Accelerate ran) | " + " | ".join(name for name, _, _ in CELLS)
+             + " | step losses max abs diff |", "|---" * (len(CELLS) + 4) + "|"]
+    fell_back = False  # a row whose peer ran DDP for another strategy
     for r in results:
         ours, peer = r["ours"], r["peer"]
         diff = r.get("loss_max_abs_diff")
-        lines.append(f"| {r['data']} | {r['strategy']} | {r['peer_name']} | "
+        ran = peer.get("ran_as")
+        fell_back |= r["strategy"] != "ddp" and ran in ("MULTI_CPU", "NO")
+        lines.append(f"| {r['data']} | {r['strategy']} | {r['peer_name']} ({ran or '-'}) | "
                      + " | ".join(cell(ours, peer, key, fmt) for _, key, fmt in CELLS)
                      + f" | {'-' if diff is None else f'{diff:.1e}'} |")
+    if fell_back:
+        lines.append("\nMULTI_CPU: the peer trained with DDP, not the strategy asked for: Accelerate enables FSDP on "
+                     "accelerators only (its state.py), silently; in those rows ours is the strategy against the "
+                     "peer's DDP. `bench/gpu.sh peers` compares them strategy for strategy.")
     return "\n".join(lines)
 
 

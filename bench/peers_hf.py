@@ -8,7 +8,8 @@ through the Trainer's own switches, which build Accelerate's plugins: ddp (none)
 fsdp (`fsdp="full_shard"`, FSDP2 per decoder layer), zero2/zero3 (`deepspeed=` a config of
 "auto" values). Rank 0 appends one JSON line per optimizer step to `records` in the settings:
 {"step", "loss", "input_tokens" (cumulative, all ranks), "t" (perf_counter at the step's end)},
-and {"step", "save_s"} after a checkpoint.
+{"step", "save_s"} after a checkpoint, and first {"event": "setup", "distributed_type", "fsdp",
+"deepspeed"}: what Accelerate runs (on CPU, fsdp= gives DDP).
 """
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ def strategy_args(strategy: str, block: str) -> dict:
         return {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": [block],
                                                       "reshard_after_forward": True}}
     stage = {"zero2": 2, "zero3": 3}[strategy]
+    # as the Trainer's DeepSpeed guide writes them (ds_config_zero2/3.json): bucket sizes "auto", which
+    # the Trainer fills from the model's hidden size (reduce bucket: hidden^2, the trainer's size too);
     # no "optimizer" section: the Trainer's own (its default optim) goes to DeepSpeed as the client optimizer
-    return {"deepspeed": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+    sizes = {"reduce_bucket_size": "auto", **({"stage3_prefetch_bucket_size": "auto",
+                                                "stage3_param_persistence_threshold": "auto"} if stage == 3 else {})}
+    return {"deepspeed": {"zero_optimization": {"stage": stage, **sizes}, "train_micro_batch_size_per_gpu": "auto",
                           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}}
 
 
@@ -89,6 +94,10 @@ def main(settings_path: str) -> None:
         args = SFTConfig(packing=True, max_length=s["seq_len"], **common)
         trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
                              callbacks=[Records()])
+    # what Accelerate made of the strategy's switches: on CPU it trains with DDP whatever fsdp= says
+    # (its FSDP type is for accelerators only); DeepSpeed runs
+    Records().write({"event": "setup", "distributed_type": trainer.accelerator.distributed_type.value,
+                     "fsdp": trainer.is_fsdp_enabled, "deepspeed": trainer.is_deepspeed_enabled})
     trainer.train(resume_from_checkpoint=s["resume"])
     torch.distributed.destroy_process_group()
     time.sleep(0.5)  # gloo's exit crash after backward (FACTS): leave the group before the interpreter ends

@@ -88,6 +88,21 @@ def test_the_fused_loss_equals_the_plain_one_and_saves_no_tokens_by_vocab_tensor
         expected.item())
 
 
+def test_a_target_outside_the_vocabulary_is_an_error_as_with_the_plain_loss():
+    vocab = 64
+    shape = ModelShape(vocab_size=vocab, seq_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    fused = Transformer(shape)
+    fuse_output_layer(fused, vocab)
+    inputs = torch.randint(0, vocab, (1, 8))
+    for wrong in (vocab, -3):
+        targets = torch.randint(0, vocab, (1, 8))
+        targets[0, 3] = wrong
+        with pytest.raises(RuntimeError, match=r"a target outside the vocabulary \[0, 64\)"):
+            NextToken(fused=True).loss_sum(fused, [inputs, targets])
+    targets[0, 3] = IGNORE_INDEX  # ignored targets are not in the vocabulary either: no error
+    NextToken(fused=True).loss_sum(fused, [inputs, targets])
+
+
 def grad_factor(grad: torch.Tensor, reference: torch.Tensor) -> float:
     """The common factor between two gradients (least squares): 1 where neither is scaled off."""
     grad, reference = grad.float(), reference.float()

@@ -110,6 +110,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         ctx.dtype = compute_dtype(hidden)  # backward runs outside autocast: it makes the same logits
         computed = hidden.to(ctx.dtype)
         counted = targets != ignore_index
+        # as cross_entropy does: a target outside the vocabulary is an error, not a loss of log-sum-exp
+        # (on CUDA an assertion on the device, no host sync)
+        torch._assert_async((((targets >= 0) & (targets < weight.shape[0])) | ~counted).all(),
+                            f"train.fused_loss: a target outside the vocabulary [0, {weight.shape[0]})")
         log_sum_exp = torch.full(targets.shape, -torch.inf, device=hidden.device)
         target_logit = torch.zeros(targets.shape, device=hidden.device)
         logit_sum = torch.zeros(targets.shape, device=hidden.device)
