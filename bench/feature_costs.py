@@ -37,15 +37,10 @@ KINDS = ("plain", "mem.activations", "verdict", "buffer broadcast")
 
 
 def parse_args() -> argparse.Namespace:
+    from bench.peers import add_model_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--ranks", type=int, default=2)
+    add_model_args(p)
     p.add_argument("--rounds", type=int, default=8, help="steps of each kind (after one round of warm-up)")
     p.add_argument("--out", default=str(REPO / "bench/results/feature_costs_cpu.json"))
     return p.parse_args()
@@ -53,13 +48,12 @@ def parse_args() -> argparse.Namespace:
 
 def build(args):
     from torch.nn.parallel import DistributedDataParallel
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                         max_position_embeddings=args.seq, tie_word_embeddings=False, attn_implementation="sdpa")
+    from bench.peers import llama_config
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(llama_config(args, args.vocab, attn_implementation="sdpa"))
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)  # as trainer/strategies/ddp.py
     return model, ddp, torch.optim.AdamW(ddp.parameters(), lr=3e-4, weight_decay=0.0, fused=True)
 

@@ -48,8 +48,8 @@ BIN = Path(sys.executable).parent
 WARMUP = 5  # steps left out of the median
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, batch and ranks of the bench (bench/feature_costs.py takes the same)."""
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -58,6 +58,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--ranks", type=int, default=2)
+
+
+def llama_config(args, vocab: int, **extra):
+    """The bench's Llama-style config: untied, as many key/value heads as heads."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                       max_position_embeddings=args.seq, tie_word_embeddings=False, **extra)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--strategies", default="ddp,fsdp,zero2,zero3")
@@ -74,18 +88,14 @@ def prepare(args, root: Path) -> dict:
     import numpy as np
     import torch
     from torch.utils.data import DistributedSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from examples.tiny_hf import conversations, documents, train_chat_tokenizer, write_rows
 
     texts = documents()
     tokenizer_dir = train_chat_tokenizer(root / "tokenizer", texts, vocab=args.vocab)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.ffn,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.heads, max_position_embeddings=args.seq,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = llama_config(args, len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(str(root / "model"), safe_serialization=True)

@@ -294,7 +294,10 @@ def alike_stack(model: nn.Module, blocks: list[nn.Module]) -> nn.ModuleList | No
     """The ModuleList that holds `blocks` and nothing else, where the blocks are all alike and the
     model names no kinds of layers; else None (traced whole)."""
     kinds = getattr(getattr(model, "config", None), "layer_types", None)
-    if len(blocks) < 2 or (kinds and len(set(kinds)) > 1) or any(_signature(b) != _signature(blocks[0]) for b in blocks):
+    if len(blocks) < 2 or (kinds and len(set(kinds)) > 1):
+        return None
+    first = _signature(blocks[0])
+    if any(_signature(b) != first for b in blocks[1:]):
         return None
     ids = [id(b) for b in blocks]
     return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and [id(c) for c in m.children()] == ids), None)
