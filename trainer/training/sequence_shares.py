@@ -23,7 +23,10 @@ def share(batch: list[torch.Tensor], group: SequenceGroup) -> tuple[list[torch.T
     inputs, targets, *rest = batch
     whole = rest[0] if rest else None
     positions = whole if whole is not None else torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
-    local = [group.local(t, dim=1).contiguous() for t in (inputs, targets, positions, *rest[1:])]
+    # copies, also where a slice is contiguous already (one row a micro-batch): a view would keep the
+    # whole row's storage alive for backward (the embedding and the loss save their indices)
+    local = [group.local(t, dim=1).clone(memory_format=torch.contiguous_format)
+             for t in (inputs, targets, positions, *rest[1:])]
     return local, sharded_with_own_random(group, whole, inputs.device)
 
 
