@@ -216,9 +216,10 @@ def test_dpo_starts_at_ln2_and_two_ranks_equal_one_on_every_strategy(parity):
 
 
 # (kind, first strategy and world size, then strategy and world size, the token cache of the resume)
-RESUMES = [("lora", ("zero3", 2), ("ddp", 1), "same"), ("full", ("fsdp", 2), ("zero2", 1), "same"),
-           ("full", ("zero3", 2), ("fsdp", 1), "fresh"), ("copy", ("zero3", 2), ("ddp", 1), "same"),
-           ("init", ("zero2", 2), ("fsdp", 1), "same")]
+# (kind, (strategy, ranks, strategy.sp) saving, (strategy, ranks) resuming, the log-prob cache)
+RESUMES = [("lora", ("zero3", 2, 1), ("ddp", 1), "same"), ("full", ("fsdp", 2, 1), ("zero2", 1), "same"),
+           ("full", ("zero3", 2, 1), ("fsdp", 1), "fresh"), ("copy", ("zero3", 2, 1), ("ddp", 1), "same"),
+           ("init", ("zero2", 2, 1), ("fsdp", 1), "same"), ("init", ("zero3", 2, 2), ("ddp", 1), "same")]
 
 
 def resume_cases(pairs, out) -> dict[int, dict]:
@@ -226,12 +227,12 @@ def resume_cases(pairs, out) -> dict[int, dict]:
     from tests.harness import resuming, saving
 
     runs = {1: {}, 2: {}}
-    for i, (kind, (s1, w1), (s2, w2), cache) in enumerate(RESUMES):
+    for i, (kind, (s1, w1, sp), (s2, w2), cache) in enumerate(RESUMES):
         ckpt = out / f"ckpt{i}"
-        runs[w1][f"straight{i}"] = saving(kind_case(pairs, kind, s1, w1, steps=4), ckpt, 2)
+        runs[w1][f"straight{i}"] = saving(kind_case(pairs, kind, s1, w1 // sp, steps=4, strategy__sp=sp), ckpt, 2)
         fresh = {"data__cache_dir": str(out / f"fresh_cache{i}")} if cache == "fresh" else {}
         runs[w2][f"resumed{i}"] = resuming(kind_case(pairs, kind, s2, w2, steps=4, **fresh), ckpt, 2)
-    assert all(w1 == 2 and w2 == 1 for _, (_, w1), (_, w2), _ in RESUMES), "saved by the 2-rank launch, which runs first"
+    assert all(w1 == 2 and w2 == 1 for _, (_, w1, _), (_, w2), _ in RESUMES), "saved by the 2-rank launch, which runs first"
     return runs
 
 
@@ -245,7 +246,8 @@ def resumed_runs(dpo_runs):
 def test_dpo_resumes_under_another_strategy_and_world_size(resumed_runs, i):
     """The reference is rebuilt (adapters off; the frozen copy from model.path, not from the
     checkpoint's trained weights; the starting adapter from peft.init's folder), read back (precomputed, in the cache), or computed again without
-    the cache, on the starting weights: the uninterrupted run's losses."""
+    the cache, on the starting weights: the uninterrupted run's losses. Also saved at sp=2 (2 ranks, one
+    data-parallel rank), resumed at sp=1."""
     from tests.harness import assert_resumes, records
 
     assert_resumes(records(resumed_runs / f"resumed{i}"), records(resumed_runs / f"straight{i}"), 2, RESUMES[i][0],
@@ -656,7 +658,8 @@ def test_dpo_with_the_fused_loss_gives_the_plain_runs_losses_rewards_and_logits(
 SEQUENCE_PARALLEL = {**{f"lora:{s}": ("lora", s, "parity/lora@1") for s in STRATEGIES},
                      **{f"full:{s}": ("full", s, "parity/full@1") for s in ("fsdp", "zero3")},
                      **{f"copy:{s}": ("copy", s, "frozen_copy/copy@1") for s in ("ddp", "zero3")},
-                     "full:zero2:fused": ("full", "zero2", "parity/full@1")}
+                     "full:zero2:fused": ("full", "zero2", "parity/full@1"),
+                     "init:zero3": ("init", "zero3", "starting_adapter/init@1")}
 
 
 def sequence_parallel_cases(pairs) -> dict[int, dict]:
@@ -667,8 +670,8 @@ def sequence_parallel_cases(pairs) -> dict[int, dict]:
 @pytest.mark.slow
 def test_dpo_at_sp2_gives_one_ranks_losses_and_rewards(dpo_runs):
     """Each response's log-probability is the sum over the group's shares of its row: sp=2 gives the
-    losses, rewards, logps/* and logits/* of one rank (adapters-off, precomputed and frozen-copy
-    references; every strategy; with the fused loss)."""
+    losses, rewards, logps/* and logits/* of one rank (adapters-off, precomputed, frozen-copy and
+    starting-adapter references; every strategy; with the fused loss)."""
     from tests.harness import records
 
     for name, (_, _, baseline) in SEQUENCE_PARALLEL.items():

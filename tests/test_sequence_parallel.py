@@ -1,5 +1,5 @@
 """Issue 30: sequence parallelism (`strategy.sp=N`, Ulysses attention) through the trainer: the losses
-of one rank with the same global batch on every backend, at sp=2 and at dp=2 x sp=2; with offload,
+of one rank with the same global batch on every backend, at sp=2, at dp=2 x sp=2 and at sp=3; with offload,
 activation checkpointing, compile and LoRA; packed conversations kept apart; checkpoints that resume
 at another sp, strategy and world size; the refusals before any rank starts.
 
@@ -105,6 +105,9 @@ CASES_2.update({
 BF16 = ("ddp", "fsdp", "zero3")  # at sp=2 against one rank of the same strategy, both in bf16
 CASES_2.update({f"{s}_sp2_bf16": sp_case(s, 2, GLOBAL_BATCH, train__precision="bf16") for s in BF16})
 CASES_4 = {f"{s}_dp2_sp2": sp_case(s, 2, GLOBAL_BATCH // 2) for s in STRATEGIES}
+# sp=3, not a power of two (the planner considers any divisor of the heads): 6 heads, rows of 96 tokens
+SIX_HEADS = {"model__n_heads": 6, "model__d_model": 96, "model__seq_len": 96}
+CASES_3 = {f"{s}_sp3": sp_case(s, 3, GLOBAL_BATCH, **SIX_HEADS) for s in ("ddp", "zero3")}
 CASES_4["fsdp_dp2_sp2_accum"] = sp_case("fsdp", 2, GLOBAL_BATCH // 4, train__grad_accum_steps=2)
 
 
@@ -128,11 +131,13 @@ def runs(tmp_path_factory, chat):  # noqa: F811
     on_ranks(1, train_cases, {"baseline": sp_case("ddp", 1, GLOBAL_BATCH),
                               "baseline_lora": sp_case("ddp", 1, GLOBAL_BATCH, peft__name="lora", peft__r=4),
                               "baseline_custom": custom_case("ddp", 1, GLOBAL_BATCH), **resumed(1),
+                              "baseline_six_heads": sp_case("ddp", 1, GLOBAL_BATCH, **SIX_HEADS),
                               **{f"baseline_bf16_{s}": sp_case(s, 1, GLOBAL_BATCH, train__precision="bf16")
                                  for s in BF16},
                               "padded": chat_case(chat, chat.data, data__packing=False),
                               "packed": chat_case(chat, chat.data)}, str(out))
     on_ranks(4, train_cases, {**CASES_4, **resumed(4)}, str(out))
+    on_ranks(3, train_cases, CASES_3, str(out))
     return out
 
 
@@ -147,6 +152,20 @@ def test_losses_at_sp2_and_dp2_sp2_match_one_rank(runs, name):
     assert [r["tokens"] for r in rows[name]] == [r["tokens"] for r in rows["baseline"]], name  # every target once
     # Adam and clipping hide a gradient's scale from the losses (DeepSpeed's sp recipe doubles ZeRO-1/2's): the norm shows it
     assert_close([r["grad_norm"] for r in rows[name]], [r["grad_norm"] for r in rows["baseline"]], name, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES_3))
+def test_sp3_on_three_ranks_matches_one_rank(runs, name):
+    """Each rank holds a third of every row and two of the six heads: the losses, target counts and
+    gradient norms of one rank."""
+    rows = {n: records(runs / n) for n in ("baseline_six_heads", name)}
+    base = losses(rows["baseline_six_heads"])
+    assert base[-1] < base[0] - 0.5, "the baseline must learn"
+    assert_close(losses(rows[name]), base, name, rtol=1e-6)
+    assert [r["tokens"] for r in rows[name]] == [r["tokens"] for r in rows["baseline_six_heads"]], name
+    assert_close([r["grad_norm"] for r in rows[name]], [r["grad_norm"] for r in rows["baseline_six_heads"]], name,
+                 rtol=1e-5)
 
 
 @pytest.mark.slow
