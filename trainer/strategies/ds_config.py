@@ -56,12 +56,14 @@ def build_ds_config(cfg, world_size: int) -> dict:
     precision = Precision(t.precision)
     if precision is Precision.fp16 and device_type() == "cpu":
         raise ConfigError("train.precision: DeepSpeed on CPU supports bf16 and fp32, not fp16")
-    from trainer.memory import reduce_bucket_elements
+    from trainer.memory import reduce_bucket_elements, zero3_prefetch_elements
     from trainer.models import model_facts
 
-    # A reduce bucket sized by the model (DeepSpeed's default of 5e8 elements is 2 GB in fp32).
-    zero: dict = {"stage": ZERO_STAGE[StrategyName(s.name)],
-                  "reduce_bucket_size": reduce_bucket_elements(model_facts(cfg.model, s.wrap).d_model)}
+    # Buckets sized by the model (DeepSpeed's default reduce bucket of 5e8 elements is 2 GB in fp32).
+    d_model = model_facts(cfg.model, s.wrap).d_model
+    zero: dict = {"stage": ZERO_STAGE[StrategyName(s.name)], "reduce_bucket_size": reduce_bucket_elements(d_model)}
+    if zero["stage"] == 3:
+        zero["stage3_prefetch_bucket_size"] = zero3_prefetch_elements(d_model)
     if s.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device_type() == "cuda"}
     if s.offload_params:
