@@ -16,6 +16,7 @@ zero3) and data:
   the same math, so the step losses are compared.
 - chat: `data=chat` (packed, train_on=all) against TRL's `SFTTrainer(packing=True)` (best-fit
   packing, padding-free): the rows differ (their packing and order), so only the losses' trend.
+  Both with activation checkpointing: TRL's SFTConfig turns it on by default (its peer records it).
 Both: seq_len, micro-batch, fp32, AdamW (betas 0.9/0.999, no decay), constant lr, clip 1.0, one
 thread per rank. Cells, each measured by this process around the command:
 - tokens/s: input tokens of a step over its median time after the first 5 steps (the trainer's
@@ -127,9 +128,10 @@ def free_port() -> int:
 
 
 def ours_command(args, root: Path, strategy: str, data: str, run: Path, steps: int, save: bool) -> list[str]:
+    # chat: activation checkpointing on, as TRL's SFTConfig has it by default (gradient_checkpointing=True)
     data_args = (["data=tokens", f"data.path={root / 'train.bin'}"] if data == "text" else
                  ["data=chat", f"data.path={root / 'chat.jsonl'}", f"data.tokenizer={root / 'tokenizer'}",
-                  "data.train_on=all", f"data.cache_dir={root / 'cache'}"])
+                  "data.train_on=all", f"data.cache_dir={root / 'cache'}", "train.activation_checkpointing=true"])
     ckpt = [f"checkpoint.dir={root / 'ckpt' / f'ours-{strategy}-{data}'}", f"checkpoint.every_steps={args.steps}",
             "checkpoint.keep_last=1"] if save else []
     return [str(BIN / "trainer"), f"nproc={args.ranks}", f"strategy={strategy}", "model=hf",
@@ -249,6 +251,7 @@ def one_side(args, root: Path, side: str, strategy: str, data: str) -> dict:
     if not ours:  # what Accelerate made of the strategy (on CPU: DDP, whatever was asked)
         setup = [r for r in read_records(run / "records.jsonl") if r.get("event") == "setup"]
         row["ran_as"] = setup[0]["distributed_type"] if setup else None
+        row["activation_checkpointing"] = setup[0].get("gradient_checkpointing") if setup else None
     if not save or "error" in result:
         return row
     if ours:
@@ -302,9 +305,13 @@ def table(results: list[dict]) -> str:
         diff = r.get("loss_max_abs_diff")
         ran = peer.get("ran_as")
         fell_back |= r["strategy"] != "ddp" and ran in ("MULTI_CPU", "NO")
-        lines.append(f"| {r['data']} | {r['strategy']} | {r['peer_name']} ({ran or '-'}) | "
+        ran = f"{ran or '-'}{', AC' if peer.get('activation_checkpointing') else ''}"
+        lines.append(f"| {r['data']} | {r['strategy']} | {r['peer_name']} ({ran}) | "
                      + " | ".join(cell(ours, peer, key, fmt) for _, key, fmt in CELLS)
                      + f" | {'-' if diff is None else f'{diff:.1e}'} |")
+    if any(r["peer"].get("activation_checkpointing") for r in results):
+        lines.append("\nAC: the peer checkpointed activations (TRL's SFTConfig does by default); ours too in "
+                     "those rows (`train.activation_checkpointing=true`).")
     if fell_back:
         lines.append("\nMULTI_CPU: the peer trained with DDP, not the strategy asked for: Accelerate enables FSDP on "
                      "accelerators only (its state.py), silently; in those rows ours is the strategy against the "

@@ -97,7 +97,8 @@ def main(settings_path: str) -> None:
     # what Accelerate made of the strategy's switches: on CPU it trains with DDP whatever fsdp= says
     # (its FSDP type is for accelerators only); DeepSpeed runs
     Records().write({"event": "setup", "distributed_type": trainer.accelerator.distributed_type.value,
-                     "fsdp": trainer.is_fsdp_enabled, "deepspeed": trainer.is_deepspeed_enabled})
+                     "fsdp": trainer.is_fsdp_enabled, "deepspeed": trainer.is_deepspeed_enabled,
+                     "gradient_checkpointing": args.gradient_checkpointing})  # TRL's SFTConfig: on by default
     trainer.train(resume_from_checkpoint=s["resume"])
     torch.distributed.destroy_process_group()
     time.sleep(0.5)  # gloo's exit crash after backward (FACTS): leave the group before the interpreter ends
