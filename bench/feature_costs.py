@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -112,10 +111,10 @@ def rank_main(rank: int, args, port: int, out: str) -> None:
 
 
 def main() -> None:
+    from bench.peers import free_port
+
     args = parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     scratch = Path(args.out).with_suffix(".rank0.json")
     scratch.parent.mkdir(parents=True, exist_ok=True)
     mp.spawn(rank_main, args=(args, port, str(scratch)), nprocs=args.ranks)

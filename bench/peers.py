@@ -305,8 +305,8 @@ def table(results: list[dict]) -> str:
         diff = r.get("loss_max_abs_diff")
         ran = peer.get("ran_as")
         fell_back |= r["strategy"] != "ddp" and ran in ("MULTI_CPU", "NO")
-        ran = f"{ran or '-'}{', AC' if peer.get('activation_checkpointing') else ''}"
-        lines.append(f"| {r['data']} | {r['strategy']} | {r['peer_name']} ({ran}) | "
+        how = f"{ran or '-'}{', AC' if peer.get('activation_checkpointing') else ''}"
+        lines.append(f"| {r['data']} | {r['strategy']} | {r['peer_name']} ({how}) | "
                      + " | ".join(cell(ours, peer, key, fmt) for _, key, fmt in CELLS)
                      + f" | {'-' if diff is None else f'{diff:.1e}'} |")
     if any(r["peer"].get("activation_checkpointing") for r in results):

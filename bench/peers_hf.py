@@ -9,7 +9,8 @@ fsdp (`fsdp="full_shard"`, FSDP2 per decoder layer), zero2/zero3 (`deepspeed=` a
 "auto" values). Rank 0 appends one JSON line per optimizer step to `records` in the settings:
 {"step", "loss", "input_tokens" (cumulative, all ranks), "t" (perf_counter at the step's end)},
 {"step", "save_s"} after a checkpoint, and first {"event": "setup", "distributed_type", "fsdp",
-"deepspeed"}: what Accelerate runs (on CPU, fsdp= gives DDP).
+"deepspeed", "gradient_checkpointing"}: what Accelerate runs (on CPU, fsdp= gives DDP), and
+whether the peer checkpoints activations (TRL's SFTConfig does by default).
 """
 from __future__ import annotations
 
