@@ -20,11 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 # DeepSpeed's accelerator, for processes the tests start: the CPU where there is no GPU; on a
 # GPU box the trainer chooses (train.device) and DeepSpeed follows.
 CPU_ONLY = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
+# What the tests' ranks import, once per test process (distributed.start_rank_server) instead of in each rank
+RANK_MODULES = ["trainer.training.loop", "transformers.modeling_utils", "trainer.strategies.deepspeed"]
 
 
 def on_ranks(nproc: int, fn, *args):
     """fn(env, *args) on `nproc` ranks of one gloo group, launched as `nproc=N` does (the elastic
     launcher does not suffer the gloo exit crash of FACTS.md). Returns {rank: fn's result}."""
+    distributed.start_rank_server(RANK_MODULES)
     return distributed.launch_local(nproc, in_group, fn, *args)
 
 

@@ -56,9 +56,10 @@ def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen) -> None:
 
 
 def rank_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
-    """The rank processes an elastic launcher (nproc=N, torchrun) started, not multiprocessing's resource tracker."""
-    return sorted((child for child in psutil.Process(launcher.pid).children()
-                   if "resource_tracker" not in " ".join(child.cmdline())), key=lambda p: p.pid)
+    """The rank processes an elastic launcher (nproc=N, torchrun) started, by the title each gives itself
+    (`distributed.init`): nproc=N forks them from its rank server, torchrun spawns them."""
+    return sorted((child for child in psutil.Process(launcher.pid).children(recursive=True)
+                   if " ".join(child.cmdline()).startswith("trainer rank")), key=lambda p: p.pid)
 
 
 ARGS = ("strategy=fsdp", f"train.max_steps={STEPS}", "train.log_every=1", "data.num_workers=0")

@@ -20,7 +20,7 @@ from trainer import distributed
 from trainer.checkpoint.format import check_base, check_fingerprint, read_manifest
 from trainer.checkpoint.resume import check_writable, hold_checkpoint_dir, resolve_resume
 from trainer.checks import check_overrides, check_settings
-from trainer.config import CONFIG_MODULE, Config, StrategyName, register_configs, to_config
+from trainer.config import CONFIG_MODULE, Config, ModelKind, PeftName, StrategyName, register_configs, to_config
 from trainer.errors import (
     ERROR_EXIT_CODE,
     OUT_OF_MEMORY_EXIT_CODE,
@@ -125,6 +125,8 @@ def app(cfg: DictConfig):
     world = int(distributed.launcher_env().get("WORLD_SIZE", cfg.nproc))
     try:
         distributed.use_device(cfg.train.device)  # before DeepSpeed is imported
+        if launches_ranks(cfg):  # their imports made once, beside this process's checks
+            distributed.start_rank_server(rank_modules(cfg))
         typed = resolve_settings(cfg, world)
         typed.checkpoint.resume = cfg.checkpoint.resume = take_foreign_resume(typed, run_dir)
         # checkpoint.dir's lock, held while `held` lives: until this run (nproc=N: all its ranks) ends
@@ -137,11 +139,27 @@ def app(cfg: DictConfig):
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     # max_restarts: under the elastic launcher, one rank too (a restart adapts to an out-of-memory)
-    if distributed.launched_externally() or (typed.nproc == 1 and not typed.max_restarts):
-        summary = worker(cfg_dict, str(run_dir))
-    else:
-        summary = launch_ranks(typed, cfg_dict, run_dir)
+    summary = launch_ranks(typed, cfg_dict, run_dir) if launches_ranks(cfg) else worker(cfg_dict, str(run_dir))
     return objective(summary)
+
+
+def launches_ranks(cfg: DictConfig) -> bool:
+    """nproc=N started alone: this process launches the ranks. Under a launcher it is one; one rank
+    runs in this process, unless max_restarts asks for the elastic launcher's restarts."""
+    return not distributed.launched_externally() and (cfg.nproc > 1 or bool(cfg.max_restarts))
+
+
+def rank_modules(cfg: DictConfig) -> list[str]:
+    """What the run's ranks import besides the trainer's loop, the slow ones: transformers' model
+    code (model=hf: 2 s here), PEFT (LoRA), DeepSpeed (strategy=zero*: 1 s)."""
+    modules = ["trainer.training.loop"]
+    if cfg.model.get("kind") == ModelKind.hf:
+        modules.append("transformers.modeling_utils")
+    if cfg.get("peft") and cfg.peft.name == PeftName.lora:
+        modules.append("peft")
+    if cfg.strategy.name in (StrategyName.zero1, StrategyName.zero2, StrategyName.zero3):
+        modules.append("trainer.strategies.deepspeed")
+    return modules
 
 
 def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:

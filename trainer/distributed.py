@@ -11,7 +11,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ def environment_ninja_first(environ) -> None:
 
 
 environment_ninja_first(os.environ)
+# The environment as this module found it (after its settings above); in a rank forked from the
+# rank server (`start_rank_server`): the server's, which the elastic agent's rank variables then differ from.
+_ENVIRONMENT_AT_IMPORT = dict(os.environ)
 DEVICE_VARIABLE = "TRAINER_DEVICE"  # the run's device type, set once and inherited by its ranks
 _own_variables: dict[str, str] = {}  # rank variables `init` set for a process alone
 
@@ -215,6 +218,39 @@ def on_main(fn):
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
+RANK_MODULES = ("trainer.training.run",)  # what every rank imports before it works
+
+
+def start_rank_server(modules: Sequence[str] = ()) -> None:
+    """On the CPU, local ranks are forked from one server process that imported RANK_MODULES and
+    `modules` (torch, transformers, DeepSpeed: 1.5-6 s of every rank's start here) once, started now,
+    beside whatever this process does next. A process that never computed is safe to fork (one
+    that ran an OpenMP region is not: its forked children hang in their first one). CUDA runs spawn
+    their ranks: the CUDA check at import (torch.cuda.is_available) would poison forked children.
+    The first call decides what the server imports; later calls change nothing."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if device_type() != "cpu":
+        return
+    multiprocessing.set_forkserver_preload([*RANK_MODULES, *modules])
+    forkserver.ensure_running()
+
+
+def in_launchers_environment(environ: dict[str, str], fn, *args):
+    """fn(*args) in the environment of the process that launched this rank, now (`environ`), with
+    the rank variables torch's elastic agent set: a rank forked from the rank server found the
+    server's environment, as it was when the server started."""
+    rank_variables = {k: v for k, v in os.environ.items() if _ENVIRONMENT_AT_IMPORT.get(k) != v}
+    wanted = {**environ, **rank_variables}
+    for key in set(os.environ) - set(wanted):  # key by key: setproctitle finds no title where all went at once
+        del os.environ[key]
+    os.environ.update({k: v for k, v in wanted.items() if os.environ.get(k) != v})
+    if "OMP_NUM_THREADS" in os.environ:  # OpenMP read it when the server started
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return fn(*args)
+
+
 def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_s: int = 30,
                  on_restart: Callable | None = None) -> dict:
     """fn(*args) in `nproc` fresh local processes under torch's elastic launcher, which sets the
@@ -232,12 +268,14 @@ def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_
 
     rendezvous = ({"rdzv_backend": "c10d", "rdzv_configs": {"timeout": 120}} if max_restarts else
                   {"rdzv_backend": "static", "rdzv_configs": {"rank": 0, "timeout": 120}})
+    start_rank_server()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", **rendezvous, max_restarts=max_restarts,
                           monitor_interval=0.1, signals_to_handle=SIGNALS_TO_HANDLE,
-                          shutdown_timeout=shutdown_timeout_s)
+                          shutdown_timeout=shutdown_timeout_s,
+                          start_method="forkserver" if device_type() == "cpu" else "spawn")
     with reported_restarts(on_restart):
-        return elastic_launch(config, fn)(*args)
+        return elastic_launch(config, in_launchers_environment)(dict(os.environ), fn, *args)
 
 
 def shutdown(peers_alive: bool = True) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from pathlib import Path
 
 from trainer import distributed
@@ -13,6 +14,8 @@ from trainer.config import Config, OnOom, to_config
 from trainer.errors import ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, ConfigError, RunError
 from trainer.oom import OutOfMemory, append, failure_line
 from trainer.training.faults import Stopped
+
+PEER_FIRST_S = 1.0  # > the elastic launcher's monitor_interval (0.1 s, distributed.launch_local)
 
 
 def worker(cfg_dict: dict, run_dir: str) -> dict:
@@ -35,8 +38,11 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
         leave(ERROR_EXIT_CODE)
     except BaseException:
         # A peer may be dead or hung (a collective failed): leave now, with the traceback for the
-        # launcher, rather than wait for it at a barrier for another collective_timeout_s.
+        # launcher, rather than wait for it at a barrier for another collective_timeout_s. A moment
+        # later than a peer that died or left on its own (out of memory): the launcher names the
+        # rank whose exit it sees first, and this one failed because of that peer.
         distributed.shutdown(peers_alive=False)
+        time.sleep(PEER_FIRST_S)
         raise
     distributed.shutdown()
     return summary
