@@ -25,7 +25,8 @@ thread per rank. Cells, each measured by this process around the command:
 - first step: seconds from the command to the first step's record appearing (polled);
 - checkpoint (with --checkpoint): a save at the last step (the trainer: its record to its
   `latest` file; the peer: on_step_end to on_save), its bytes on disk, and a second command
-  that resumes from it: its seconds to its first step.
+  that resumes from it: its seconds to its first step;
+- the loss at the last step, and the mean of the last LAST_STEPS steps' (chat: the sides' rows differ).
 A command that fails fills its cells with the first line of its error.
 """
 from __future__ import annotations
@@ -274,10 +275,12 @@ def one_side(args, root: Path, side: str, strategy: str, data: str) -> dict:
     return row
 
 
+LAST_STEPS = 10  # one step's loss on packed chat rows moves by 0.4 from step to step: their mean compares
 CELLS = [("tokens/s", "tokens_per_s", "{:.0f}"), ("target tokens/s", "target_tokens_per_s", "{:.0f}"),
          ("peak RSS/rank MB", "peak_rss_mb", "{:.0f}"), ("first step s", "first_step_s", "{:.1f}"),
          ("save s", "save_s", "{:.2f}"), ("checkpoint MB", "checkpoint_mb", "{:.1f}"),
-         ("resume to first step s", "resume_first_step_s", "{:.1f}"), ("loss at the end", "final_loss", "{:.4f}")]
+         ("resume to first step s", "resume_first_step_s", "{:.1f}"), ("loss at the end", "final_loss", "{:.4f}"),
+         (f"mean loss, last {LAST_STEPS} steps", "mean_last_loss", "{:.4f}")]
 
 
 def cell(ours: dict, peer: dict, key: str, fmt: str) -> str:
@@ -289,6 +292,8 @@ def cell(ours: dict, peer: dict, key: str, fmt: str) -> str:
             v = max(row["peak_rss_per_rank"]) / 1e6
         if key == "checkpoint_mb" and row.get("checkpoint_bytes"):
             v = row["checkpoint_bytes"] / 1e6
+        if key == "mean_last_loss" and row.get("losses"):
+            v = statistics.mean(row["losses"][-LAST_STEPS:])
         return v
     a, b = value(ours), value(peer)
     show = [fmt.format(v) if isinstance(v, (int, float)) else (v or "-").replace("|", "/") for v in (a, b)]

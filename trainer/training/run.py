@@ -60,6 +60,7 @@ def launched_worker(cfg_dict: dict, run_dir: str) -> dict:
 def exit_now(exit_code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
+    distributed.stop_rank_server()  # atexit's handlers do not run
     os._exit(exit_code)
 
 
