@@ -223,17 +223,23 @@ SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 RANK_MODULES = ("trainer.training.run",)  # what every rank imports before it works
 
 
+def forks_ranks() -> bool:
+    """Where torch sees no GPU, local ranks are forked from the rank server. On a GPU box they are
+    spawned, train.device=cpu too: the CUDA check every process makes at import
+    (torch.cuda.is_available, above) poisons the children a process forks for CUDA."""
+    return not torch.cuda.is_available()
+
+
 def start_rank_server(modules: Sequence[str] = ()) -> None:
-    """On the CPU, local ranks are forked from one server process that imported RANK_MODULES and
-    `modules` (torch, transformers, DeepSpeed: 1.5-6 s of every rank's start here) once, started now,
-    beside whatever this process does next. A process that never computed is safe to fork (one
-    that ran an OpenMP region is not: its forked children hang in their first one). CUDA runs spawn
-    their ranks: the CUDA check at import (torch.cuda.is_available) would poison forked children.
+    """Where ranks are forked (`forks_ranks`), they are forked from one server process that imported
+    RANK_MODULES and `modules` (torch, transformers, DeepSpeed: 1.5-6 s of every rank's start here)
+    once, started now, beside whatever this process does next. A process that never computed is
+    safe to fork (one that ran an OpenMP region is not: its forked children hang in their first one).
     The first call decides what the server imports; later calls change nothing."""
     import multiprocessing
     from multiprocessing import forkserver
 
-    if device_type() != "cpu":
+    if not forks_ranks():
         return
     multiprocessing.set_forkserver_preload([*RANK_MODULES, *modules])
     forkserver.ensure_running()
@@ -289,7 +295,7 @@ def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", **rendezvous, max_restarts=max_restarts,
                           monitor_interval=0.1, signals_to_handle=SIGNALS_TO_HANDLE,
                           shutdown_timeout=shutdown_timeout_s,
-                          start_method="forkserver" if device_type() == "cpu" else "spawn")
+                          start_method="forkserver" if forks_ranks() else "spawn")
     with reported_restarts(on_restart):
         return elastic_launch(config, in_launchers_environment)(dict(os.environ), fn, *args)
 
