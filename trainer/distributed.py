@@ -178,8 +178,10 @@ def init(timeout_s: float = 600) -> DistEnv:
     local_rank = int(env.get("LOCAL_RANK", rank))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     device = pick_device(local_rank, local_world)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # ranks share the cores
+    if device.type == "cpu":  # OMP_NUM_THREADS, or the ranks share the cores; set, not left to OpenMP,
+        # which read the variable when the process started: a forked rank's, its rank server's
+        threads = os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(int(threads))
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         # The launcher's store (env://) under a key space of this restart round: torch's elastic
@@ -241,9 +243,10 @@ def start_rank_server(modules: Sequence[str] = ()) -> None:
 
     if not forks_ranks():
         return
+    if forkserver._forkserver._forkserver_pid is None:  # not started yet (stop_rank_server: why private)
+        atexit.register(stop_rank_server)
     multiprocessing.set_forkserver_preload([*RANK_MODULES, *modules])
     forkserver.ensure_running()
-    atexit.register(stop_rank_server)
 
 
 def stop_rank_server() -> None:
@@ -268,8 +271,6 @@ def in_launchers_environment(environ: dict[str, str], fn, *args):
     for key in set(os.environ) - set(wanted):  # key by key: setproctitle finds no title where all went at once
         del os.environ[key]
     os.environ.update({k: v for k, v in wanted.items() if os.environ.get(k) != v})
-    if "OMP_NUM_THREADS" in os.environ:  # OpenMP read it when the server started
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     return fn(*args)
 
 
