@@ -8,6 +8,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from examples.tiny_hf import FAMILIES, VOCAB
 from tests.harness import assert_close, case, crossings, losses, on_ranks, records, train_cases, with_overrides
@@ -91,20 +96,88 @@ def test_hf_attention_split_over_two_ranks_gives_the_whole_models_logits_and_gra
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
-REFUSALS = {  # a family's config (over TINY), model.attn_implementation, strategy.sp -> the refusal's words
+
+
+class BuiltConfig(PretrainedConfig):
+    """A causal LM built for the refusals: one attention layer that attends as `attention` says.
+    - "interface": through transformers' attention functions (AttentionInterface), as Llama does;
+    - "classes of its own": a class of its own per implementation name, any other name a KeyError (Falcon
+      up to transformers 5.24: its sdpa and eager classes);
+    - "sdpa itself": torch's scaled_dot_product_attention called whatever the implementation."""
+
+    model_type = "trainer_test_attention"
+
+    def __init__(self, vocab_size=128, hidden_size=32, num_attention_heads=4, attention="interface", **kwargs):
+        self.vocab_size, self.hidden_size, self.num_attention_heads = vocab_size, hidden_size, num_attention_heads
+        self.attention = attention
+        super().__init__(**kwargs)
+
+
+class BuiltAttention(nn.Module):
+    def __init__(self, config: BuiltConfig):
+        super().__init__()
+        self.config, self.heads, self.is_causal = config, config.num_attention_heads, True
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+
+    def forward(self, x):
+        q, k, v = (y.unflatten(-1, (self.heads, -1)).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        how, implementation = self.config.attention, self.config._attn_implementation
+        if how == "sdpa itself":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        if how == "classes of its own" and implementation not in ("sdpa", "eager"):
+            raise KeyError(implementation)
+        return ALL_ATTENTION_FUNCTIONS[implementation](self, q, k, v, None, dropout=0.0, scaling=None)[0].flatten(2)
+
+
+class BuiltForCausalLM(PreTrainedModel):
+    config_class = BuiltConfig
+    _supports_sdpa = True
+
+    def __init__(self, config: BuiltConfig):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.attention = BuiltAttention(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        return CausalLMOutput(logits=self.lm_head(self.attention(self.embed(input_ids))))
+
+
+class BuiltNoSdpaConfig(BuiltConfig):
+    """Its class says it has no SDPA attention (Bloom, Gemma 2 and gpt-oss in transformers 5.24)."""
+
+    model_type = "trainer_test_no_sdpa"
+
+
+class BuiltNoSdpaForCausalLM(BuiltForCausalLM):
+    config_class = BuiltNoSdpaConfig
+    _supports_sdpa = False
+
+
+for _config, _model in ((BuiltConfig, BuiltForCausalLM), (BuiltNoSdpaConfig, BuiltNoSdpaForCausalLM)):
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
+
+# A family's config (over TINY) or a built model's (BuiltConfig's `attention`), model.attn_implementation,
+# strategy.sp -> the refusal's words
+REFUSALS = {
     "eager": ("qwen2", {}, "eager", 2, "model.attn_implementation=eager is not taken"),
     "heads": ("qwen2", {}, "sdpa", 8, "its 4 attention heads do not divide among 8 ranks"),
     "attention dropout": ("qwen2", {"attention_dropout": 0.1}, "sdpa", 2, "attention dropout 0.1"),
     "sliding window": ("mistral", {"sliding_window": 8}, "sdpa", 2, "sliding window of 8 tokens is shorter"),
-    "no sdpa": ("bloom", {}, "sdpa", 2, "attention without SDPA"),
-    "attention of its own": ("falcon", {}, "sdpa", 2, "does not run with its attention replaced"),
+    "no sdpa": (BuiltNoSdpaConfig, {}, "sdpa", 2, "attention without SDPA"),
+    "attention classes of its own": (BuiltConfig, {"attention": "classes of its own"}, "sdpa", 2,
+                                     "does not run with its attention replaced"),
+    "sdpa called itself": (BuiltConfig, {"attention": "sdpa itself"}, "sdpa", 2,
+                           "does not go through transformers' attention functions"),
 }
 
 
-def family_dir(root, family: str, config: dict):
-    from transformers import AutoConfig
-
-    AutoConfig.for_model(family, **{**TINY, **config}).save_pretrained(str(root))
+def family_dir(root, family: str | type, config: dict):
+    """A model folder (config.json) of a transformers family by name, or of a built config class."""
+    (AutoConfig.for_model(family, **{**TINY, **config}) if isinstance(family, str)
+     else family(**config)).save_pretrained(str(root))
     return root
 
 
@@ -120,6 +193,16 @@ def test_what_ulysses_cannot_split_is_refused_in_one_line(tmp_path, name):
     with pytest.raises(ConfigError) as refused:
         check_hf_sequence_parallel(cfg, sp)
     assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_a_model_attending_through_the_interface_passes_the_check(tmp_path):
+    """The built model of the refusals, attending through transformers' attention functions: nothing to
+    refuse, so each refusal above is its attention's doing."""
+    from trainer.config import ModelConfig
+    from trainer.models.checks import check_hf_sequence_parallel
+
+    path = family_dir(tmp_path, BuiltConfig, {})
+    check_hf_sequence_parallel(ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ), 2)
 
 
 def test_families_ulysses_splits_pass_the_check(tmp_path):
