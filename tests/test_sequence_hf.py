@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
@@ -76,16 +77,29 @@ def sharded_against_whole(env, path: str) -> dict[str, float]:
     return found
 
 
+TRANSFORMERS = tuple(int(n) for n in transformers.__version__.split(".")[:2])
+FALCON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False,
+              max_position_embeddings=128)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt_neox", pytest.param("falcon", marks=pytest.mark.skipif(
+    TRANSFORMERS < (5, 25), reason="Falcon attends through transformers' attention functions from 5.25 on"))])
 def test_hf_attention_split_over_two_ranks_gives_the_whole_models_logits_and_gradients(hf_assets, family, tmp_path):
     """Qwen2 (grouped-query attention: 8 query heads, 4 key/value heads, so that a rank's 4 query heads
-    need its 2 key/value heads repeated) and GPT-NeoX (partial rotary, parallel residual), on 2 gloo
-    ranks: plain rows and rows of two packed documents."""
+    need its 2 key/value heads repeated), GPT-NeoX (partial rotary, parallel residual) and Falcon
+    (multi-query: one key/value head, sent whole), on 2 gloo ranks: plain rows and rows of two packed
+    documents."""
     from examples.tiny_hf import make_model_dir
 
-    path = (make_model_dir(tmp_path, family, weights=True, num_attention_heads=8, num_key_value_heads=4)
-            if family == "qwen2" else hf_assets.pretrained[family])
+    if family == "falcon":
+        torch.manual_seed(0)
+        path = tmp_path / family
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **FALCON)).save_pretrained(str(path))
+    elif family == "qwen2":
+        path = make_model_dir(tmp_path, family, weights=True, num_attention_heads=8, num_key_value_heads=4)
+    else:
+        path = hf_assets.pretrained[family]
     found = on_ranks(2, sharded_against_whole, str(path))
     for rank, differences in found.items():
         for what, difference in differences.items():
