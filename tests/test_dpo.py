@@ -680,7 +680,9 @@ def test_dpo_at_sp2_gives_one_ranks_losses_and_rewards(dpo_runs):
         assert abs(mine[0]["loss"] - math.log(2)) < 1e-6, (name, mine[0])
         for row, expected in zip(mine, base):
             rtol = FUSED_DPO_RTOL if name.endswith(":fused") else DPO_RTOL  # measured: 6.1e-7, fused 8.8e-7
-            assert math.isclose(row["loss"], expected["loss"], rel_tol=rtol), (name, row, expected)
+            # -log sigmoid(reward margin): its resolution is the rewards' (at most REWARD_ATOL); measured
+            # 8e-7 (init:zero3, step 3's validation: 1.15e-6 relative), the same on every rerun, the same versions
+            assert math.isclose(row["loss"], expected["loss"], rel_tol=rtol, abs_tol=REWARD_ATOL), (name, row, expected)
             counts = ("tokens", "input_tokens") if "split" not in row else ()  # counted once per group
             for key in (*REWARDS_AT_START, "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", *counts):
                 assert math.isclose(row[key], expected[key], rel_tol=1e-6, abs_tol=REWARD_ATOL), \
