@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from examples.tiny_hf import FAMILIES, VOCAB
 from tests.harness import assert_close, case, crossings, losses, on_ranks, records, train_cases, with_overrides
 from tests.test_chat import PACKED_RTOL, chat, chat_case, summed_loss  # noqa: F401 (chat: the fixture)
+from trainer.demo import FAMILIES, VOCAB
 
 SEQ = 16  # tokens of a whole row; each of 2 ranks holds 8
 # Two packed documents per row (positions restart at 0): attention must stay within each.
@@ -77,7 +77,7 @@ def test_hf_attention_split_over_two_ranks_gives_the_whole_models_logits_and_gra
     """Qwen2 (grouped-query attention: 8 query heads, 4 key/value heads, so that a rank's 4 query heads
     need its 2 key/value heads repeated) and GPT-NeoX (partial rotary, parallel residual), on 2 gloo
     ranks: plain rows and rows of two packed documents."""
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     path = (make_model_dir(tmp_path, family, weights=True, num_attention_heads=8, num_key_value_heads=4)
             if family == "qwen2" else hf_assets.pretrained[family])
