@@ -140,8 +140,10 @@ def app(cfg: DictConfig):
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     # max_restarts: under the elastic launcher, one rank too (a restart adapts to an out-of-memory)
-    summary = launch_ranks(typed, cfg_dict, run_dir) if launches_ranks(cfg) else worker(cfg_dict, str(run_dir))
-    return objective(summary)
+    if launches_ranks(cfg):  # torch's launcher takes the stop signals over as it starts the ranks
+        return objective(launch_ranks(typed, cfg_dict, run_dir))
+    say_stops_during_startup(False)  # this process is the rank: the run's own handler takes over as it starts
+    return objective(worker(cfg_dict, str(run_dir)))
 
 
 def launches_ranks(cfg: DictConfig) -> bool:
@@ -244,7 +246,7 @@ def objective(summary: dict) -> float | None:
 
 def stopped_during_startup(signum: int, frame) -> None:
     """A stop signal while the launching process checks the settings and starts the ranks (until
-    torch's launcher or the run's own handler takes over): nothing has trained, so nothing to save;
+    torch's launcher takes over, or the rank in this process): nothing has trained, so nothing to save;
     said, not a silent exit. Raised, not an exit from the handler: the signal may come while this
     process holds a lock that leaving takes again (starting the rank server holds its lock)."""
     exit_code = signal_exit_code(signum)
@@ -253,10 +255,17 @@ def stopped_during_startup(signum: int, frame) -> None:
     sys.exit(exit_code)
 
 
+def say_stops_during_startup(on: bool) -> None:
+    """stopped_during_startup as the stop signals' handler, or Python's own again (SIGINT's raises
+    KeyboardInterrupt; the others' is the system's, which ends the process)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stopped_during_startup if on else
+                      signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def main() -> None:
     if not distributed.launched_externally():  # a launcher's rank: its launcher says how it ended
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, stopped_during_startup)
+        say_stops_during_startup(True)
     try:
         sys.argv[1:] = with_accelerate_choice(take_local_rank(sys.argv[1:]))
         check_overrides(sys.argv[1:])
