@@ -37,7 +37,8 @@ NOT_RUN = [
     (r"--nproc_per_node 8|--num_gpus 8|torchrun\.sh 8", "needs eight GPUs"),
     (r"^make |^python bench/|^bench/", "builds a venv, runs the test suites or the benchmarks"),
     (r"^pip ", "installs packages"),
-    (r"&\s*(#.*)?$|\bkill\b|train\.max_steps=2000", "a run made to be stopped by a signal (tests/test_faults.py)"),
+    # `pkill` too: run here it would kill whatever else on the machine has the title it names
+    (r"&\s*(#.*)?$|\bp?kill\b|train\.max_steps=2000", "a run made to be stopped by a signal (tests/test_faults.py)"),
     (r"hydra/sweeper=optuna", "an Optuna search: six jobs (tests/test_launchers.py)"),
     (r"model\.path=Qwen/|data\.path=HuggingFaceH4/", "downloads from the Hugging Face Hub (tests/test_first_contact.py "
                                                        "trains from a Hub cache, offline)"),
