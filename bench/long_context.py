@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 def model_overrides(name: str, tmp: Path, longest: int) -> list[str]:
     if name != "qwen2":
         return [f"model={name}"]
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     folder = make_model_dir(tmp / "qwen2", "qwen2", weights=False, max_position_embeddings=longest)
     return ["model=hf", f"model.path={folder}"]

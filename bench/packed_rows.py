@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 def model_node(name: str, seq: int, folder: Path) -> dict:
     if name != "qwen2":  # a built-in preset, as `model=NAME` reads it
         return {**yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text()), "seq_len": seq}
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     path = make_model_dir(folder / "qwen2", "qwen2", weights=False, max_position_embeddings=seq)
     return {"name": "hf", "kind": "hf", "path": str(path), "seq_len": seq}

@@ -4,7 +4,7 @@
     python bench/packing.py --model tiny --conversations 60     # quick check
 
 A chat set whose conversations' lengths vary about 10x (answers of 15 to 900 characters, made by
-examples/tiny_hf.py from the bundled texts), trained for one epoch by the trainer itself (one
+trainer/demo.py from the bundled texts), trained for one epoch by the trainer itself (one
 rank, `data=chat`), with `data.packing=true` (conversations joined into rows of `seq_len`,
 position ids restarting at each) and `data.packing=false` (one padded row per conversation).
 Reported per mode: rows (and steps) per epoch, the share of row positions that hold a
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_data(root: Path, n: int) -> tuple[Path, Path]:
-    from examples.tiny_hf import conversations, documents, train_chat_tokenizer, write_rows
+    from trainer.demo import conversations, documents, train_chat_tokenizer, write_rows
 
     texts = documents()
     return (write_rows(root / "chat.jsonl", conversations(texts, n, ANSWER_CHARS)),
@@ -52,7 +52,7 @@ def make_data(root: Path, n: int) -> tuple[Path, Path]:
 
 
 def config(args, data: Path, tokenizer: Path, cache: Path, packing: bool) -> dict:
-    from examples.tiny_hf import VOCAB
+    from trainer.demo import VOCAB
 
     return {"model": {"name": args.model, "kind": "reference", "vocab_size": VOCAB, "seq_len": args.seq,
                       **MODELS[args.model]},

@@ -92,7 +92,7 @@ def prepare(args, root: Path) -> dict:
     from torch.utils.data import DistributedSampler
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from examples.tiny_hf import conversations, documents, train_chat_tokenizer, write_rows
+    from trainer.demo import conversations, documents, train_chat_tokenizer, write_rows
 
     texts = documents()
     tokenizer_dir = train_chat_tokenizer(root / "tokenizer", texts, vocab=args.vocab)

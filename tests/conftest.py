@@ -50,7 +50,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def hf_assets(tmp_path_factory):
-    from examples.tiny_hf import FAMILIES, documents, make_model_dir, train_tokenizer, write_jsonl
+    from trainer.demo import FAMILIES, documents, make_model_dir, train_tokenizer, write_jsonl
 
     root = tmp_path_factory.mktemp("hf")
     docs = documents()

@@ -11,7 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.tiny_hf import (
+from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
+from trainer.config import TrainOn, to_config
+from trainer.data.sources import IGNORE_INDEX
+from trainer.demo import (
     CHAT_TEMPLATE,
     VOCAB,
     conversations,
@@ -20,9 +23,6 @@ from examples.tiny_hf import (
     train_chat_tokenizer,
     write_rows,
 )
-from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
-from trainer.config import TrainOn, to_config
-from trainer.data.sources import IGNORE_INDEX
 
 # Packed rows and padded ones are other shapes (other kernels, sums in another order): not the parity
 # tolerance of fp32 losses, tests/harness.py's, which compares runs of the same shapes.

@@ -54,7 +54,7 @@ def model_node(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def neox(tmp_path_factory) -> Path:
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("neox") / "model", "gpt_neox", weights=True)
 

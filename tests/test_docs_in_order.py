@@ -8,7 +8,9 @@ longer than a test should (dozens of trainings), so this runs the
 first command of each shell block plus every command that reads what an earlier one wrote (it
 names a path that exists in the directory and is not a file of the clone): the chains of
 outputs between commands and pages are followed in full. What cannot run in a test at all is
-listed in NOT_RUN, with why."""
+listed in NOT_RUN, with why; a command left for the reader to fill in (a run dir of theirs) ends
+with `# template: ...`, which the reader sees and this test skips, and a placeholder without it
+fails. tests/test_docs_anywhere.py runs the pages that need nothing of the clone from outside it."""
 from __future__ import annotations
 
 import os
@@ -35,17 +37,27 @@ NOT_RUN = [
     (r"--nproc_per_node 8|--num_gpus 8|torchrun\.sh 8", "needs eight GPUs"),
     (r"^make |^python bench/|^bench/", "builds a venv, runs the test suites or the benchmarks"),
     (r"^pip ", "installs packages"),
-    (r"\.\.\.|outputs/20\d\d-", "a placeholder to fill in"),
-    (r"&\s*(#.*)?$|\bkill\b|train\.max_steps=2000", "a run made to be stopped by a signal (tests/test_faults.py)"),
+    # `pkill` too: run here it would kill whatever else on the machine has the title it names
+    (r"&\s*(#.*)?$|\bp?kill\b|train\.max_steps=2000", "a run made to be stopped by a signal (tests/test_faults.py)"),
     (r"hydra/sweeper=optuna", "an Optuna search: six jobs (tests/test_launchers.py)"),
     (r"model\.path=Qwen/|data\.path=HuggingFaceH4/", "downloads from the Hugging Face Hub (tests/test_first_contact.py "
                                                        "trains from a Hub cache, offline)"),
 ]
 
 
+# A command to fill in (your own run dir, say) ends with this comment, which a reader sees; never run.
+TEMPLATE = "# template:"
+PLACEHOLDER = r"\.\.\.|outputs/20\d\d-"  # what a command left to fill in holds
+
+
+def command_of(line: str) -> str:
+    return re.split(r"\s#", line.strip(), maxsplit=1)[0]  # a comment's `...` is no placeholder
+
+
 def why_not_run(line: str) -> str | None:
-    command = re.split(r"\s#", line.strip(), maxsplit=1)[0]  # a comment's `...` is no placeholder
-    return next((why for pattern, why in NOT_RUN if re.search(pattern, command)), None)
+    if TEMPLATE in line:
+        return "a template to fill in"
+    return next((why for pattern, why in NOT_RUN if re.search(pattern, command_of(line))), None)
 
 
 def blocks(page: Path) -> list[list[tuple[int, str]]]:
@@ -100,6 +112,12 @@ BLOCKS = [(page, block) for page in PAGES for block in blocks(REPO / page)]
 @pytest.mark.parametrize("page,block", BLOCKS, ids=[f"{page}:{block[0][0]}" for page, block in BLOCKS])
 def test_a_blocks_commands_after_those_before_it(page, block, clone):
     """The blocks in reading order, in the same directory: a block a test, each its own time."""
+    run_block(page, block, clone)
+
+
+def run_block(page: str, block: list[tuple[int, str]], workdir: Path) -> None:
+    """A block's first command, and those that read what an earlier one wrote, run in `workdir`:
+    each must exit 0 without `nothing to do`."""
     ran, left_out, failures = [], [], []
     first = True
     for n, line in block:
@@ -108,14 +126,22 @@ def test_a_blocks_commands_after_those_before_it(page, block, clone):
         if why:
             left_out.append(f"{where}: {why}")
             continue
-        if not (first or reads_output(line, clone)):
+        if not (first or reads_output(line, workdir)):
             continue
         first = False
         started = time.monotonic()
-        result = run(line, clone)
+        result = run(line, workdir)
         ran.append(f"{where} ({time.monotonic() - started:.0f} s)")
         said = result.stdout + result.stderr
         if result.returncode != 0 or "nothing to do" in said:
             failures.append(f"{where}: {line.strip()}\n  exit {result.returncode}: {said.strip()[-1500:]}")
     print(f"\nran {', '.join(ran) or 'nothing'}; left out: {'; '.join(left_out) or 'nothing'}", flush=True)
     assert not failures, "\n".join(failures)
+
+
+def test_every_command_left_to_fill_in_is_marked_a_template():
+    """A placeholder (`...`, a dated run dir) in a command that is not marked `# template:` reads as a
+    command, and fails as one (`'...' is not an override`)."""
+    unmarked = [f"{page}:{n}: {line.strip()}" for page in PAGES for block in blocks(REPO / page) for n, line in block
+                if re.search(PLACEHOLDER, command_of(line)) and TEMPLATE not in line]
+    assert not unmarked, "write them as commands that run, or end them with `# template: ...`:\n" + "\n".join(unmarked)

@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.tiny_hf import (
+from tests.harness import case, refusal, with_overrides
+from tests.toys import Toy
+from trainer.data.preference import PairRows, PreferencePairs
+from trainer.data.sources import IGNORE_INDEX, Tokens
+from trainer.demo import (
     VOCAB,
     documents,
     make_model_dir,
@@ -18,10 +22,6 @@ from examples.tiny_hf import (
     train_chat_tokenizer,
     write_rows,
 )
-from tests.harness import case, refusal, with_overrides
-from tests.toys import Toy
-from trainer.data.preference import PairRows, PreferencePairs
-from trainer.data.sources import IGNORE_INDEX, Tokens
 
 SEQ = 128
 

@@ -64,7 +64,7 @@ def test_fresh_init_has_the_spread_of_transformers_from_config(family):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("weights") / "qwen2", "qwen2", weights=True, seed=1)
 

@@ -277,8 +277,8 @@ def test_a_model_and_data_by_hub_names_train_from_the_cache_offline(hf_assets, t
     whose adapter folder holds the tokenizer with that template; a name the cache lacks is one line."""
     from transformers import AutoTokenizer
 
-    from examples.tiny_hf import CHAT_TEMPLATE as CHATML
-    from examples.tiny_hf import conversations, make_model_dir, train_chat_tokenizer, write_rows
+    from trainer.demo import CHAT_TEMPLATE as CHATML
+    from trainer.demo import conversations, make_model_dir, train_chat_tokenizer, write_rows
 
     tokenizer = train_chat_tokenizer(tmp_path / "chat_tokenizer", hf_assets.docs)
     model = make_model_dir(tmp_path / "qwen2", "qwen2", weights=True, tokenizer=tokenizer)

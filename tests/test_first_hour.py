@@ -83,7 +83,7 @@ def test_the_log_is_the_programs_and_the_start_line_says_what_runs(tmp_path):
 def test_a_context_longer_than_learned_positions_is_refused_and_warned_for_computed_ones(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     gpt2 = AutoConfig.for_model("gpt2", vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                 bos_token_id=0, eos_token_id=0)

@@ -240,7 +240,7 @@ def logits_bytes(name: str) -> int:
 
 def packed_chat(root: Path, strategy: str, fused: bool, **overrides) -> dict:
     """Packed conversations (rows of several, position ids restarting), 2 micro-batches accumulated."""
-    from examples.tiny_hf import VOCAB, conversations, documents, train_chat_tokenizer, write_rows
+    from trainer.demo import VOCAB, conversations, documents, train_chat_tokenizer, write_rows
 
     if not (root / "chat.jsonl").exists():
         texts = documents()

@@ -231,7 +231,7 @@ def chat_and_text(tmp_path_factory):
     """One tokenizer (ChatML's markers, a chat template) for a text source and a chat source."""
     from types import SimpleNamespace
 
-    from examples.tiny_hf import conversations, documents, train_chat_tokenizer, write_jsonl, write_rows
+    from trainer.demo import conversations, documents, train_chat_tokenizer, write_jsonl, write_rows
 
     root = tmp_path_factory.mktemp("mixture")
     texts = documents()
@@ -243,7 +243,7 @@ def chat_and_text(tmp_path_factory):
 def mixture_case(data, strategy: str, **overrides) -> dict:
     """Text and chat packed together into rows of 128 tokens, 0.7/0.3, 80 documents an epoch (4 steps
     of global batch 16), validation per source every 4 steps."""
-    from examples.tiny_hf import VOCAB
+    from trainer.demo import VOCAB
 
     return with_overrides(case(strategy), **{
         "model__vocab_size": VOCAB, "data__name": "mixture", "data__tokenizer": str(data.tokenizer),

@@ -35,7 +35,7 @@ def test_a_sources_own_validation_file_and_val_fraction_are_refused_together():
 @pytest.fixture(scope="module")
 def long_texts(tmp_path_factory):
     """An hf source of 40 documents, 10 of them several rows long, and its tokenizer."""
-    from examples.tiny_hf import documents, train_tokenizer, write_jsonl
+    from trainer.demo import documents, train_tokenizer, write_jsonl
 
     root = tmp_path_factory.mktemp("long_texts")
     texts = documents()
@@ -47,7 +47,7 @@ def long_texts(tmp_path_factory):
 
 def read(long_texts, caplog, **source) -> tuple:
     """The training rows and validation rows of a mixture of the long texts alone, and its source's log line."""
-    from examples.tiny_hf import VOCAB
+    from trainer.demo import VOCAB
 
     cfg = mixture_config([{"kind": "hf", "path": long_texts["path"], "val_path": long_texts["val"], **source}],
                          data__tokenizer=long_texts["tokenizer"], data__cache_dir=long_texts["cache_dir"],

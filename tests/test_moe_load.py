@@ -20,7 +20,7 @@ SEQ = 16
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory) -> dict[str, Path]:
-    from examples.tiny_hf import MOE_FAMILIES, make_model_dir
+    from trainer.demo import MOE_FAMILIES, make_model_dir
 
     root = tmp_path_factory.mktemp("moe")
     return {family: make_model_dir(root / family, family, weights=True, seed=1) for family in MOE_FAMILIES}
@@ -28,7 +28,7 @@ def moe_dirs(tmp_path_factory) -> dict[str, Path]:
 
 def moe_case(strategy: str, path: Path, **overrides) -> dict:
     """One step on synthetic tokens, fp32, from the folder's weights (model node as the CLI resolves it)."""
-    from examples.tiny_hf import VOCAB
+    from trainer.demo import VOCAB
 
     cfg = with_overrides(case(strategy, steps=1), data__name="synthetic", data__num_samples=64, **overrides)
     cfg["model"] = {"name": "hf", "kind": "hf", "path": str(path), "seq_len": SEQ, "vocab_size": VOCAB}

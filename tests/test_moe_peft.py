@@ -1,5 +1,5 @@
 """Issue 39 (mixture-of-experts models): LoRA on the experts, active-parameter FLOPs, export back to
-the Hub's per-expert layout. Models from examples/tiny_hf.py's MOE_FAMILIES (4 experts, 2 per token)."""
+the Hub's per-expert layout. Models from trainer/demo.py's MOE_FAMILIES (4 experts, 2 per token)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.tiny_hf import MOE_FAMILIES, make_model_dir
 from tests.harness import (
     assert_close,
     assert_resumes,
@@ -22,6 +21,7 @@ from tests.harness import (
 from tests.test_lora import trainer_logits
 from trainer.checkpoint.format import read_manifest, read_step_dir
 from trainer.config import to_config
+from trainer.demo import MOE_FAMILIES, make_model_dir
 
 SEQ, VOCAB = 32, 512
 LORA = {"name": "lora", "r": 2, "alpha": 4.0}

@@ -15,7 +15,7 @@ LONG = 2048  # the issue's rows: transformers' [t, t] mask would be the larger p
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", weights=True, max_position_embeddings=LONG)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from examples.tiny_hf import documents, train_chat_tokenizer
 from trainer.data.preference import PreferencePairs, implicit_prompt
+from trainer.demo import documents, train_chat_tokenizer
 
 USER = {"role": "user", "content": "What color is the sky?"}
 ROWS = [

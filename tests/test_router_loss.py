@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.tiny_hf import (
+from tests.harness import assert_close, case, losses, on_ranks, records, resuming, saving, train_cases, with_overrides
+from trainer.data.sources import IGNORE_INDEX
+from trainer.demo import (
     VOCAB,
     conversations,
     documents,
@@ -15,8 +17,6 @@ from examples.tiny_hf import (
     train_chat_tokenizer,
     write_rows,
 )
-from tests.harness import assert_close, case, losses, on_ranks, records, resuming, saving, train_cases, with_overrides
-from trainer.data.sources import IGNORE_INDEX
 from trainer.losses.objectives import NextToken
 from trainer.losses.router_loss import RouterBalanced, check_router_loss, with_router_loss
 from trainer.models.sequence import SequenceGroup

@@ -259,9 +259,9 @@ def test_the_rate_and_mfu_are_of_the_tokens_processed_and_tokens_of_the_targets(
     are of the input tokens. The same conversation in every row, so each step's counts are known."""
     from transformers import AutoTokenizer
 
-    from examples.tiny_hf import VOCAB, conversations, documents, train_chat_tokenizer, write_rows
     from trainer.config import TrainOn
     from trainer.data.chat import Conversations
+    from trainer.demo import VOCAB, conversations, documents, train_chat_tokenizer, write_rows
 
     texts = documents()
     row = conversations(texts, n=1)[0]

@@ -13,7 +13,7 @@ from tests.harness import on_ranks
 from tests.test_sequence_hf import SEQ, sharded_against_whole
 from trainer.models.sequence import key_value_heads_sent
 
-HEADS, HEAD_DIM, LAYERS, ROWS = 4, 8, 2, 2  # the tiny Qwen2 of examples/tiny_hf.py: width 32, 4 query heads
+HEADS, HEAD_DIM, LAYERS, ROWS = 4, 8, 2, 2  # the tiny Qwen2 of trainer/demo.py: width 32, 4 query heads
 REGIMES = {"kv_heads 2 split over 2 ranks": 2, "kv_heads 1 repeated for 2 ranks": 1}
 SENT = 2  # key/value heads the all-to-all carries in both: one a rank (4 when repeated to the queries')
 
@@ -53,7 +53,7 @@ def counted_one(env, path: str) -> dict:
 
 
 def test_grouped_query_attention_at_sp2_sends_and_keeps_only_its_key_value_heads(tmp_path):
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     paths = {name: str(make_model_dir(tmp_path / str(kv), "qwen2", weights=True, num_key_value_heads=kv))
              for name, kv in REGIMES.items()}
@@ -73,8 +73,8 @@ def test_grouped_query_attention_at_sp2_sends_and_keeps_only_its_key_value_heads
 def test_the_planner_counts_the_all_to_alls_of_the_key_value_heads_sent(tmp_path):
     """The plan's comm column at sp=2: per step, the forward's all-to-alls (queries and output of 4
     heads, keys and values of the 2 sent) and as much again in backward; once more under checkpointing."""
-    from examples.tiny_hf import make_model_dir
     from trainer.config import to_config
+    from trainer.demo import make_model_dir
     from trainer.plan import make_plan
 
     path = make_model_dir(tmp_path, "qwen2", weights=False, num_key_value_heads=1)

@@ -15,9 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from examples.tiny_hf import FAMILIES, VOCAB
 from tests.harness import assert_close, case, crossings, losses, on_ranks, records, train_cases, with_overrides
 from tests.test_chat import PACKED_RTOL, chat, chat_case, summed_loss  # noqa: F401 (chat: the fixture)
+from trainer.demo import FAMILIES, VOCAB
 
 SEQ = 16  # tokens of a whole row; each of 2 ranks holds 8
 # Two packed documents per row (positions restart at 0): attention must stay within each.
@@ -90,7 +90,7 @@ def test_hf_attention_split_over_two_ranks_gives_the_whole_models_logits_and_gra
     need its 2 key/value heads repeated), GPT-NeoX (partial rotary, parallel residual) and Falcon
     (multi-query: one key/value head, sent whole), on 2 gloo ranks: plain rows and rows of two packed
     documents."""
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     if family == "falcon":
         torch.manual_seed(0)

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from examples.tiny_hf import VOCAB
 from tests.harness import (
     LOSS_RTOL,
     assert_refused,
@@ -24,6 +23,7 @@ from tests.harness import (
     with_overrides,
 )
 from trainer.config import to_config
+from trainer.demo import VOCAB
 
 
 def all_records(run_dir):

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from examples.tiny_hf import FAMILIES, VOCAB
 from tests.harness import (
     LOSS_RTOL,
     assert_close,
@@ -34,6 +33,7 @@ from tests.harness import (
 )
 from trainer.checkpoint.format import read_manifest
 from trainer.config import to_config
+from trainer.demo import FAMILIES, VOCAB
 from trainer.strategies.base import optimizer_step
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
@@ -286,7 +286,7 @@ def test_custom_model_needs_its_blocks_named(tmp_path):
 def bad_model_dirs(hf_assets, tmp_path_factory):
     from transformers import T5Config
 
-    from examples.tiny_hf import make_model_dir
+    from trainer.demo import make_model_dir
 
     root = tmp_path_factory.mktemp("bad_models")
     T5Config(d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=32, vocab_size=64).save_pretrained(str(root / "t5"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -139,8 +140,10 @@ def app(cfg: DictConfig):
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     # max_restarts: under the elastic launcher, one rank too (a restart adapts to an out-of-memory)
-    summary = launch_ranks(typed, cfg_dict, run_dir) if launches_ranks(cfg) else worker(cfg_dict, str(run_dir))
-    return objective(summary)
+    if launches_ranks(cfg):  # torch's launcher takes the stop signals over as it starts the ranks
+        return objective(launch_ranks(typed, cfg_dict, run_dir))
+    say_stops_during_startup(False)  # this process is the rank: the run's own handler takes over as it starts
+    return objective(worker(cfg_dict, str(run_dir)))
 
 
 def launches_ranks(cfg: DictConfig) -> bool:
@@ -195,13 +198,20 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
 
 
 def unsaid_stop(run_dir: Path) -> str:
-    """Where to look when the ranks did not record where they stopped: rank 0's `SIGTERM: all ranks
-    stopped after step N; saved ...` line says it once, beside their `preempted` record."""
+    """What the ranks did not say themselves: rank 0's `SIGTERM: all ranks stopped after step N; saved
+    ...` line says where they stopped, once, beside their `preempted` record. Without it, the ranks
+    were stopped before their stop handler was in place, while they started, or were killed before
+    they could say it (the steps they recorded say how far they got)."""
     import json
 
     metrics = run_dir / "metrics.jsonl"
-    events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    return "" if any(e.get("event") == "preempted" for e in events) else f"; see {metrics}"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    if any(r.get("event") == "preempted" for r in records):
+        return ""
+    steps = [r["step"] for r in records if "loss" in r and "event" not in r and "split" not in r]
+    if not steps:
+        return " while the ranks were starting, before their first step: nothing to save"
+    return f" after step {steps[-1]}, before the ranks said where they stopped; see {metrics}"
 
 
 def what_happened(rank: int, failure) -> str:
@@ -234,7 +244,28 @@ def objective(summary: dict) -> float | None:
     return summary.get("val_loss", summary.get("loss"))
 
 
+def stopped_during_startup(signum: int, frame) -> None:
+    """A stop signal while the launching process checks the settings and starts the ranks (until
+    torch's launcher takes over, or the rank in this process): nothing has trained, so nothing to save;
+    said, not a silent exit. Raised, not an exit from the handler: the signal may come while this
+    process holds a lock that leaving takes again (starting the rank server holds its lock)."""
+    exit_code = signal_exit_code(signum)
+    sys.stderr.write(f"trainer: stopped by {signal.Signals(signum).name} during start-up, before any rank "
+                     f"started training: nothing to save; exit code {exit_code}\n")
+    sys.exit(exit_code)
+
+
+def say_stops_during_startup(on: bool) -> None:
+    """stopped_during_startup as the stop signals' handler, or Python's own again (SIGINT's raises
+    KeyboardInterrupt; the others' is the system's, which ends the process)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stopped_during_startup if on else
+                      signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def main() -> None:
+    if not distributed.launched_externally():  # a launcher's rank: its launcher says how it ended
+        say_stops_during_startup(True)
     try:
         sys.argv[1:] = with_accelerate_choice(take_local_rank(sys.argv[1:]))
         check_overrides(sys.argv[1:])

@@ -157,6 +157,20 @@ def pick_device(local_rank: int, local_world_size: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+RANK_TITLE = "trainer rank"  # a rank's process title begins `trainer rank R/N: `
+
+
+def title_loader_worker(worker_id: int) -> None:
+    """A data loader worker's own process title (the DataLoader's worker_init_fn), `trainer loader
+    worker W of rank R/N: ...`: forked from its rank, it carried the rank's, so a kill meant for the
+    rank, found by its title, could hit the worker."""
+    import setproctitle
+
+    title = setproctitle.getproctitle()
+    if title.startswith(RANK_TITLE):
+        setproctitle.setproctitle(f"trainer loader worker {worker_id} of {title.removeprefix('trainer ')}")
+
+
 def init(timeout_s: float = 600) -> DistEnv:
     """Join (or, alone, create) the process group. Every run has one, world size 1 included,
     so DDP, FSDP2 and DeepSpeed all see the same kind of world. A collective that waits longer
@@ -173,8 +187,8 @@ def init(timeout_s: float = 600) -> DistEnv:
         import setproctitle
 
         title = setproctitle.getproctitle()
-        if not title.startswith("trainer rank"):
-            setproctitle.setproctitle(f"trainer rank {rank}/{world}: {title}")
+        if not title.startswith(RANK_TITLE):
+            setproctitle.setproctitle(f"{RANK_TITLE} {rank}/{world}: {title}")
     local_rank = int(env.get("LOCAL_RANK", rank))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     device = pick_device(local_rank, local_world)

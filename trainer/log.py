@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, NoReturn
 
+from tqdm import tqdm
+
 from trainer.errors import ERROR_EXIT_CODE
 
 log = logging.getLogger("trainer")
@@ -46,13 +48,29 @@ def _show_warning_once(message, category, filename, lineno, file=None, line=None
         _show_warning(message, category, filename, lineno, file, line)
 
 
+class BelowTheBar(logging.StreamHandler):
+    """The console's lines while the progress bar is drawn (tqdm, on stderr): each ends the bar's
+    line first and the bar is drawn again under it, so that a line starts a line of its own, for a
+    reader and for `grep '^\\[trainer\\]'` of a log of both streams (tqdm.write only wipes the bar,
+    with a carriage return that a file keeps)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bars = list(tqdm._instances)  # the bars open now (a disabled one is never among them)
+        for bar in bars:
+            bar.fp.write("\n")
+            bar.fp.flush()
+        super().emit(record)
+        for bar in bars:
+            bar.refresh()
+
+
 def setup_logging(run_dir: Path | None, is_main: bool, level: str = "warning") -> None:
     global _chatter_level
     _chatter_level = logging.getLevelName(level.upper())
     log.handlers.clear()
     log.propagate = False  # Hydra's root handlers would print each line a second time
     log.setLevel(logging.INFO if is_main else logging.WARNING)
-    console = logging.StreamHandler(sys.stdout)
+    console = BelowTheBar(sys.stdout)
     console.setFormatter(logging.Formatter("[trainer] %(message)s"))
     log.addHandler(console)
     if is_main and run_dir is not None:

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from trainer.data.sources import IGNORE_INDEX
+from trainer.distributed import title_loader_worker
 from trainer.errors import ConfigError
 
 
@@ -81,7 +82,7 @@ class BatchStream:
                                  pin_memory=pin_memory, persistent_workers=num_workers > 0,
                                  # Each new iterator draws its workers' base seed: from a generator of
                                  # its own, not torch's, which dropout draws from (a resume would differ).
-                                 generator=torch.Generator().manual_seed(seed),
+                                 generator=torch.Generator().manual_seed(seed), worker_init_fn=title_loader_worker,
                                  # Ranks started by the elastic launcher default to spawn, which
                                  # imports torch again in every worker (seen: 2 s); fork is Linux's default.
                                  multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None)

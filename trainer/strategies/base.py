@@ -129,6 +129,11 @@ class Strategy(ABC):
     def module(self) -> nn.Module:
         """The model inside the backend's wrapper (DDP's, DeepSpeed's engine), after `setup`."""
 
+    def offloaded(self) -> list[str]:
+        """What this backend keeps in host memory, as the start line's `offload=` says it."""
+        s = self.cfg.strategy
+        return [what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on]
+
     def start_words(self) -> list[str]:
         """This backend's own settings, as words of the run's start line."""
         return []

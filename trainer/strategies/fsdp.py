@@ -37,16 +37,15 @@ class FSDPStrategy(TorchStrategy):
             # strategy.reduce_dtype (fp32 by default).
             mp_policy=MixedPrecisionPolicy() if self.precision is Precision.fp32 else
             MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=REDUCE_DTYPES[s.reduce_dtype]),
-            # FSDP2 offloads params, grads and the optimizer step together.
-            offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-            if s.offload_params or s.offload_optimizer else OffloadPolicy(),
+            offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.offloaded()
+            else OffloadPolicy(),
             reshard_after_forward=Sharding(s.sharding) is not Sharding.SHARD_GRAD_OP,
         )
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
         # Built on the meta device: each rank allocates and fills only its own shards.
-        allocate(model, torch.device("cpu") if s.offload_params or s.offload_optimizer else self.device)
+        allocate(model, torch.device("cpu") if self.offloaded() else self.device)
         fill(model, weights, lambda p: self.local_range(p)[:2])
         follow_rank0_buffers(model, self.device, self.world_size)
         return model
@@ -91,6 +90,12 @@ class FSDPStrategy(TorchStrategy):
 
     def grad_norm(self):
         return super().grad_norm().full_tensor()
+
+    def offloaded(self):
+        # FSDP2's one CPUOffloadPolicy moves params, grads and the optimizer step together: either
+        # flag asks for it
+        s = self.cfg.strategy
+        return ["params", "grads", "optimizer"] if s.offload_params or s.offload_optimizer else []
 
     def start_words(self):
         return [f"sharding={Sharding(self.cfg.strategy.sharding).value}"]

@@ -103,7 +103,6 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
 def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, facts: ModelFacts) -> str:
     """What will run, resolved: the start line; `facts`: the model's (`model_facts`)."""
     s, t = cfg.strategy, cfg.train
-    offload = "+".join(what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on)
     dp = strategy.dp_size
     global_batch = t.micro_batch_size * t.grad_accum_steps * dp
     ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
@@ -121,7 +120,7 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
                      # peft=lora and objective=dpo bring their own (conf/peft/lora.yaml, conf/objective/dpo.yaml):
                      # said, so nobody trains at a rate they did not expect
                      f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
-                     f"offload={offload or 'none'}",
+                     f"offload={'+'.join(strategy.offloaded()) or 'none'}",
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
                      *(["fused_loss=on"] if t.fused_loss else []),
                      f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "

@@ -1,6 +1,7 @@
-"""A tiny Hugging Face model folder, a tokenizer and text data, made on the spot (no hub needed):
+"""A tiny Hugging Face model folder, a tokenizer and text data, made on the spot (no hub needed),
+from any directory, as the trainer runs (needs the `hf` extra):
 
-    python examples/tiny_hf.py demo
+    python -m trainer.demo demo
 
 writes demo/qwen2/ (config.json, model.safetensors, tokenizer files), demo/train.jsonl (about
 600 paragraphs of the bundled license texts) and demo/train.bin (the same text as uint16 token
@@ -25,6 +26,9 @@ import numpy as np
 import torch
 
 import trainer.distributed  # noqa: F401  (tells DeepSpeed, which transformers imports, the device)
+from trainer.errors import ConfigError
+from trainer.extras import require_hf
+from trainer.log import refuse
 
 VOCAB = 512
 FAMILIES = {
@@ -236,5 +240,9 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python examples/tiny_hf.py OUT_DIR")
+        sys.exit("usage: python -m trainer.demo OUT_DIR")
+    try:
+        require_hf("python -m trainer.demo")
+    except ConfigError as e:
+        refuse(e, "trainer.demo")
     main(Path(sys.argv[1]))
