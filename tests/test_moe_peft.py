@@ -182,6 +182,9 @@ def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
         def start_words(self):
             return []
 
+        def offloaded(self):
+            return []
+
     cfg, model = meta(folders["mixtral"])
     line = describe(cfg, Env(), Strategy(), 4, model_facts(cfg.model, cfg.strategy.wrap, cfg.peft))
     routed, used = routed_by_hand("mixtral")
