@@ -1,0 +1,84 @@
+"""Issue 58: a checkpoint from elsewhere never runs code. A torch.save file whose pickle would call
+anything beyond tensors, containers and the allowlisted globals (trainer.checkpoint.untrusted) is
+refused in one line naming the file and the global, exit code 2, and its payload never runs: a
+universal checkpoint read by `python -m trainer.convert`, a DeepSpeed checkpoint read through
+ds_to_universal, and the DPO reference table the trainer caches. The legitimate conversions, whose
+files need the allowlist, pass in tests/test_convert.py (a plain DeepSpeed ZeRO-2 loop's checkpoint,
+a plain FSDP2 loop's DCP, ours to a universal checkpoint through a ZeRO-1 engine's)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import CPU_ONLY, REPO, assert_refused, on_ranks
+from tests.test_dpo_reference_cache import tables_on_nodes
+from trainer.checkpoint.convert import read
+from trainer.errors import CheckpointError
+
+
+class Payload:
+    """Unpickled in full, it creates `marker`: what any code a pickle carries could do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def universal_with_payload(root: Path, marker: Path) -> Path:
+    """A universal checkpoint as ds_to_universal lays it out, whose one parameter's fp32.pt carries the payload."""
+    folder = root / "universal" / "zero" / "w"
+    folder.mkdir(parents=True)
+    torch.save({"param": Payload(marker)}, folder / "fp32.pt")
+    torch.save(torch.tensor(3), folder / "step.pt")
+    return root / "universal"
+
+
+def test_converting_a_universal_checkpoint_with_a_payload_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    src = universal_with_payload(tmp_path, marker)
+    done = subprocess.run([sys.executable, "-m", "trainer.convert", str(src), str(tmp_path / "out"), "--to", "trainer"],
+                          cwd=REPO, capture_output=True, text=True, env={**__import__("os").environ, **CPU_ONLY})
+    assert_refused(done, f"{src / 'zero' / 'w' / 'fp32.pt'}: refused", "io.open", prog="trainer.convert")
+    assert not marker.exists(), "the payload ran"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_deepspeed_checkpoint_with_a_payload_is_refused_before_ds_to_universal_loads_it(tmp_path):
+    """DeepSpeed's ds_to_universal, run as it is, unpickles the optimizer states' payload."""
+    marker = tmp_path / "ran"
+    tag = tmp_path / "deepspeed" / "global_step1"
+    tag.mkdir(parents=True)
+    torch.save({"module": {"w": torch.zeros(2)}}, tag / "mp_rank_00_model_states.pt")
+    optim = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": Payload(marker)}, optim)
+    (tag.parent / "latest").write_text(tag.name)
+    with pytest.raises(CheckpointError) as refused:
+        read(tag.parent)
+    said = str(refused.value)
+    assert f"{optim}: refused" in said and "io.open" in said and "\n" not in said, said
+    assert not marker.exists(), "the payload ran"
+
+
+def cached_table_refusal(env, root: str) -> str:
+    try:
+        tables_on_nodes(env, root)
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        return type(e).__name__
+    return "read"
+
+
+def test_the_dpo_reference_table_is_read_as_tensors_only(tmp_path, monkeypatch):
+    """Even where the environment turns torch.load's default to full unpickling (as users do for old
+    checkpoints), the cached table is read weights-only."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    marker = tmp_path / "ran"
+    (tmp_path / "node0").mkdir()
+    torch.save(Payload(marker), tmp_path / "node0" / "train.pt")
+    assert on_ranks(1, cached_table_refusal, str(tmp_path))[0] == "UnpicklingError"
+    assert not marker.exists(), "the payload ran"
