@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
+from trainer.checkpoint import untrusted
 from trainer.checkpoint.format import ADAM_KEYS, LATEST, MANIFEST, Portable, read_step_dir, write_step_dir
 from trainer.checkpoint.holder import StateHolder
 from trainer.checkpoint.resume import latest_checkpoint
-from trainer.checkpoint import untrusted
 from trainer.errors import ERROR_EXIT_CODE, CheckpointError
 from trainer.models.weights import safetensors_files
 
