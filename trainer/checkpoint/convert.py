@@ -94,18 +94,15 @@ def from_optimizer_state(weights: dict, optim: dict, lacks: list[str]) -> Portab
 
 
 def read_dcp(path: Path) -> Portable:
-    """torch DCP, read whole with DCP's own `dcp_to_torch_save`."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    """torch DCP, read whole as DCP's own `dcp_to_torch_save` reads it, running nothing it carries
+    (trainer.checkpoint.untrusted.load_dcp)."""
     accelerate = (path / "pytorch_model_fsdp_0").is_dir()  # accelerate save_state under FSDP2
     parts = {"model": path / "pytorch_model_fsdp_0", "optim": path / "optimizer_0"} if accelerate else {"": path}
     loaded: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for part, folder in parts.items():
-            if (folder / ".metadata").is_file():
-                dcp_to_torch_save(str(folder), f"{tmp}/whole.pt")
-                whole = untrusted.load(Path(tmp) / "whole.pt")
-                loaded.update({part: whole} if part else whole)
+    for part, folder in parts.items():
+        if (folder / ".metadata").is_file():
+            whole = untrusted.load_dcp(folder)
+            loaded.update({part: whole} if part else whole)
     model = loaded.get("model")
     if model is None and any(isinstance(v, torch.Tensor) for v in loaded.values()):  # torchtitan: flattened
         model = {k: v for k, v in loaded.items() if k not in TORCHTITAN_ENTRIES}
