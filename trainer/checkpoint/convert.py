@@ -102,7 +102,7 @@ def read_dcp(path: Path) -> Portable:
     for part, folder in parts.items():
         if (folder / ".metadata").is_file():
             whole = untrusted.load_dcp(folder)
-            loaded.update({part: whole} if part else whole)
+            loaded.update({part: whole.get(part, whole)} if part else whole)  # accelerate: {"model": ...}
     model = loaded.get("model")
     if model is None and any(isinstance(v, torch.Tensor) for v in loaded.values()):  # torchtitan: flattened
         model = {k: v for k, v in loaded.items() if k not in TORCHTITAN_ENTRIES}
