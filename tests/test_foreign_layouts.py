@@ -2,7 +2,8 @@
 read (docs/checkpoints.md, the interchange table), written in this process by the libraries' own
 APIs: torchtitan's DCP layout (the model's keys flattened at the top level, the optimizer under
 `optimizer` in `get_optimizer_state_dict`'s flattened form) and `accelerate save_state` of a
-one-process run (model.safetensors + optimizer.bin)."""
+one-process run (model.safetensors + optimizer.bin) and of an FSDP2 run (pytorch_model_fsdp_0/ +
+optimizer_0/, two DCP dirs)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -76,3 +77,20 @@ def test_an_accelerate_save_state_folder_gives_its_weights(tmp_path: Path):
     for name, p in model.named_parameters():
         assert torch.equal(portable.weights[name], p.detach())
     assert not portable.moments and any("by position" in lack for lack in portable.lacks)
+
+
+def test_an_accelerate_save_state_under_fsdp2_gives_weights_moments_and_step(tmp_path: Path):
+    """The two DCP dirs accelerate 1.16 writes under FSDP2 (SHARDED_STATE_DICT), by its own calls
+    (utils/fsdp_utils.py: save_fsdp_model, save_fsdp_optimizer); accelerate runs FSDP only on GPUs."""
+    model, optimizer = trained()
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "state" / "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=str(tmp_path / "state" / "optimizer_0"))
+    assert detect(tmp_path / "state") == "dcp"
+    portable = read(tmp_path / "state")
+    names = dict(model.named_parameters())
+    assert set(portable.weights) == set(names)
+    for name, p in names.items():
+        assert torch.equal(portable.weights[name], p.detach())
+        assert torch.equal(portable.moments[name]["exp_avg"], optimizer.state[p]["exp_avg"])
+    assert portable.step == 2

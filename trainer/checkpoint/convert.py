@@ -13,10 +13,11 @@ from typing import Callable
 
 import torch
 
+from trainer.checkpoint import untrusted
 from trainer.checkpoint.format import ADAM_KEYS, LATEST, MANIFEST, Portable, read_step_dir, write_step_dir
 from trainer.checkpoint.holder import StateHolder
 from trainer.checkpoint.resume import latest_checkpoint
-from trainer.errors import CheckpointError
+from trainer.errors import ERROR_EXIT_CODE, CheckpointError
 from trainer.models.weights import safetensors_files
 
 # A strategy of one rank holding a step dir of ours, its model built again from what the checkpoint
@@ -93,18 +94,15 @@ def from_optimizer_state(weights: dict, optim: dict, lacks: list[str]) -> Portab
 
 
 def read_dcp(path: Path) -> Portable:
-    """torch DCP, read whole with DCP's own `dcp_to_torch_save`."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    """torch DCP, read whole as DCP's own `dcp_to_torch_save` reads it, running nothing it carries
+    (trainer.checkpoint.untrusted.load_dcp)."""
     accelerate = (path / "pytorch_model_fsdp_0").is_dir()  # accelerate save_state under FSDP2
     parts = {"model": path / "pytorch_model_fsdp_0", "optim": path / "optimizer_0"} if accelerate else {"": path}
     loaded: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for part, folder in parts.items():
-            if (folder / ".metadata").is_file():
-                dcp_to_torch_save(str(folder), f"{tmp}/whole.pt")
-                whole = torch.load(f"{tmp}/whole.pt", weights_only=False)
-                loaded.update({part: whole} if part else whole)
+    for part, folder in parts.items():
+        if (folder / ".metadata").is_file():
+            whole = untrusted.load_dcp(folder)
+            loaded.update({part: whole.get(part, whole)} if part else whole)  # accelerate: {"model": ...}
     model = loaded.get("model")
     if model is None and any(isinstance(v, torch.Tensor) for v in loaded.values()):  # torchtitan: flattened
         model = {k: v for k, v in loaded.items() if k not in TORCHTITAN_ENTRIES}
@@ -140,7 +138,7 @@ def read_universal(path: Path) -> Portable:
     zero = path / "zero" if (path / "zero").is_dir() else universal_tag(path) / "zero"
     weights, moments, steps = {}, {}, set()
     def load(file: Path):  # a dict with the tensor under "param"; the step a bare tensor
-        value = torch.load(file, weights_only=False) if file.is_file() else None
+        value = untrusted.load(file) if file.is_file() else None
         return value["param"] if isinstance(value, dict) else value
 
     for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
@@ -157,14 +155,20 @@ def read_universal(path: Path) -> Portable:
 
 def read_deepspeed(path: Path) -> Portable:
     """Any ZeRO stage at any world size, through DeepSpeed's own ds_to_universal."""
-    tag = deepspeed_tag(path)
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(tag), "--output_folder", f"{tmp}/universal", "--inject_missing_state"],
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise CheckpointError(f"{tag}: DeepSpeed's ds_to_universal failed: {done.stderr.strip()[-1500:]}")
+        to_universal(deepspeed_tag(path), Path(tmp) / "universal")
         return read_universal(Path(tmp) / "universal")
+
+
+def to_universal(tag: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal, run by trainer.checkpoint.untrusted: weights-only loads, DeepSpeed's
+    globals allowed, anything else refused in one line."""
+    done = subprocess.run([sys.executable, "-m", "trainer.checkpoint.untrusted", "--input_folder", str(tag),
+                           "--output_folder", str(out), "--inject_missing_state"], capture_output=True, text=True)
+    if done.returncode == ERROR_EXIT_CODE:
+        raise CheckpointError(done.stderr.strip().splitlines()[-1])
+    if done.returncode:
+        raise CheckpointError(f"{tag}: DeepSpeed's ds_to_universal failed: {done.stderr.strip()[-1500:]}")
 
 
 def read_hf(path: Path) -> Portable:
@@ -235,11 +239,7 @@ def write_deepspeed(p: Portable, out: Path, holding: Holding | None) -> Path:
         ours = write_step_dir(p, Path(tmp) / "ours")
         with holding(ours, p.source["model"]) as strategy:
             strategy.save_native(Path(tmp) / "deepspeed", tag)
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               f"{tmp}/deepspeed/{tag}", "--output_folder", str(out / tag), "--inject_missing_state"],
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise CheckpointError(f"DeepSpeed's ds_to_universal failed: {done.stderr.strip()[-1500:]}")
+        to_universal(Path(tmp) / "deepspeed" / tag, out / tag)
     (out / "latest_universal").write_text(tag)
     return out
 

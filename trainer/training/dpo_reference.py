@@ -91,7 +91,10 @@ def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dic
         file = entry / f"{split}.pt"
         on_rank0 = strategy.all_reduce(torch.tensor(int(strategy.is_main and file.is_file()), device=strategy.device))
         if on_rank0.item():
-            table = torch.load(file) if strategy.is_main else torch.zeros(2 * rows.n_pairs, dtype=torch.float64)
+            # one tensor: weights_only, said (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD overrides only the default),
+            # so that a file put in the cache by anyone else runs nothing
+            table = torch.load(file, weights_only=True) if strategy.is_main else torch.zeros(2 * rows.n_pairs,
+                                                                                           dtype=torch.float64)
             tables[split] = strategy.all_reduce(table.to(strategy.device)).cpu()  # the others' zeros: rank 0's
             continue
         log.info(f"objective.precompute_ref: the reference's log-probs of {rows.n_pairs:,} {split} pairs, once")
