@@ -37,6 +37,16 @@ def trained(steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def assert_weights_and_moments(portable, model, optimizer) -> None:
+    """The portable state holds every parameter of `model` and its Adam moments in `optimizer`, exactly."""
+    names = dict(model.named_parameters())
+    assert set(portable.weights) == set(names)
+    for name, p in names.items():
+        assert torch.equal(portable.weights[name], p.detach())
+        assert torch.equal(portable.moments[name]["exp_avg"], optimizer.state[p]["exp_avg"])
+        assert torch.equal(portable.moments[name]["exp_avg_sq"], optimizer.state[p]["exp_avg_sq"])
+
+
 def test_torchtitans_layout_gives_weights_moments_and_step(tmp_path: Path):
     model, optimizer = trained()
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -46,12 +56,7 @@ def test_torchtitans_layout_gives_weights_moments_and_step(tmp_path: Path):
               "train_state": {"step": torch.tensor(2)}}, checkpoint_id=str(tmp_path / "step-2"))
     assert detect(tmp_path / "step-2") == "dcp"
     portable = read(tmp_path / "step-2")
-    names = dict(model.named_parameters())
-    assert set(portable.weights) == set(names)
-    for name, p in names.items():
-        assert torch.equal(portable.weights[name], p.detach())
-        assert torch.equal(portable.moments[name]["exp_avg"], optimizer.state[p]["exp_avg"])
-        assert torch.equal(portable.moments[name]["exp_avg_sq"], optimizer.state[p]["exp_avg_sq"])
+    assert_weights_and_moments(portable, model, optimizer)
     assert portable.step == 2
     assert "the data position" in portable.lacks
 
@@ -88,9 +93,5 @@ def test_an_accelerate_save_state_under_fsdp2_gives_weights_moments_and_step(tmp
              checkpoint_id=str(tmp_path / "state" / "optimizer_0"))
     assert detect(tmp_path / "state") == "dcp"
     portable = read(tmp_path / "state")
-    names = dict(model.named_parameters())
-    assert set(portable.weights) == set(names)
-    for name, p in names.items():
-        assert torch.equal(portable.weights[name], p.detach())
-        assert torch.equal(portable.moments[name]["exp_avg"], optimizer.state[p]["exp_avg"])
+    assert_weights_and_moments(portable, model, optimizer)
     assert portable.step == 2

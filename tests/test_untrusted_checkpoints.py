@@ -44,14 +44,20 @@ def universal_with_payload(root: Path, marker: Path) -> Path:
     return root / "universal"
 
 
+def assert_conversion_refused(src: Path, out: Path, culprit: Path, marker: Path) -> None:
+    """`python -m trainer.convert SRC OUT --to trainer` refuses, in one line naming `culprit` and the
+    global its payload calls; the payload never ran and nothing was written."""
+    done = subprocess.run([sys.executable, "-m", "trainer.convert", str(src), str(out), "--to", "trainer"],
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, **CPU_ONLY})
+    assert_refused(done, f"{culprit}: refused", "io.open", prog="trainer.convert")
+    assert not marker.exists(), "the payload ran"
+    assert not out.exists()
+
+
 def test_converting_a_universal_checkpoint_with_a_payload_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "ran"
     src = universal_with_payload(tmp_path, marker)
-    done = subprocess.run([sys.executable, "-m", "trainer.convert", str(src), str(tmp_path / "out"), "--to", "trainer"],
-                          cwd=REPO, capture_output=True, text=True, env={**os.environ, **CPU_ONLY})
-    assert_refused(done, f"{src / 'zero' / 'w' / 'fp32.pt'}: refused", "io.open", prog="trainer.convert")
-    assert not marker.exists(), "the payload ran"
-    assert not (tmp_path / "out").exists()
+    assert_conversion_refused(src, tmp_path / "out", src / "zero" / "w" / "fp32.pt", marker)
 
 
 def test_a_deepspeed_checkpoint_with_a_payload_is_refused_before_ds_to_universal_loads_it(tmp_path):
@@ -83,11 +89,7 @@ def test_converting_a_dcp_dir_whose_metadata_carries_a_payload_is_refused_and_ru
     metadata = pickle.loads((src / ".metadata").read_bytes())
     metadata.storage_meta.modules = [Payload(marker)]
     (src / ".metadata").write_bytes(pickle.dumps(metadata))
-    done = subprocess.run([sys.executable, "-m", "trainer.convert", str(src), str(tmp_path / "out"), "--to", "trainer"],
-                          cwd=REPO, capture_output=True, text=True, env={**os.environ, **CPU_ONLY})
-    assert_refused(done, f"{src / '.metadata'}: refused", "io.open", prog="trainer.convert")
-    assert not marker.exists(), "the payload ran"
-    assert not (tmp_path / "out").exists()
+    assert_conversion_refused(src, tmp_path / "out", src / ".metadata", marker)
 
 
 def test_a_dcp_entry_with_a_payload_is_refused_and_runs_nothing(tmp_path):
