@@ -44,7 +44,7 @@ def test_objective_dpo_disables_the_policys_dropout_unless_told_to_keep_it():
         cfg = to_config(with_overrides(case("ddp"), objective__name="dpo", data__name="preference",
                                        peft__name="lora", **objective))
         model = build(dropout=0.5)
-        build_objective(cfg, model, SimpleNamespace(autocast=nullcontext, sequence=WHOLE_ROWS), None, None, None)
+        build_objective(cfg, model, SimpleNamespace(autocast=nullcontext, layout=SimpleNamespace(sequence=WHOLE_ROWS)), None, None, None)
         return model.dropout.p
 
     assert dropout_after() == 0.0

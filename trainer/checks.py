@@ -36,6 +36,7 @@ from trainer.losses.router_loss import check_router_loss
 from trainer.models import initial_weights, meta_model
 from trainer.models.blocks import find_blocks
 from trainer.models.checks import check_model_sequence_parallel, check_output_layer
+from trainer.models.experts import check_expert_parallel
 from trainer.models.lora import read_adapter_folder
 from trainer.strategies import preflight
 
@@ -49,6 +50,7 @@ def check_settings(cfg: Config, world_size: int) -> tuple[Any, Any]:
     model = meta_model(cfg.model, cfg.peft)  # LoRA's targets must exist
     find_blocks(model, cfg.strategy.wrap)
     check_sequence_parallel(cfg, world_size, model)
+    check_expert_parallel(cfg.strategy.ep, world_size, model, StrategyName(cfg.strategy.name).value)
     check_router_loss(cfg.model.router_aux_loss, model)
     if cfg.train.fused_loss:
         check_output_layer(cfg.model, model)

@@ -15,7 +15,8 @@ from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError
-from trainer.models.sequence import WHOLE_ROWS, sequence_group
+from trainer.layout import Degrees, Layout
+from trainer.models.experts import ExpertRows
 from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
@@ -70,19 +71,15 @@ class Strategy(ABC):
         self.held: list[nn.Module] = []  # models held outside the policy (`holds`)
         self.precision = Precision(cfg.train.precision)
         self.reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
-        # strategy.sp: this rank's sequence-parallel group, created here on every rank. The backend
-        # is not told: every rank is a data-parallel rank to it (models/sequence.py says why).
-        sp = cfg.strategy.sp
-        self.sequence = sequence_group(env.rank, env.world_size, sp) if sp > 1 else WHOLE_ROWS
+        # strategy.sp and strategy.ep: this rank's groups, created here on every rank
+        self.layout = Layout(Degrees(env.world_size, cfg.strategy.sp, cfg.strategy.ep), env.rank)
+        self.experts = ExpertRows(self.layout.experts)  # the parameters holding this rank's experts only (ep > 1)
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
     local_rank = property(lambda self: self.env.local_rank)
     device = property(lambda self: self.env.device)
     is_main = property(lambda self: self.env.is_main)
-    # The data's ranks: the ranks of a sequence-parallel group read the same samples.
-    dp_rank = property(lambda self: self.env.rank // self.sequence.size)
-    dp_size = property(lambda self: self.env.world_size // self.sequence.size)
 
     def model_init_context(self) -> AbstractContextManager:
         """Where the model is built: parameters on the meta device, materialised by `setup`."""
@@ -90,8 +87,9 @@ class Strategy(ABC):
 
     def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         """A parameter's full shape, also where this rank holds a part of it (ZeRO-3 partitions
-        parameters as they are built): what the first weights and the checkpoint fingerprint use."""
-        return tensor_shape(p)
+        parameters as they are built; strategy.ep: each rank holds its experts' rows): what the first
+        weights and the checkpoint fingerprint use."""
+        return self.experts.full_shape(p, tensor_shape(p))
 
     @abstractmethod
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -11,6 +12,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from trainer.config import Precision, Sharding
 from trainer.models.blocks import find_blocks
+from trainer.models.experts import shard_experts
 from trainer.models.weights import allocate, fill
 from trainer.strategies.base import DTYPES, REDUCE_DTYPES, follow_rank0_buffers, hold_in, tensor_bytes, toggled
 from trainer.strategies.torch_native import TorchStrategy
@@ -41,14 +43,33 @@ class FSDPStrategy(TorchStrategy):
             else OffloadPolicy(),
             reshard_after_forward=Sharding(s.sharding) is not Sharding.SHARD_GRAD_OP,
         )
+        if self.layout.experts.size > 1:
+            self.shard_experts(model, kwargs)
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
         # Built on the meta device: each rank allocates and fills only its own shards.
         allocate(model, torch.device("cpu") if self.offloaded() else self.device)
-        fill(model, weights, lambda p: self.local_range(p)[:2])
+        fill(model, weights, lambda p: self.flat_range(p, p)[:2])
         follow_rank0_buffers(model, self.device, self.world_size)
         return model
+
+    def shard_experts(self, model, kwargs) -> None:
+        """strategy.ep: each experts module keeps this rank's experts (models/experts.py), sharded over
+        the ranks that hold the same ones (world / ep), its own FSDP unit, so the block's all-gather
+        leaves it out. Its gradients come from the tokens of the whole expert group: summed over those
+        ranks and divided by the world, they are the mean over all ranks, as every other gradient."""
+        world, ep = self.world_size, self.layout.experts.size
+        self.expert_mesh = init_device_mesh(self.device.type, (world // ep, ep),
+                                            mesh_dim_names=("expert_data", "expert"))["expert_data"]
+        modules = shard_experts(model, self.layout.experts)
+        for module in modules:
+            fully_shard(module, **{**kwargs, "mesh": self.expert_mesh})
+            module.set_gradient_divide_factor(world)
+            # a plain sum, then the division (gloo has no PREMUL_SUM); where the experts are not
+            # sharded (ep = world) not set: torch 2.13 would then divide twice
+            module.set_force_sum_reduction_for_comms(world > ep)
+        self.experts.add(modules)
 
     def setup_frozen(self, model, weights):
         # sharded per block like the policy (its shards held in the training dtype), gathered per
@@ -88,8 +109,22 @@ class FSDPStrategy(TorchStrategy):
         # micro_step: FSDP2's default, reduce-scatter every backward into sharded gradients.
         return toggled(self.model.set_requires_gradient_sync, final or self.reduce_every_micro_step)
 
-    def grad_norm(self):
-        return super().grad_norm().full_tensor()
+    def total_norm(self, params):
+        # a DTensor per mesh, reduced over it; strategy.ep: an expert's gradient lives on one rank of
+        # each expert group, so the experts' squares are summed over the group too, each counted once
+        experts = [p for p in params if p in self.experts]
+        norm = super().total_norm([p for p in params if p not in self.experts]).full_tensor()
+        if not experts:
+            return norm
+        squares = super().total_norm(experts).full_tensor() ** 2
+        dist.all_reduce(squares, group=self.layout.experts.group)
+        return (norm ** 2 + squares).sqrt()
+
+    def clip(self, max_grad_norm):
+        # clipped a mesh at a time: one foreach over DTensors of two meshes is refused
+        params = list(self.model.parameters())
+        for same_mesh in ([p for p in params if p in self.experts], [p for p in params if p not in self.experts]):
+            torch.nn.utils.clip_grads_with_norm_(same_mesh, max_grad_norm, self._norm)
 
     def offloaded(self):
         # FSDP2's one CPUOffloadPolicy moves params, grads and the optimizer step together: either

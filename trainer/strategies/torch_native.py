@@ -57,19 +57,25 @@ class TorchStrategy(Strategy):
     def grad_norm(self):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        self._norm = torch.nn.utils.get_total_norm(grads)  # FSDP2: a DTensor, reduced over the mesh
+        self._norm = self.total_norm([p for p in self.model.parameters() if p.grad is not None])
         return self._norm
+
+    def total_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The norm of the gradients of `params`, all ranks'."""
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
 
     def apply(self, max_grad_norm):
         if max_grad_norm:
-            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_grad_norm, self._norm)
+            self.clip(max_grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)  # found no inf: grad_norm was finite
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def clip(self, max_grad_norm: float) -> None:
+        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_grad_norm, self._norm)
 
     def skip(self, finite_gradients):
         with loss_scale_kept(self, finite_gradients):
@@ -92,33 +98,40 @@ class TorchStrategy(Strategy):
     def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int]:
         """(start, this rank's flat range, replicas holding the same range, our replica index)."""
 
-    def _tensors(self, model_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(self, model_only: bool = False) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
         """Every parameter, and the Adam moments of the trainable ones: zeros for a parameter that
-        has had no gradient yet (Adam's own start), none for a frozen one."""
+        has had no gradient yet (Adam's own start), none for a frozen one; each with its parameter."""
         for name, p in self.module.named_parameters():
             keys = state_keys(canonical_name(name))
-            yield keys["param"], p
+            yield keys["param"], p, p
             if not model_only and p.requires_grad:
                 state = self.optimizer.state.get(p, {})
-                yield from ((keys[k], state[k] if k in state else torch.zeros_like(p)) for k in ADAM_KEYS)
+                yield from ((keys[k], state[k] if k in state else torch.zeros_like(p), p) for k in ADAM_KEYS)
+
+    def flat_range(self, tensor: torch.Tensor, param: nn.Parameter) -> tuple[int, torch.Tensor, int, int]:
+        """`local_range` of `tensor` (a parameter, or one of its moments) in the full tensor of `param`:
+        strategy.ep's experts begin at this rank's first expert."""
+        start, flat, replicas, index = self.local_range(tensor)
+        rows = param.shape[0] if param.dim() else 1
+        return start + self.experts.first_row(param, rows) * (param.numel() // max(rows, 1)), flat, replicas, index
 
     def state_dict(self, model_only=False):
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
             self.adam.create()
-        pieces = {key: replica_slice(*self.local_range(t)) for key, t in self._tensors(model_only)}
+        pieces = {key: replica_slice(*self.flat_range(t, p)) for key, t, p in self._tensors(model_only)}
         if self.is_main and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self.adam.step_count()]))
         return pieces
 
     def state_layout(self):
         self.adam.create()
-        layout = {key: (start, flat.numel()) for key, t in self._tensors()
-                  for start, flat, _, _ in [self.local_range(t)]}
+        layout = {key: (start, flat.numel()) for key, t, p in self._tensors()
+                  for start, flat, _, _ in [self.flat_range(t, p)]}
         return {**layout, STEP_KEY: (0, 1)}
 
     @torch.no_grad()
     def load_state_dict(self, values):
-        for key, t in self._tensors():
+        for key, t, _ in self._tensors():
             if key in values:  # not: frozen pretrained weights, which a checkpoint does not save
                 self.local_range(t)[1].copy_(values[key])
         self.adam.set_step_count(values[STEP_KEY].item())

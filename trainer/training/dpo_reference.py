@@ -63,11 +63,11 @@ def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size
     table = torch.zeros(2 * rows.n_pairs, dtype=torch.float64, device=strategy.device)
     was_training = model.training
     model.eval()
-    for batch in eval_batches(rows, micro_batch_size, strategy.dp_rank, strategy.dp_size):
-        batch, sharded = share([t.to(strategy.device) for t in batch], strategy.sequence)
+    for batch in eval_batches(rows, micro_batch_size, strategy.layout.dp_rank, strategy.layout.dp_size):
+        batch, sharded = share([t.to(strategy.device) for t in batch], strategy.layout.sequence)
         with sharded, strategy.autocast():
-            logps, _, numbers, _ = sequence_logps(model, batch, fused, strategy.sequence)
-        if strategy.sequence.rank == 0:  # strategy.sp: the group's ranks have the same sums; one writes them
+            logps, _, numbers, _ = sequence_logps(model, batch, fused, strategy.layout.sequence)
+        if strategy.layout.sequence.rank == 0:  # strategy.sp: the group's ranks have the same sums; one writes them
             table[numbers] = logps.double()
     model.train(was_training)
     return strategy.all_reduce(table).cpu()
@@ -132,7 +132,7 @@ def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_row
                     weights_fingerprint: str | None):
     """The run's objective; for dpo, with its reference (see the top). Called with the model as it
     starts, before a checkpoint is loaded into it."""
-    o, fused, sequence = cfg.objective, cfg.train.fused_loss, strategy.sequence
+    o, fused, sequence = cfg.objective, cfg.train.fused_loss, strategy.layout.sequence
     if ObjectiveName(o.name) is ObjectiveName.lm:
         return NextToken(fused=fused)
     if o.disable_dropout:  # else step 1 is not ln 2 and the rewards are noise (TRL disables it too)

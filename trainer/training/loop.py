@@ -88,10 +88,10 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
     the means of the objective's statistics."""
     model.eval()
     totals = torch.zeros(2 + len(objective.stats), dtype=torch.float64, device=device)  # loss sum, units, stats
-    first = int(strategy.sequence.rank == 0)  # strategy.sp: the units are counted on the whole rows, once a group
+    first = int(strategy.layout.sequence.rank == 0)  # strategy.sp: the units are counted on the whole rows, once a group
     for whole in batches:
         whole = [t.to(device) for t in whole]
-        batch, sharded = share(whole, strategy.sequence)
+        batch, sharded = share(whole, strategy.layout.sequence)
         with sharded, strategy.autocast():
             loss, stats = objective.loss_sum(model, batch)
         totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first, stats.double()])
@@ -103,7 +103,7 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
 def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, facts: ModelFacts) -> str:
     """What will run, resolved: the start line; `facts`: the model's (`model_facts`)."""
     s, t = cfg.strategy, cfg.train
-    dp = strategy.dp_size
+    dp = strategy.layout.dp_size
     global_batch = t.micro_batch_size * t.grad_accum_steps * dp
     ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
     sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
@@ -140,8 +140,8 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     # strategy.sp: each rank computes the loss of its own share of the rows' tokens; the group's first
     # rank counts the units and inputs on the whole rows (a pair, or a row's inputs up to its last
     # target, spans the shares)
-    whole, (micro_batches, contexts) = micro_batches, zip(*(share(batch, strategy.sequence) for batch in micro_batches))
-    first = int(strategy.sequence.rank == 0)
+    whole, (micro_batches, contexts) = micro_batches, zip(*(share(batch, strategy.layout.sequence) for batch in micro_batches))
+    first = int(strategy.layout.sequence.rank == 0)
     units, targets, inputs = strategy.all_reduce(torch.stack([
         sum(objective.count(batch) for batch in whole) * first, sum(target_count(batch[1]) for batch in micro_batches),
         sum(input_count(batch[1]) for batch in whole) * first]))
@@ -192,12 +192,12 @@ class Run:
             check_validation_rows(cfg, len(val_set))
         self.cfg, self.env, self.run_dir, self.strategy, self.guard = cfg, env, run_dir, strategy, guard
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
-        self.global_batch = t.micro_batch_size * t.grad_accum_steps * strategy.dp_size
+        self.global_batch = t.micro_batch_size * t.grad_accum_steps * strategy.layout.dp_size
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
         # Before a checkpoint is loaded: the policy as it starts is the reference (training/dpo_reference.py)
         self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
                                          weights.fingerprint)
-        self.objective = with_router_loss(self.objective, self.model, strategy.sequence)  # where the config asks
+        self.objective = with_router_loss(self.objective, self.model, strategy.layout.sequence)  # where the config asks
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
         self.plan, self.watch = plan, Watch(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom
@@ -284,7 +284,7 @@ class Run:
         if not self.evaluated:
             return False
         rows = self.cfg.eval.micro_batch_size or self.cfg.train.micro_batch_size
-        batches = eval_batches(self.val_set, rows, self.strategy.dp_rank, self.strategy.dp_size, self.cfg.eval.max_batches)
+        batches = eval_batches(self.val_set, rows, self.strategy.layout.dp_rank, self.strategy.layout.dp_size, self.cfg.eval.max_batches)
         with self.watch.during("evaluation", rows):
             self.val_loss, stats = evaluate(self.model, self.strategy, self.objective.evaluation("val"), batches,
                                             self.env.device)
@@ -299,7 +299,7 @@ class Run:
         """data=mixture: the val loss of each source's held-out rows apart, as `loss/<name>`, and
         those blended by the sources' fractions of the training draws (`blended_loss`)."""
         losses = {name: evaluate(self.model, self.strategy, self.objective.evaluation("val"),
-                                 eval_batches(rows, micro_batch_size, self.strategy.dp_rank, self.strategy.dp_size,
+                                 eval_batches(rows, micro_batch_size, self.strategy.layout.dp_rank, self.strategy.layout.dp_size,
                                               self.cfg.eval.max_batches), self.env.device)[0]
                   for name, rows in getattr(self.val_set, "by_source", {}).items()}
         if not losses:
@@ -397,7 +397,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         cleanup.callback(strategy.teardown)
         train_set, val_set = load_data(cfg, env.local_rank)
         # the data's ranks: a sequence-parallel group reads the same samples
-        stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, strategy.dp_rank, strategy.dp_size, t.seed,
+        stream = BatchStream(train_set, t.micro_batch_size, t.grad_accum_steps, strategy.layout.dp_rank, strategy.layout.dp_size, t.seed,
                              num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
         cleanup.callback(stream.close)
         total_steps = t.max_steps or stream.steps_for(t.epochs)

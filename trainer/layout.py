@@ -1,0 +1,59 @@
+"""Where each rank stands on the parallel axes: one object that the strategy, the data, the loss and
+the checkpoints ask, instead of each computing groups of its own.
+
+The world is data-parallel x sequence-parallel ranks (`strategy.sp`): a sequence-parallel group is
+`sp` consecutive ranks, holding shares of the same rows, so the data's ranks (`dp_rank`, `dp_size`)
+are `rank // sp` of `world // sp`. Expert parallelism (`strategy.ep`) takes its ranks from the
+data-parallel ranks (torchtitan's dp2ep): an expert group is `ep` consecutive ranks, rank e of it
+holding experts [e E/ep, (e+1) E/ep) of every MoE layer; the ranks holding the same experts (`rank %
+ep`, one per expert group) are its expert-data-parallel group, over which those experts' gradients
+are reduced and their rows sharded. The backends see the whole world as data-parallel for every
+other weight: sequence parallelism is not told to them (models/sequence.py says why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from trainer.models.experts import ONE_EXPERT_GROUP, ExpertGroup
+from trainer.models.sequence import WHOLE_ROWS, SequenceGroup
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The sizes of the parallel axes, for a world of `world` ranks."""
+    world: int
+    sp: int = 1
+    ep: int = 1
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where `rank` stands: its data-parallel rank (the data it reads), its place in its sequence
+        group, its expert group and its place in it (which experts it holds)."""
+        return {"dp": rank // self.sp, "sp": rank % self.sp, "expert_group": rank // self.ep, "ep": rank % self.ep}
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+
+class Layout:
+    """This rank's groups on every axis, created on every rank in the same order (`new_group` is
+    collective). Sizes of 1 create no group."""
+
+    def __init__(self, degrees: Degrees, rank: int):
+        self.degrees, self.rank = degrees, rank
+        at = degrees.coordinates(rank)
+        self.dp_rank, self.dp_size = at["dp"], degrees.dp
+        self.sequence = self._consecutive(degrees.sp, SequenceGroup) if degrees.sp > 1 else WHOLE_ROWS
+        self.experts = self._consecutive(degrees.ep, ExpertGroup) if degrees.ep > 1 else ONE_EXPERT_GROUP
+
+    def _consecutive(self, size: int, kind):
+        """This rank's group among groups of `size` consecutive ranks."""
+        groups = [dist.new_group(list(range(start, start + size))) for start in range(0, self.degrees.world, size)]
+        return kind(groups[self.rank // size], size, self.rank % size)
+
+    def expert_data_ranks(self) -> list[int]:
+        """The ranks that hold the same experts as this one: one in each expert group."""
+        ep = self.degrees.ep
+        return list(range(self.rank % ep, self.degrees.world, ep))
