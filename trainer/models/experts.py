@@ -160,8 +160,10 @@ def dispatch(module: nn.Module, local_forward, group: ExpertGroup, hidden: torch
     # routing weights are applied below, where one rank applies them too
     out = local_forward(arrived, arrived_expert[:, None], torch.ones(len(arrived), 1, dtype=top_k_weights.dtype,
                                                                           device=hidden.device))
-    if not len(arrived):  # no token came: the experts' gradients are zeros, not missing (the reduction waits for them)
-        out = out + sum(p.sum() for p in module.parameters(recurse=False)) * 0
+    if not len(arrived):  # no token came: the output still depends on the experts and on what arrived, so
+        # that the experts' gradients are zeros, not missing (their reduction waits for them), and the backward
+        # of the exchange that brought nothing runs here as on the ranks it is paired with
+        out = out + (arrived.sum() + sum(p.sum() for p in module.parameters(recurse=False))) * 0
     back = exchange(out, receive_sizes, send_sizes, group)
     pairs = back[torch.argsort(order)].view(n, k, -1) * top_k_weights[..., None].to(back.dtype)
     # one rank adds a token's choices in the order of their experts: the same order here
