@@ -135,7 +135,7 @@ def one_expert_for_all(env) -> dict:
         split = Qwen3MoeExperts(config)
     shard_experts(torch.nn.ModuleList([split]), layout.experts)
     rows = slice(2 * env.rank, 2 * env.rank + 2)
-    for name, p in split.named_parameters():
+    for name, _ in list(split.named_parameters()):
         setattr(split, name, torch.nn.Parameter(getattr(whole, name).detach()[rows].clone()))
     hidden = torch.randn(6, 8, generator=torch.Generator().manual_seed(env.rank), requires_grad=True)
     index = torch.zeros(6, 2, dtype=torch.long)
