@@ -127,9 +127,10 @@ class ExpertRows:
     def full_shape(self, p: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[0] * self.group.size, *shape[1:]) if p in self else shape
 
-    def first_row(self, p: torch.Tensor, rows: int) -> int:
-        """The row of the full tensor where this rank's experts begin; `rows`: the local experts."""
-        return self.group.rank * rows if p in self else 0
+    def start(self, p: torch.Tensor) -> int:
+        """Where this rank's part of `p` begins in the full flattened tensor: its first expert's row
+        (`p.numel()`: the elements of this rank's experts, as the backend sees the parameter)."""
+        return self.group.rank * p.numel() if p in self else 0
 
 
 def exchange(tensor: torch.Tensor, send: list[int], receive: list[int], group: ExpertGroup) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from trainer.config import Precision
 from trainer.log import chatter
+from trainer.models.experts import shard_experts
 from trainer.models.weights import WeightSource, allocate, fill
 from trainer.patches import watch_op_builds
 from trainer.strategies.base import (
@@ -51,6 +52,8 @@ class DeepSpeedStrategy(Strategy):
         return super().model_init_context()
 
     def setup(self, model, optimizer_factory, weights):
+        ep = self.layout.experts.size
+        experts = shard_experts(model, self.layout.experts) if ep > 1 else []  # strategy.ep: this rank's experts
         if self.stage == 3:  # each rank fills its own partition of every parameter
             fill(model, weights, partial(z3_local, rank=self.rank))
         else:  # every rank holds the whole model, in the training dtype (the fp32 masters are DeepSpeed's
@@ -58,8 +61,14 @@ class DeepSpeedStrategy(Strategy):
             # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
             hold_in(model, DTYPES[self.precision], frozen_only=False)
             allocate(model, self.device)
-            fill(model, weights)
+            self.experts.add(experts)
+            fill(model, weights, lambda p: (self.experts.start(p), p.detach().view(-1)))
         optimizer = optimizer_factory(trainable(model, self.full_shape))
+        if ep > 1:
+            from trainer.strategies.ds_experts import expert_param_groups, tell_deepspeed
+
+            tell_deepspeed(model, experts, ep)
+            expert_param_groups(optimizer, self.experts, ep)
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -68,7 +77,7 @@ class DeepSpeedStrategy(Strategy):
                                          weight_decay=d["weight_decay"], adamw_mode=True)
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                config=self.ds_config)
-        self.zero = ZeroPartitions(self.engine, self.stage, self.rank, self.world_size)
+        self.zero = ZeroPartitions(self.engine, self.stage, self.rank, self.world_size, self.experts)
         if self.precision is not Precision.fp32:
             self._set_masters(weights)
         follow_rank0_buffers(self.engine.module, self.device, self.world_size)
@@ -105,7 +114,8 @@ class DeepSpeedStrategy(Strategy):
                     safe_set_local_fp32_param(p, padded)
             elif getattr(p, "_hp_mapping", None) is not None:
                 fragment = p._hp_mapping.lp_fragment_address
-                p._hp_mapping.get_hp_fragment().copy_(weights.read(name, fragment.start, fragment.numel))
+                start = self.experts.start(p) + fragment.start
+                p._hp_mapping.get_hp_fragment().copy_(weights.read(name, start, fragment.numel))
 
     @contextmanager
     def micro_step(self, final):
@@ -224,7 +234,8 @@ class DeepSpeedStrategy(Strategy):
         self.engine.save_checkpoint(str(directory), tag=tag)
 
     def full_shape(self, p):
-        return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitions parameters as they are built
+        # ZeRO-3 partitions parameters as they are built; strategy.ep: this rank's experts' rows
+        return self.experts.full_shape(p, tuple(getattr(p, "ds_shape", p.shape)))
 
     def _dynamic_loss_scaler(self):
         """DeepSpeed's DynamicLossScaler under fp16, else None (a static scale is a setting of

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from trainer.checkpoint.format import ADAM_KEYS, STEP_KEY, Piece, replica_slice, state_keys
+from trainer.models.experts import ExpertRows
 from trainer.models.weights import canonical_name
 from trainer.strategies.adam_state import AdamState
 
@@ -30,8 +31,9 @@ def named_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]
 class ZeroPartitions:
     """A DeepSpeed engine's masters, moments and step count, read and written as portable pieces."""
 
-    def __init__(self, engine, stage: int, rank: int, world_size: int):
+    def __init__(self, engine, stage: int, rank: int, world_size: int, experts: ExpertRows):
         self.engine, self.stage, self.rank, self.world_size = engine, stage, rank, world_size
+        self.experts = experts  # strategy.ep: parameters of this rank's experts, held by world / ep ranks
         zero = engine.optimizer
         self.adam = AdamState(zero.optimizer, self.masters(), self._update)  # Adam inside DeepSpeed's optimizer
 
@@ -67,7 +69,9 @@ class ZeroPartitions:
                 if self.stage == 3:
                     start, local = z3_local(p, self.rank)
                 else:
-                    start, local = replica_slice(0, p.detach().view(-1), self.world_size, self.rank)
+                    ep = self.experts.group.size if p in self.experts else 1
+                    start, local = replica_slice(self.experts.start(p), p.detach().view(-1), self.world_size // ep,
+                                                 self.rank // ep)
                 yield name, start, local.numel(), {"param": local}
             elif self.stage == 3:
                 start, numel = z3_range(p, self.rank)
@@ -77,7 +81,7 @@ class ZeroPartitions:
             elif getattr(p, "_hp_mapping", None) is not None:
                 m = p._hp_mapping
                 local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in moments}}
-                yield name, m.lp_fragment_address.start, m.lp_fragment_address.numel, local
+                yield name, self.experts.start(p) + m.lp_fragment_address.start, m.lp_fragment_address.numel, local
 
     def state_dict(self, model_only: bool, with_step: bool) -> dict[str, Piece]:
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
@@ -93,7 +97,8 @@ class ZeroPartitions:
         layout = {state_keys(name)[what]: (start, numel) for name, start, numel, local in self._fragments()
                   for what in local if numel}
         if self.stage < 3:  # the full (low-precision) parameters live on every rank: load them whole
-            layout.update({state_keys(name)["param"]: (0, p.numel()) for name, p in named_params(self.engine.module)})
+            layout.update({state_keys(name)["param"]: (self.experts.start(p), p.numel())
+                           for name, p in named_params(self.engine.module)})
         return {**layout, STEP_KEY: (0, 1)}
 
     @torch.no_grad()

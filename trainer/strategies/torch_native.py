@@ -112,8 +112,7 @@ class TorchStrategy(Strategy):
         """`local_range` of `tensor` (a parameter, or one of its moments) in the full tensor of `param`:
         strategy.ep's experts begin at this rank's first expert."""
         start, flat, replicas, index = self.local_range(tensor)
-        rows = param.shape[0] if param.dim() else 1
-        return start + self.experts.first_row(param, rows) * (param.numel() // max(rows, 1)), flat, replicas, index
+        return start + self.experts.start(param), flat, replicas, index
 
     def state_dict(self, model_only=False):
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
