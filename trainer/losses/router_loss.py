@@ -110,18 +110,18 @@ def balance_sums(router_logits: tuple[torch.Tensor, ...], docs: torch.Tensor, n_
                  top_k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per document of each row, over all MoE layers: (top-k choices per expert [b, D, E], without
     gradient; the summed router probabilities per expert [b, D, E]; the routed tokens [b, D], each
-    token once per layer)."""
+    token once per layer). All layers at once: one softmax and one top-k over their stacked logits,
+    one histogram of the choices, the probabilities summed over the layers before the documents."""
     b, t = mask.shape
-    index = docs[..., None].expand(b, t, experts)
-    choices = torch.zeros(b, n_docs, experts, device=mask.device)
-    probs = torch.zeros(b, n_docs, experts, device=mask.device)
-    for layer in router_logits:
-        p = F.softmax(layer.float(), dim=-1).view(b, t, experts)
-        chosen = torch.zeros_like(p).scatter_(-1, torch.topk(p, top_k, dim=-1).indices, 1.0)
-        choices.scatter_add_(1, index, chosen * mask[..., None])
-        probs = probs.scatter_add(1, index, p * mask[..., None])
-    tokens = torch.zeros(b, n_docs, device=mask.device).scatter_add(1, docs, mask)
-    return choices, probs, tokens * len(router_logits)
+    p = F.softmax(torch.stack(router_logits).float(), dim=-1).view(len(router_logits), b, t, experts)
+    chosen = torch.topk(p.detach(), top_k, dim=-1).indices  # [L, b, t, k]
+    document = torch.arange(b, device=docs.device)[:, None] * n_docs + docs  # [b, t] numbered over the micro-batch
+    routed = mask[None, ..., None].expand(chosen.shape)  # padding routes nowhere
+    choices = torch.zeros(b * n_docs * experts, device=mask.device).index_add_(
+        0, (document[None, ..., None] * experts + chosen).flatten(), routed.flatten())
+    in_document = F.one_hot(docs, n_docs).to(mask.dtype) * mask[..., None]  # [b, t, D]
+    probs = torch.einsum("btd,lbte->bde", in_document, p)
+    return choices.view(b, n_docs, experts), probs, in_document.sum(1) * len(router_logits)
 
 
 class RouterBalanced:
