@@ -18,7 +18,7 @@ from trainer.demo import (
     write_rows,
 )
 from trainer.losses.objectives import NextToken
-from trainer.losses.router_loss import RouterBalanced, check_router_loss, with_router_loss
+from trainer.losses.router_loss import RouterBalanced, check_router_loss, router_logits, with_router_loss
 from trainer.models.sequence import SequenceGroup
 
 ONE_RANK = SequenceGroup(None, 1, 0)
@@ -55,7 +55,7 @@ def per_row_aux(objective: RouterBalanced, model, x, y) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_one_row_gives_transformers_own_loss_and_aux_loss(folders, family):
     model = hf_model(folders[family])
-    objective = with_router_loss(NextToken(), model, ONE_RANK)
+    objective = with_router_loss(NextToken(), router_logits(model), ONE_RANK)
     assert isinstance(objective, RouterBalanced) and objective.coef == COEF
     ids = torch.randint(0, VOCAB, (1, 33), generator=torch.Generator().manual_seed(1))
     x, y = ids[:, :-1], ids[:, 1:]
@@ -66,11 +66,38 @@ def test_one_row_gives_transformers_own_loss_and_aux_loss(folders, family):
     assert theirs.aux_loss.item() > 1.0  # E * sum f P >= 1 for top-2 of 4 experts: a real term
 
 
+def test_the_trainers_model_leaves_transformers_aux_loss_uncomputed_and_gives_its_number(folders, monkeypatch):
+    """The model as the trainer builds it (config.json: output_router_logits on) runs without
+    transformers' load_balancing_loss_func (the routers' logits come from hooks of the trainer's own);
+    its config still says on. One unpacked row: the trainer's aux_loss is transformers' own."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    from trainer.config import ModelConfig
+    from trainer.models import hf
+
+    calls = []
+    theirs_func = modeling_mixtral.load_balancing_loss_func
+    monkeypatch.setattr(modeling_mixtral, "load_balancing_loss_func", lambda *a, **k: calls.append(1) or theirs_func(*a, **k))
+    model = hf.builder(ModelConfig(name="hf", kind="hf", path=str(folders["mixtral"]), attn_implementation="eager"))()
+    plain = hf_model(folders["mixtral"])  # transformers' own forward, with the same weights
+    plain.load_state_dict(model.state_dict())
+    objective = with_router_loss(NextToken(), router_logits(model), ONE_RANK)
+    ids = torch.randint(0, VOCAB, (1, 33), generator=torch.Generator().manual_seed(4))
+    x, y = ids[:, :-1], ids[:, 1:]
+    _, stats = objective.loss_sum(model, [x, y])
+    output = model(input_ids=x)
+    assert calls == [] and output.aux_loss is None and output.router_logits is None
+    assert model.config.output_router_logits
+    theirs = plain(input_ids=x).aux_loss
+    assert calls == [1]
+    assert abs((stats[-1] / 32).item() - theirs.item()) <= 1e-6 * theirs.item()
+
+
 def test_statistics_are_per_row_and_padding_routes_nowhere(folders):
     """Two rows in one micro-batch give the token-weighted mean of each row's own aux (transformers
     would take f and P over both rows together); a padded tail (no target) changes nothing."""
     model = hf_model(folders["mixtral"])
-    objective = with_router_loss(NextToken(), model, ONE_RANK)
+    objective = with_router_loss(NextToken(), router_logits(model), ONE_RANK)
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, VOCAB, (1, 33), generator=g), torch.randint(0, VOCAB, (1, 33), generator=g)
     y_b = b[:, 1:].clone()
@@ -89,7 +116,7 @@ def test_a_packed_row_gives_its_conversations_padded_loss_and_aux_loss(folders):
     second, a padded tail of its own) give the summed loss and aux of the same two padded rows; a
     conversation's prompt (no targets) routes, its padding does not."""
     model = hf_model(folders["mixtral"])
-    objective = with_router_loss(NextToken(), model, ONE_RANK)
+    objective = with_router_loss(NextToken(), router_logits(model), ONE_RANK)
     g = torch.Generator().manual_seed(3)
     a, b = torch.randint(0, VOCAB, (20,), generator=g), torch.randint(0, VOCAB, (13,), generator=g)
     y_b = b[1:].clone()
@@ -114,7 +141,7 @@ def test_the_setting_turns_it_on_and_off_and_is_refused_where_there_is_no_such_l
 
     def objective(path, setting):
         model = hf.builder(ModelConfig(name="hf", kind="hf", path=str(path), router_aux_loss=setting))()
-        return with_router_loss(NextToken(), model, ONE_RANK)
+        return with_router_loss(NextToken(), router_logits(model), ONE_RANK)
 
     assert isinstance(objective(folders["qwen3_moe_off"], None), NextToken)  # config.json: off
     assert isinstance(objective(folders["qwen3_moe_off"], True), RouterBalanced)

@@ -66,16 +66,54 @@ def check_router_loss(asked: bool | None, model: nn.Module) -> None:
                           "gpt-oss, ...); DeepSeek-V3 balances with a routing bias instead")
 
 
-@contextmanager
-def first_output(module: nn.Module) -> Iterator[list]:
-    """The outputs of `module`'s forwards within the block (the policy's forward comes first: dpo's
-    reference, when it is the same model, runs after it)."""
-    outputs: list = []
-    handle = module.register_forward_hook(lambda _module, _args, output: outputs.append(output))
-    try:
-        yield outputs
-    finally:
-        handle.remove()
+class RouterLogits:
+    """The routers' logits of a causal LM's forward, for the trainer's statistics: kept by forward
+    hooks on its routers (the modules, and the output, transformers itself records `router_logits`
+    from: its `_can_record_outputs`), while transformers' own recording and loss stay off
+    (models/hf.py: without_transformers_aux). The hooks are made before the model's first forward
+    and stay, switched by a flag: a compiled block traces the hooks it has at its first forward
+    only, with the flag guarded. Each router keeps its logits on itself, not in a list: a list that
+    grows layer by layer would compile the block again for every layer."""
+
+    def __init__(self, lm: nn.Module):
+        self.lm, self.on = lm, False
+        spec = lm._can_record_outputs["router_logits"]
+        self.index = spec.index
+        layer = f".{spec.layer_name.strip('.')}." if spec.layer_name else "."  # as transformers matches it
+        self.routers = [module for name, module in lm.named_modules()
+                        if isinstance(module, spec.target_class) and layer in f".{name}."]
+        for router in self.routers:
+            router.kept_logits = None
+            router.register_forward_hook(self._keep)
+        lm.register_forward_hook(self._stop)
+
+    def _keep(self, router: nn.Module, _args, output) -> None:
+        if self.on:
+            router.kept_logits = output[self.index] if isinstance(output, tuple) else output
+
+    def _stop(self, *_) -> None:
+        self.on = False  # the first forward's only: dpo's reference may run the same model after it
+
+    @contextmanager
+    def first_forward(self) -> Iterator[list[torch.Tensor]]:
+        """The routers' logits of the first forward of the model within the block, filled at its end.
+        Nothing is kept outside the block: activation checkpointing's forwards again in the backward."""
+        logits: list[torch.Tensor] = []
+        self.on = True
+        try:
+            yield logits
+            logits.extend(router.kept_logits for router in self.routers)
+            assert all(kept is not None for kept in logits), "a router of the model did not run in its forward"
+        finally:
+            self.on = False
+            for router in self.routers:
+                router.kept_logits = None  # not held past the step
+
+
+def router_logits(model: nn.Module) -> RouterLogits | None:
+    """The hooks that keep the routers' logits, where the model's config asks for the router's loss;
+    made before the model's first forward (dpo's precomputed reference runs one before training)."""
+    return RouterLogits(moe_causal_lm(model)) if router_loss_on(model) else None
 
 
 def documents(batch, group: SequenceGroup) -> tuple[torch.Tensor, int]:
@@ -110,26 +148,27 @@ def balance_sums(router_logits: tuple[torch.Tensor, ...], docs: torch.Tensor, n_
                  top_k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per document of each row, over all MoE layers: (top-k choices per expert [b, D, E], without
     gradient; the summed router probabilities per expert [b, D, E]; the routed tokens [b, D], each
-    token once per layer)."""
+    token once per layer). All layers at once: one softmax and one top-k over their stacked logits,
+    one histogram of the choices, the probabilities summed over the layers before the documents."""
     b, t = mask.shape
-    index = docs[..., None].expand(b, t, experts)
-    choices = torch.zeros(b, n_docs, experts, device=mask.device)
-    probs = torch.zeros(b, n_docs, experts, device=mask.device)
-    for layer in router_logits:
-        p = F.softmax(layer.float(), dim=-1).view(b, t, experts)
-        chosen = torch.zeros_like(p).scatter_(-1, torch.topk(p, top_k, dim=-1).indices, 1.0)
-        choices.scatter_add_(1, index, chosen * mask[..., None])
-        probs = probs.scatter_add(1, index, p * mask[..., None])
-    tokens = torch.zeros(b, n_docs, device=mask.device).scatter_add(1, docs, mask)
-    return choices, probs, tokens * len(router_logits)
+    p = F.softmax(torch.stack(router_logits).float(), dim=-1).view(len(router_logits), b, t, experts)
+    chosen = torch.topk(p.detach(), top_k, dim=-1).indices  # [L, b, t, k]
+    document = torch.arange(b, device=docs.device)[:, None] * n_docs + docs  # [b, t] numbered over the micro-batch
+    routed = mask[None, ..., None].expand(chosen.shape)  # padding routes nowhere
+    choices = torch.zeros(b * n_docs * experts, device=mask.device).index_add_(
+        0, (document[None, ..., None] * experts + chosen).flatten(), routed.flatten())
+    in_document = F.one_hot(docs, n_docs).to(mask.dtype) * mask[..., None]  # [b, t, D]
+    probs = torch.einsum("btd,lbte->bde", in_document, p)
+    return choices.view(b, n_docs, experts), probs, in_document.sum(1) * len(router_logits)
 
 
 class RouterBalanced:
     """An objective (`NextToken`, `DirectPreference`) plus the router's load-balancing loss, per row
     (see the top), and its mean as the statistic `aux_loss`."""
 
-    def __init__(self, inner, lm: nn.Module, group: SequenceGroup):
-        self.inner, self.lm, self.group = inner, lm, group
+    def __init__(self, inner, routers: RouterLogits, group: SequenceGroup):
+        self.inner, self.routers, self.group = inner, routers, group
+        lm = routers.lm
         self.coef = float(lm.router_aux_loss_coef)
         self.experts, self.top_k = int(lm.num_experts), int(lm.num_experts_per_tok)
         self.stats = (*inner.stats, AUX)
@@ -138,12 +177,12 @@ class RouterBalanced:
         return self.inner.count(batch)
 
     def evaluation(self, split: str) -> RouterBalanced:
-        return RouterBalanced(self.inner.evaluation(split), self.lm, self.group)
+        return RouterBalanced(self.inner.evaluation(split), self.routers, self.group)
 
     def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        with first_output(self.lm) as outputs:
+        with self.routers.first_forward() as logits:  # the policy's forward comes first
             loss, stats = self.inner.loss_sum(model, batch)
-        aux = self.weighted_aux(outputs[0].router_logits, batch)
+        aux = self.weighted_aux(tuple(logits), batch)
         return loss + self.coef * aux, torch.cat([stats, aux.detach().view(1).to(stats.dtype)])
 
     def weighted_aux(self, router_logits, batch) -> torch.Tensor:
@@ -169,9 +208,9 @@ class RouterBalanced:
         return (units * row_aux).sum()
 
 
-def with_router_loss(objective, model: nn.Module, group: SequenceGroup):
-    """`objective` with the router's loss where the model's config asks for it; else as it is."""
-    return RouterBalanced(objective, moe_causal_lm(model), group) if router_loss_on(model) else objective
+def with_router_loss(objective, routers: RouterLogits | None, group: SequenceGroup):
+    """`objective` with the router's loss where the model's config asks for it (`router_logits`); else as it is."""
+    return objective if routers is None else RouterBalanced(objective, routers, group)
 
 
 def language_loss(objective, loss: float, stats: dict) -> float:

@@ -3,6 +3,7 @@ tokenizer files). Any architecture that AutoModelForCausalLM knows; its blocks c
 `_no_split_modules`. Export writes such a folder back (`python -m trainer.export CKPT DIR`)."""
 from __future__ import annotations
 
+import inspect
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,8 +152,19 @@ def builder(cfg: ModelConfig, sp: int = 1, packed: bool = False) -> Callable[[],
     config = read_config(cfg, hf_sequence.register() if replaced else None)
     cls = model_class(config)
     if sp > 1:
-        return lambda: hf_sequence.whole_row_rotary(cls(config))
-    return lambda: cls(config)  # fp32 parameters, whatever dtype config.json names: the masters
+        return lambda: hf_sequence.whole_row_rotary(without_transformers_aux(cls(config)))
+    return lambda: without_transformers_aux(cls(config))  # fp32 parameters, whatever dtype config.json names: the masters
+
+
+def without_transformers_aux(model: nn.Module) -> nn.Module:
+    """A mixture-of-experts model run with `output_router_logits=False`: transformers' own load-balancing
+    loss (over the micro-batch) is never computed. The trainer's (losses/router_loss.py) takes the
+    routers' logits with hooks of its own; config.output_router_logits still says whether that is on,
+    and an exported config.json still says what it said."""
+    if "output_router_logits" in inspect.signature(model.forward).parameters:
+        model.register_forward_pre_hook(lambda _model, args, kwargs: (args, {**kwargs, "output_router_logits": False}),
+                                        with_kwargs=True)
+    return model
 
 
 PROBE_VOCAB, PROBE_WIDTH = 128, 64

@@ -21,7 +21,7 @@ from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batch
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
 from trainer.losses.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
-from trainer.losses.router_loss import AUX, language_loss, start_words, with_router_loss
+from trainer.losses.router_loss import AUX, language_loss, router_logits, start_words, with_router_loss
 from trainer.models import ModelFacts, description, initial_weights, model_facts
 from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
@@ -194,10 +194,11 @@ class Run:
         self.stream, self.val_set, self.total_steps = stream, val_set, total_steps
         self.global_batch = t.micro_batch_size * t.grad_accum_steps * strategy.layout.dp_size
         self.model, self.optimizer, _, weights = setup_model(cfg, strategy)
+        routers = router_logits(self.model)  # where the config asks for the router's loss: before any forward
         # Before a checkpoint is loaded: the policy as it starts is the reference (training/dpo_reference.py)
         self.objective = build_objective(cfg, self.model, strategy, stream.sampler.dataset, val_set,
                                          weights.fingerprint)
-        self.objective = with_router_loss(self.objective, self.model, strategy.layout.sequence)  # where the config asks
+        self.objective = with_router_loss(self.objective, routers, strategy.layout.sequence)  # where the config asks
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
         self.plan, self.watch = plan, Watch(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom
