@@ -2,7 +2,7 @@
 holds 1 / N of every MoE layer's experts and tokens travel to them; the losses equal one rank's at the
 same global batch within 1e-6 (fp32, the router's loss on, clipping active), at ep=2 on 2 and 4 ranks
 and ep=4 on 4, crossed with accumulation and activation checkpointing, compile, packed chat rows,
-dpo, strategy.sp=2 and bf16, on every routed family; a batch routed to one expert gives the same
+dpo, LoRA beside the experts, strategy.sp=2 and bf16, on every routed family, on fsdp, zero1 and zero2; a batch routed to one expert gives the same
 numbers and no hang; checkpoints move between expert degrees, strategies and world sizes; refusals
 come before any work, in one line."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ STEPS = 4
 CLIP = 0.5  # below the tiny models' gradient norms (0.8-1.0): clipping is active, so the norm must be right
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # qwen3_moe: every other case
 RTOL = 1e-6
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # LoRA beside split experts (on them: refused, below)
 BF16_RTOL = 2e-3  # bf16 ep=2 against one rank in bf16: each expert's matmul over other rows, rounded
 
 
@@ -45,11 +46,12 @@ def moe_case(path, strategy: str, micro: int, accum: int = 1, steps: int = STEPS
 def runs(folders, tmp_path_factory):
     out = tmp_path_factory.mktemp("expert_runs")
     qwen, data = folders["qwen3_moe"], text_data(folders["root"])
-    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "ep2", "ep4")}
+    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "ep2", "ep4", "zero2_ep4")}
     ones = {"one": saving(moe_case(qwen, "fsdp", 4), ckpt["one"], 2),
             "one_bf16": moe_case(qwen, "fsdp", 4, train__precision="bf16"),
             "one_chat": chat_case(qwen, data, "ddp", 2),
             "one_dpo": dpo_case(qwen, data, "ddp", 4),
+            "one_lora": moe_case(qwen, "fsdp", 4, peft__name="lora", peft__target_modules=ATTENTION),
             **{f"one_{f}": moe_case(folders[f], "fsdp", 4, steps=2) for f in FAMILIES}}
     on_ranks(1, train_cases, ones, str(out))
     twos = {"ep2": saving(moe_case(qwen, "fsdp", 2, strategy__ep=2), ckpt["ep2"], 2),
@@ -59,15 +61,23 @@ def runs(folders, tmp_path_factory):
             "ep2_bf16": moe_case(qwen, "fsdp", 2, strategy__ep=2, train__precision="bf16"),
             "ep2_chat": chat_case(qwen, data, "fsdp", 1, strategy__ep=2),
             "ep2_dpo": dpo_case(qwen, data, "fsdp", 1, 2, strategy__ep=2),
+            "ep2_lora": moe_case(qwen, "fsdp", 2, strategy__ep=2, peft__name="lora", peft__target_modules=ATTENTION),
             "ep2_from_one": resuming(moe_case(qwen, "fsdp", 2, strategy__ep=2), ckpt["one"], 2),
+            "zero2_ep2": moe_case(qwen, "zero2", 1, 2, strategy__ep=2),  # accumulation: one coalesced reduction
+            "zero1_ep2": moe_case(qwen, "zero1", 2, strategy__ep=2),
             **{f"ep2_{f}": moe_case(folders[f], "fsdp", 2, steps=2, strategy__ep=2) for f in FAMILIES}}
     on_ranks(2, train_cases, twos, str(out))
     fours = {"ep2_4": moe_case(qwen, "fsdp", 1, strategy__ep=2),
              "ep4_4": saving(moe_case(qwen, "fsdp", 1, strategy__ep=4), ckpt["ep4"], 2),
              "ep4_from_ep2": resuming(moe_case(qwen, "fsdp", 1, strategy__ep=4), ckpt["ep2"], 2),
-             "zero3_from_ep2": resuming(moe_case(qwen, "zero3", 1), ckpt["ep2"], 2)}
+             "zero2_ep2_4": moe_case(qwen, "zero2", 1, strategy__ep=2),
+             "zero2_ep4_4": saving(moe_case(qwen, "zero2", 1, strategy__ep=4), ckpt["zero2_ep4"], 2),
+             "zero3_from_ep2": resuming(moe_case(qwen, "zero3", 1), ckpt["ep2"], 2),
+             "zero2_ep4_from_ep2": resuming(moe_case(qwen, "zero2", 1, strategy__ep=4), ckpt["ep2"], 2)}
     on_ranks(4, train_cases, fours, str(out))
-    on_ranks(1, train_cases, {"ddp_from_ep4": resuming(moe_case(qwen, "ddp", 4), ckpt["ep4"], 2)}, str(out))
+    on_ranks(1, train_cases, {"ddp_from_ep4": resuming(moe_case(qwen, "ddp", 4), ckpt["ep4"], 2),
+                              "fsdp_from_zero2_ep4": resuming(moe_case(qwen, "fsdp", 4), ckpt["zero2_ep4"], 2)},
+             str(out))
     return out
 
 
@@ -82,7 +92,8 @@ def assert_same_run(runs, name: str, baseline: str, rtol: float = RTOL, steps: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ep2", "ep2_4", "ep4_4", "ep2_accum_ac", "ep2_compile", "ep2_sp2"])
+@pytest.mark.parametrize("name", ["ep2", "ep2_4", "ep4_4", "zero2_ep2", "zero1_ep2", "zero2_ep2_4", "zero2_ep4_4",
+                                  "ep2_accum_ac", "ep2_compile", "ep2_sp2"])
 def test_expert_parallel_runs_give_one_ranks_losses_and_norms(runs, name):
     assert_same_run(runs, name, "one")
     assert records(runs / "one")[0]["grad_norm"] > CLIP  # clipped: a wrong norm would change the losses
@@ -96,8 +107,9 @@ def test_every_routed_family_gives_one_ranks_losses_at_ep2(runs, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, baseline, rtol", [("ep2_chat", "one_chat", RTOL), ("ep2_dpo", "one_dpo", 3e-6),
+                                                  ("ep2_lora", "one_lora", RTOL),
                                                   ("ep2_bf16", "one_bf16", BF16_RTOL)])
-def test_packed_chat_dpo_and_bf16_at_ep2_give_one_ranks_losses(runs, name, baseline, rtol):
+def test_packed_chat_dpo_lora_and_bf16_at_ep2_give_one_ranks_losses(runs, name, baseline, rtol):
     base, run = records(runs / baseline), records(runs / name)
     assert len(run) == len(base) == STEPS
     assert_close(losses(run), losses(base), name, rtol)
@@ -105,7 +117,9 @@ def test_packed_chat_dpo_and_bf16_at_ep2_give_one_ranks_losses(runs, name, basel
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, checkpoint", [("ep2_from_one", "1 rank, fsdp"), ("ep4_from_ep2", "ep=2, 2 ranks"),
-                                              ("zero3_from_ep2", "ep=2, 2 ranks"), ("ddp_from_ep4", "ep=4, 4 ranks")])
+                                              ("zero3_from_ep2", "ep=2, 2 ranks"), ("ddp_from_ep4", "ep=4, 4 ranks"),
+                                              ("zero2_ep4_from_ep2", "fsdp ep=2, 2 ranks"),
+                                              ("fsdp_from_zero2_ep4", "zero2 ep=4, 4 ranks")])
 def test_checkpoints_move_between_expert_degrees_strategies_and_world_sizes(runs, name, checkpoint):
     base, resumed = records(runs / "one"), records(runs / name)
     assert [r["step"] for r in resumed] == [3, 4], (name, checkpoint)
@@ -192,3 +206,14 @@ def test_a_dense_model_is_refused_naming_its_family(tmp_path):
     with pytest.raises(ConfigError, match=r"^strategy\.ep: qwen2 is not a mixture of experts"):
         check_expert_parallel(2, 2, dense, "fsdp")
     check_expert_parallel(1, 2, dense, "ddp")  # ep=1: nothing to check
+
+
+def test_lora_on_the_experts_is_refused_and_lora_elsewhere_is_not(folders):
+    from trainer.config import ModelConfig, PeftConfig
+    from trainer.models import meta_model as built
+    from trainer.models.experts import check_expert_parallel
+
+    model = ModelConfig(name="hf", kind="hf", path=str(folders["qwen3_moe"]))
+    with pytest.raises(ConfigError, match=r"^strategy\.ep: peft=lora adapts the routed experts"):
+        check_expert_parallel(2, 2, built(model, PeftConfig(name="lora")), "fsdp")
+    check_expert_parallel(2, 2, built(model, PeftConfig(name="lora", target_modules=["q_proj", "v_proj"])), "fsdp")

@@ -88,6 +88,10 @@ def check_expert_parallel(ep: int, world_size: int, model: nn.Module, strategy: 
     if experts % ep:
         raise ConfigError(f"strategy.ep: {family} has {experts} experts a layer, which strategy.ep={ep} must divide "
                           "(each rank of an expert group holds experts / ep of them)")
+    if any(getattr(m, "base_layer", None) in found for m in model.modules()):
+        raise ConfigError("strategy.ep: peft=lora adapts the routed experts (peft's target_parameters), and their "
+                          "adapters are not split with their experts yet; adapt the other layers only (e.g. "
+                          "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]) or use strategy.ep=1")
     for module in found:
         stacked = [name for name, p in module.named_parameters(recurse=False) if p.shape[0] != module.num_experts]
         if stacked:
