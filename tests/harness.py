@@ -168,15 +168,15 @@ def run_cli(*overrides: str, launcher: list[str] | None = None, timeout: int = 6
 
 class CollectiveBytes(TorchDispatchMode):
     """Counts the payload of every c10d collective dispatched inside (DDP's reducer, FSDP2 and
-    DeepSpeed alike): a tensor's full size per all-reduce, reduce-scatter or all-gather."""
+    DeepSpeed alike): a tensor's full size per all-reduce, reduce-scatter, all-gather or broadcast."""
 
     KINDS = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "_allgather_base_": "all_gather",
-             "allgather_into_tensor_coalesced_": "all_gather"}
+             "allgather_into_tensor_coalesced_": "all_gather", "broadcast_": "broadcast"}
 
     def __init__(self):
         super().__init__()
-        self.bytes = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "other": 0}
+        self.bytes = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0, "other": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":

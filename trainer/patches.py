@@ -72,8 +72,15 @@ ZERO12_FINALIZE = Internal("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOp
                            "finalize_gradient_accumulation_boundary", "(self)", "DeepSpeed 0.19.8")
 ZERO3_FINALIZE = Internal("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3",
                           "finalize_gradient_accumulation_boundary", "(self)", "DeepSpeed 0.19.8")
+# ZeRO-3's start (zero3_start_*): collectives whose values the trainer overwrites or never reads
+ZERO3_INIT_PARAM = Internal("deepspeed.runtime.zero.partition_parameters:Init", "_zero_init_param", "(self, param)",
+                            "DeepSpeed 0.19.8")
+ZERO3_ALL_GATHER = Internal("deepspeed.runtime.zero.partition_parameters:Init", "_all_gather",
+                            "(self, param_list, async_op=False, hierarchy=None)", "DeepSpeed 0.19.8")
+ZERO3_GRAD_HOOKS = Internal("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3",
+                            "create_reduce_and_remove_grad_hooks", "(self)", "DeepSpeed 0.19.8")
 REPLACED = [RUN_NINJA_BUILD, JIT_COMPILE, MONITOR_WORKERS, ZERO12_CHECK_OVERFLOW, ZERO3_CHECK_OVERFLOW,
-            ZERO12_FINALIZE, ZERO3_FINALIZE,
+            ZERO12_FINALIZE, ZERO3_FINALIZE, ZERO3_INIT_PARAM, ZERO3_ALL_GATHER, ZERO3_GRAD_HOOKS,
             INITIALIZE_WEIGHTS]
 
 
@@ -257,4 +264,36 @@ def deepspeed_boundary_done(zero) -> Iterator[None]:
     finalized its gradients for the trainer's norm: step() does not finalize them again."""
     internal = ZERO3_FINALIZE if hasattr(zero, ZERO3_CHECK_OVERFLOW.name) else ZERO12_FINALIZE
     with replaced(internal, lambda own: lambda: None, on=zero):
+        yield
+
+
+@contextmanager
+def zero3_start_build() -> Iterator[None]:
+    """Around a model's build under zero.Init, whose every partition the strategy fills afterwards:
+    each parameter is partitioned as built, without first broadcasting rank 0's whole initial
+    values to every rank (DeepSpeed 0.19.8: one broadcast per parameter, the whole model sent to be
+    overwritten)."""
+    def unsent(own: Callable) -> Callable:
+        def zero_init_param(self, param):
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+        return zero_init_param
+
+    with replaced(ZERO3_INIT_PARAM, unsent):
+        yield
+
+
+@contextmanager
+def zero3_start_hooks() -> Iterator[None]:
+    """Around deepspeed.initialize of a ZeRO-3 model: its optimizer registers each parameter's
+    gradient hook (register_post_accumulate_grad_hook, which needs no values) on the partitioned
+    parameter. DeepSpeed 0.19.8 gathers every parameter whole first, one collective each, and
+    partitions it again right after: the whole model through the network for nothing."""
+    def ungathered(create_hooks: Callable) -> Callable:
+        def create(self):
+            with replaced(ZERO3_ALL_GATHER, lambda own: lambda *args, **kwargs: None):
+                create_hooks(self)
+        return create
+
+    with replaced(ZERO3_GRAD_HOOKS, ungathered):
         yield

@@ -16,7 +16,7 @@ from trainer.config import Precision
 from trainer.log import chatter
 from trainer.models.experts import shard_experts
 from trainer.models.weights import WeightSource, allocate, fill
-from trainer.patches import watch_op_builds
+from trainer.patches import watch_op_builds, zero3_start_build, zero3_start_hooks
 from trainer.strategies.base import (
     DTYPES,
     Strategy,
@@ -48,8 +48,14 @@ class DeepSpeedStrategy(Strategy):
 
     def model_init_context(self):
         if self.stage == 3:  # parameters are partitioned as each module is built
-            return deepspeed.zero.Init(config_dict_or_path=self.ds_config)
+            return self._partitioned_build()
         return super().model_init_context()
+
+    @contextmanager
+    def _partitioned_build(self):
+        # setup (and setup_frozen) fill every rank's partition: rank 0's initial values are not sent
+        with zero3_start_build(), deepspeed.zero.Init(config_dict_or_path=self.ds_config):
+            yield
 
     def setup(self, model, optimizer_factory, weights):
         ep = self.layout.experts.size
@@ -75,8 +81,9 @@ class DeepSpeedStrategy(Strategy):
             d = optimizer.defaults
             optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                                          weight_decay=d["weight_decay"], adamw_mode=True)
-        self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                               config=self.ds_config)
+        with zero3_start_hooks():  # ZeRO-3's optimizer: its gradient hooks on the partitioned parameters
+            self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                   config=self.ds_config)
         self.zero = ZeroPartitions(self.engine, self.stage, self.rank, self.world_size, self.experts)
         if self.precision is not Precision.fp32:
             self._set_masters(weights)
