@@ -1,7 +1,8 @@
 """Load time and host memory of a Qwen3-MoE-shaped checkpoint (random weights, bf16 as the Hub ships
 them, one tensor per expert; written on the spot): the trainer at 2 ranks on fsdp and zero3 (model
 built, each rank's share read and fused, optimizer made: up to the first step) against transformers'
-`from_pretrained(dtype=float32)` in one process.
+`from_pretrained(dtype=float32)` in one process; and fsdp at strategy.ep=2 (each rank holds, and reads,
+half of every layer's experts whole).
 
     python bench/moe_load.py [OUT_DIR (default /tmp/moe_load_bench)] [--layers N]
 
@@ -47,12 +48,12 @@ def write_checkpoint(out: Path, layers: int) -> int:
     return model.num_parameters()
 
 
-def trainer_rank(env, strategy_name: str, path: str) -> dict:
+def trainer_rank(env, strategy_name: str, path: str, ep: int = 1) -> dict:
     from trainer.config import to_config
     from trainer.strategies import build_strategy
     from trainer.training.loop import setup_model
 
-    cfg = to_config({"strategy": {"name": strategy_name}, "data": {"name": "synthetic"},
+    cfg = to_config({"strategy": {"name": strategy_name, "ep": ep}, "data": {"name": "synthetic"},
                      "model": {"name": "hf", "kind": "hf", "path": path, "seq_len": 256, "vocab_size": 32000}})
     strategy = build_strategy(cfg, env)  # the backend imported and its group up (DeepSpeed: its comm op built)
     before = resident_mib("VmRSS")
@@ -109,8 +110,9 @@ def main() -> None:
     print(f"{'who':<30} {'rank':>4} {'load s':>7} {'before MiB':>10} {'peak MiB':>9} {'peak-before':>11}")
     rows = [("transformers from_pretrained", launch_local(1, in_group, transformers_process, str(out)))]
     rows.append(("SafetensorsWeights: a half", launch_local(1, in_group, reads_only, str(out), 2)))
-    for strategy in ("fsdp", "zero3"):
-        rows.append((f"trainer {strategy}, 2 ranks", launch_local(2, in_group, trainer_rank, strategy, str(out))))
+    for strategy, ep in (("fsdp", 1), ("fsdp", 2), ("zero3", 1)):
+        who = f"trainer {strategy}{f' ep={ep}' if ep > 1 else ''}, 2 ranks"
+        rows.append((who, launch_local(2, in_group, trainer_rank, strategy, str(out), ep)))
     for who, by_rank in rows:
         for rank, r in sorted(by_rank.items()):
             print(f"{who:<30} {rank:>4} {r['seconds']:>7.1f} {r['before']:>10.0f} {r['peak']:>9.0f} "

@@ -32,6 +32,7 @@ from trainer.data import check_data
 from trainer.data.mixture import EXAMPLE, check_mixture, check_source_nodes
 from trainer.errors import ConfigError
 from trainer.extras import require_hf, require_hydra_plugin
+from trainer.layout import Degrees
 from trainer.losses.router_loss import check_router_loss
 from trainer.models import initial_weights, meta_model
 from trainer.models.blocks import find_blocks
@@ -54,7 +55,7 @@ def check_settings(cfg: Config, world_size: int) -> tuple[Any, Any]:
     check_router_loss(cfg.model.router_aux_loss, model)
     if cfg.train.fused_loss:
         check_output_layer(cfg.model, model)
-    data_parallel = world_size // cfg.strategy.sp  # the ranks of a sequence-parallel group read the same samples
+    data_parallel = Degrees(world_size, cfg.strategy.sp, cfg.strategy.ep).dp  # a sequence group reads the same samples
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
     check_data(cfg, data_parallel)
     return model, weights
