@@ -129,7 +129,7 @@ def test_checkpoints_move_between_expert_degrees_strategies_and_world_sizes(runs
 @pytest.mark.slow
 def test_export_of_an_expert_parallel_checkpoint_is_the_hub_layout_of_one_ranks_weights(runs, tmp_path):
     """ep=2's step 2 exported: the keys save_pretrained writes, every expert in its place (one rank's
-    step 2, exported the same way, within 1e-6), and from_pretrained gives the same logits."""
+    step 2, exported the same way, within 1e-5), and from_pretrained gives the same logits."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -139,8 +139,9 @@ def test_export_of_an_expert_parallel_checkpoint_is_the_hub_layout_of_one_ranks_
         main([str(runs / f"ckpt_{run}" / "step_00000002"), str(tmp_path / run)])
     split, whole = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("ep2", "one"))
     assert split.keys() == whole.keys() and any(".experts.3." in key for key in split)  # one tensor per expert
-    for key, value in whole.items():
-        assert torch.allclose(split[key], value, rtol=1e-6, atol=1e-7), key
+    for key, value in whole.items():  # 2 Adam steps from losses equal to 7e-8: measured 1.5e-6 at most; an
+        # expert in another's place would differ by the scale of the weights (init std 0.02)
+        assert torch.allclose(split[key], value, rtol=0, atol=1e-5), key
     ids = torch.arange(32).remainder(VOCAB)[None]
     logits = [AutoModelForCausalLM.from_pretrained(str(tmp_path / run)).eval()(ids).logits for run in ("ep2", "one")]
     assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
