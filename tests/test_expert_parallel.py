@@ -58,6 +58,7 @@ def runs(folders, tmp_path_factory):
             "ep2_accum_ac": moe_case(qwen, "fsdp", 1, 2, strategy__ep=2, train__activation_checkpointing=True),
             "ep2_compile": moe_case(qwen, "fsdp", 2, strategy__ep=2, train__compile=True),
             "ep2_sp2": moe_case(qwen, "fsdp", 4, strategy__ep=2, strategy__sp=2),  # dp=1: every row, half its tokens
+            "ep2_grad_op": moe_case(qwen, "fsdp", 2, strategy__ep=2, strategy__sharding="SHARD_GRAD_OP"),
             "ep2_bf16": moe_case(qwen, "fsdp", 2, strategy__ep=2, train__precision="bf16"),
             "ep2_chat": chat_case(qwen, data, "fsdp", 1, strategy__ep=2),
             "ep2_dpo": dpo_case(qwen, data, "fsdp", 1, 2, strategy__ep=2),
@@ -93,7 +94,7 @@ def assert_same_run(runs, name: str, baseline: str, rtol: float = RTOL, steps: i
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ep2", "ep2_4", "ep4_4", "zero2_ep2", "zero1_ep2", "zero2_ep2_4", "zero2_ep4_4",
-                                  "ep2_accum_ac", "ep2_compile", "ep2_sp2"])
+                                  "ep2_accum_ac", "ep2_compile", "ep2_sp2", "ep2_grad_op"])
 def test_expert_parallel_runs_give_one_ranks_losses_and_norms(runs, name):
     assert_same_run(runs, name, "one")
     assert records(runs / "one")[0]["grad_norm"] > CLIP  # clipped: a wrong norm would change the losses
@@ -238,3 +239,13 @@ def test_lora_on_the_experts_is_refused_and_lora_elsewhere_is_not(folders):
     with pytest.raises(ConfigError, match=r"^strategy\.ep: peft=lora adapts the routed experts"):
         check_expert_parallel(2, 2, built(model, PeftConfig(name="lora")), "fsdp")
     check_expert_parallel(2, 2, built(model, PeftConfig(name="lora", target_modules=["q_proj", "v_proj"])), "fsdp")
+
+
+def test_fsdp_sharding_across_nodes_with_experts_is_refused_in_one_line():
+    from trainer.config import to_config
+    from trainer.strategies import preflight
+
+    cfg = to_config({"strategy": {"name": "fsdp", "ep": 2, "sharding": "HYBRID_SHARD"}})
+    with pytest.raises(ConfigError, match=r"^strategy\.ep: with strategy\.sharding=HYBRID_SHARD"):
+        preflight(cfg, 4)
+    preflight(to_config({"strategy": {"name": "fsdp", "ep": 2, "sharding": "SHARD_GRAD_OP"}}), 4)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.models.experts import ONE_EXPERT_GROUP, ExpertGroup
 from trainer.models.sequence import WHOLE_ROWS, SequenceGroup
@@ -53,7 +54,17 @@ class Layout:
         groups = [dist.new_group(list(range(start, start + size))) for start in range(0, self.degrees.world, size)]
         return kind(groups[self.rank // size], size, self.rank % size)
 
-    def expert_data_ranks(self) -> list[int]:
-        """The ranks that hold the same experts as this one: one in each expert group."""
-        ep = self.degrees.ep
-        return list(range(self.rank % ep, self.degrees.world, ep))
+    def data_mesh(self, device_type: str, shard: int) -> DeviceMesh:
+        """Every rank as a data-parallel rank (the backends are not told of sp), sharding within groups
+        of `shard` consecutive ranks and replicating across them: 2-D ("replicate", "shard") where
+        both are > 1 (HSDP; shard 1: NO_SHARD), else one dimension."""
+        world = self.degrees.world
+        if shard == world:
+            return init_device_mesh(device_type, (world,))
+        return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+    def expert_data_mesh(self, device_type: str) -> DeviceMesh:
+        """The ranks that hold the same experts as this one (one in each expert group), as a device
+        mesh: FSDP2 shards those experts over it."""
+        world, ep = self.degrees.world, self.degrees.ep
+        return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_data", "expert"))["expert_data"]

@@ -41,6 +41,12 @@ def preflight(cfg: Config, world_size: int) -> None:
         if world_size % node:
             raise ConfigError(f"strategy.sharding: HYBRID_SHARD shards within a node ({node} ranks) and replicates "
                               f"across nodes, so the world size {world_size} must be a multiple of {node}")
+    sharding = Sharding(cfg.strategy.sharding)
+    if cfg.strategy.ep > 1 and StrategyName(cfg.strategy.name) is StrategyName.fsdp and sharding not in (
+            Sharding.FULL_SHARD, Sharding.SHARD_GRAD_OP):
+        raise ConfigError(f"strategy.ep: with strategy.sharding={sharding.value} the other weights would replicate "
+                          "across nodes while the experts shard over world / ep, which is not tested yet; use "
+                          "strategy.sharding=FULL_SHARD or SHARD_GRAD_OP")
     if StrategyName(cfg.strategy.name).value.startswith("zero"):
         from importlib.metadata import PackageNotFoundError, version
 

@@ -5,7 +5,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -23,13 +22,10 @@ class FSDPStrategy(TorchStrategy):
         return ShardedGradScaler(self.device.type)  # agrees on inf/nan across shards
 
     def mesh(self):
-        sharding = Sharding(self.cfg.strategy.sharding)
-        world, local = self.world_size, self.env.local_world_size
-        if sharding is Sharding.FULL_SHARD or sharding is Sharding.SHARD_GRAD_OP:
-            return init_device_mesh(self.device.type, (world,))
-        # HSDP: replicate across groups, shard inside one. NO_SHARD is HSDP with shards of size 1.
-        shard = 1 if sharding is Sharding.NO_SHARD else local
-        return init_device_mesh(self.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        # HSDP: replicate across nodes, shard inside one. NO_SHARD is HSDP with shards of size 1.
+        shard = {Sharding.FULL_SHARD: self.world_size, Sharding.SHARD_GRAD_OP: self.world_size,
+                 Sharding.HYBRID_SHARD: self.env.local_world_size, Sharding.NO_SHARD: 1}[Sharding(self.cfg.strategy.sharding)]
+        return self.layout.data_mesh(self.device.type, shard)
 
     def wrap(self, model, weights):
         s = self.cfg.strategy
@@ -60,11 +56,10 @@ class FSDPStrategy(TorchStrategy):
         leaves it out. Its gradients come from the tokens of the whole expert group: summed over those
         ranks and divided by the world, they are the mean over all ranks, as every other gradient."""
         world, ep = self.world_size, self.layout.experts.size
-        self.expert_mesh = init_device_mesh(self.device.type, (world // ep, ep),
-                                            mesh_dim_names=("expert_data", "expert"))["expert_data"]
+        mesh = self.layout.expert_data_mesh(self.device.type)
         modules = shard_experts(model, self.layout.experts)
         for module in modules:
-            fully_shard(module, **{**kwargs, "mesh": self.expert_mesh})
+            fully_shard(module, **{**kwargs, "mesh": mesh})
             module.set_gradient_divide_factor(world)
             # a plain sum, then the division (gloo has no PREMUL_SUM); where the experts are not
             # sharded (ep = world) not set: torch 2.13 would then divide twice
