@@ -8,6 +8,7 @@ import pytest
 
 from tests.harness import case, on_ranks, records, run_cli, train_cases
 from trainer.config import to_config
+from trainer.demo import VOCAB, make_model_dir
 from trainer.plan import count_params, make_plan
 
 GB = 1e9
@@ -188,3 +189,70 @@ def test_strategy_auto_says_each_setting_it_replaced_and_a_world_size_it_planned
     assert said == ("strategy=auto chose zero3 + activation checkpointing; train.activation_checkpointing=true "
                     "(was false); strategy.offload_optimizer=false (was true); planned for plan.world_size=4, "
                     "this run has 2 ranks"), said
+
+
+# strategy.ep: a rank holds 1 / ep of the experts (FSDP2: sharded over world / ep ranks; ZeRO-2: whole, their
+# gradients and optimizer state partitioned over world / ep ranks), the rest as without ep
+EXPERT_PARALLEL = ["fsdp", "zero2"]
+EP_WORLD = 2
+
+
+def expert_parallel_case(folder, strategy: str) -> dict:
+    cfg = case(strategy, steps=2, train__micro_batch_size=2, strategy__ep=EP_WORLD, data__name="synthetic")
+    return {**cfg, "model": {"name": "hf", "kind": "hf", "path": str(folder), "seq_len": 32, "vocab_size": VOCAB}}
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_bytes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan_ep")
+    folder = make_model_dir(out / "qwen3_moe", "qwen3_moe", weights=False)
+    cases = {s: expert_parallel_case(folder, s) for s in EXPERT_PARALLEL}
+    on_ranks(EP_WORLD, train_cases, cases, str(out))
+    return folder, {name: records(out / name)[-1]["mem"] for name in cases}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", EXPERT_PARALLEL)
+def test_runtime_bytes_agree_with_the_plan_at_ep2(expert_parallel_bytes, strategy):
+    folder, measured = expert_parallel_bytes
+    cfg = to_config(expert_parallel_case(folder, strategy))
+    plan = make_plan(cfg, EP_WORLD, gpu_memory_bytes=int(80 * GB))
+    options = {o.ep: o.per_gpu_bytes for o in plan.options
+               if o.name == strategy and not o.activation_checkpointing and not o.offload}
+    expected, got = options[EP_WORLD], measured[strategy]
+    for key in ("params", "grads", "optim"):
+        assert got[key] == pytest.approx(expected[key], rel=0.05), (key, got[key], expected[key])
+        print(f"{strategy} ep={EP_WORLD}@{EP_WORLD} {key}: runtime/plan = {got[key] / expected[key]:.4f}")
+    # what ep changes, seen in the run: ZeRO-2 holds half the experts' parameters
+    assert (options[1]["params"] > got["params"]) == (strategy == "zero2")
+
+
+def test_strategy_auto_chooses_expert_parallelism_where_it_is_the_fastest_fit(tmp_path, caplog):
+    import logging
+
+    from hydra import compose, initialize_config_module
+
+    from trainer.__main__ import resolve_settings
+    from trainer.config import CONFIG_MODULE
+
+    # 16 experts, 83 % of the parameters: at 4 ranks in 9 MB, fsdp fits without checkpointing, and at ep=4
+    # the tokens' all-to-alls move less than gathering every expert twice a step
+    folder = make_model_dir(tmp_path / "moe", "qwen3_moe", weights=False, num_experts=16, moe_intermediate_size=64)
+    overrides = ["strategy=auto", "model=hf", f"model.path={folder}", "data=synthetic", "plan.gpu_memory_gb=0.009",
+                 "plan.world_size=4", "train.micro_batch_size=4"]
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        resolved = resolve_settings(cfg, 4)
+    assert (resolved.strategy.name.value, resolved.strategy.ep, resolved.train.activation_checkpointing) == (
+        "fsdp", 4, False)
+    said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
+    assert said == "strategy=auto chose fsdp ep=4; strategy.ep=4 (was 1)", said
+    plan = make_plan(to_config(cfg), 4, int(0.009 * GB))
+    # the table offers every ep the world and the 16 experts allow, on fsdp, zero1 and zero2 alone
+    assert {(o.name, o.ep) for o in plan.options if o.ep > 1} == {(s, ep) for s in ("zero1", "zero2", "fsdp")
+                                                                 for ep in (2, 4)}
+    ep4 = next(o for o in plan.options if (o.name, o.ep, o.activation_checkpointing) == ("fsdp", 4, False))
+    without = next(o for o in plan.options if (o.name, o.ep, o.activation_checkpointing) == ("fsdp", 1, False))
+    assert ep4.comm_bytes["expert_all_to_all"] > 0 == without.comm_bytes["expert_all_to_all"]
+    assert ep4.comm_bytes["all_gather"] < without.comm_bytes["all_gather"] and ep4.step_s < without.step_s

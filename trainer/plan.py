@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,11 +32,16 @@ from trainer.oom import Plan as RunPlan
 from trainer.plan_activations import ActivationCount, planned
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
+if TYPE_CHECKING:
+    from trainer.models import ModelFacts
+
 GB = 1e9
 STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
 # What CPU offload moves to host memory, per strategy (DDP cannot offload).
 OFFLOADED = {StrategyName.zero1: ("optim",), StrategyName.zero2: ("optim",),
              StrategyName.fsdp: ("params", "grads", "optim"), StrategyName.zero3: ("params", "optim")}
+# The strategies that take strategy.ep > 1 (models/experts.py: ddp and zero3 refuse it)
+EXPERT_PARALLEL = (StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp)
 
 
 @dataclass
@@ -50,6 +56,7 @@ class Option:
     fits: bool = False
     chosen: bool = False
     longest_seq_len: int = 0  # the longest model.seq_len whose activations fit beside the rest (0: none)
+    ep: int = 1  # strategy.ep: ranks that split each MoE layer's experts
 
 
 @dataclass
@@ -129,15 +136,62 @@ def sequence_traffic(count: ActivationCount, row_len: int, rows: int, checkpoint
     return int(count.exchanged_per_token * row_len / count.sp * rows * passes)
 
 
-def step_seconds(traffic: dict[str, int], world_size: int, compute_flops: float, cfg: Config) -> float:
-    """Compute at plan.flops_per_s, ring collectives over plan.link_gbps (an all-reduce moves
-    2 (N-1)/N of its payload per rank, the others (N-1)/N; an all-to-all within a sequence group of
-    sp ranks (sp-1)/sp), offload copies over plan.pcie_gbps; no overlap assumed, so an upper bound."""
-    ring, sp = (world_size - 1) / world_size, cfg.strategy.sp
-    moved = 2 * ring * traffic["all_reduce"] + ring * (traffic["reduce_scatter"] + traffic["all_gather"]) \
-        + (sp - 1) / sp * traffic.get("all_to_all", 0)
+def expert_traffic(tokens: int, facts: ModelFacts, ep: int, precision: Precision, checkpointing: bool) -> int:
+    """Bytes of hidden vectors that leave this rank for the others of its expert group per optimizer step
+    (strategy.ep, models/experts.py's dispatch), for `tokens` tokens: at every MoE layer each (token,
+    expert) pair's vector (d_model elements in the training dtype) goes to its expert's rank, another
+    with probability (ep - 1) / ep where routing is even, and comes back: two all-to-alls in forward,
+    their gradients' two in backward, and the forward's two again with activation checkpointing."""
+    passes = 6 if checkpointing else 4
+    return tokens * facts.routed_per_token * facts.d_model * DTYPE_BYTES[precision] * passes * (ep - 1) // ep
+
+
+def step_seconds(traffic: list[tuple[dict[str, int], int]], compute_flops: float, cfg: Config) -> float:
+    """Compute at plan.flops_per_s, collectives over plan.link_gbps, offload copies over plan.pcie_gbps;
+    no overlap assumed, so an upper bound. Each traffic comes with the ranks its collectives join (the
+    world; strategy.ep's experts: the world / ep ranks that hold the same ones): rings, where an
+    all-reduce moves 2 (N-1)/N of its payload per rank, the others (N-1)/N; an all-to-all within a
+    sequence group of sp ranks (sp-1)/sp; the experts' all-to-all is counted as what leaves the rank."""
+    sp = cfg.strategy.sp
+    moved = host = 0.0
+    for part, ranks in traffic:
+        ring = (ranks - 1) / ranks
+        moved += 2 * ring * part["all_reduce"] + ring * (part["reduce_scatter"] + part["all_gather"]) \
+            + (sp - 1) / sp * part.get("all_to_all", 0) + part.get("expert_all_to_all", 0)
+        host += part["host"]
     return (compute_flops / cfg.plan.flops_per_s + moved * 8 / (cfg.plan.link_gbps * 1e9)
-            + traffic["host"] * 8 / (cfg.plan.pcie_gbps * 1e9))
+            + host * 8 / (cfg.plan.pcie_gbps * 1e9))
+
+
+def expert_parallel_sizes(facts: ModelFacts, world_size: int) -> list[int]:
+    """strategy.ep values above 1 this world and model allow: every size dividing the world and the
+    experts a layer has (none for a model without routed experts that ep can split)."""
+    return [n for n in range(2, world_size + 1) if world_size % n == 0 and facts.experts % n == 0] \
+        if facts.expert_params else []
+
+
+def held_bytes(stage: StrategyName, n_params: int, ranks: int, cfg: Config) -> dict[str, int]:
+    """Bytes per rank of `n_params` trainable parameters held by `stage` over `ranks` ranks, gradients
+    at their peak (trainer/memory.py)."""
+    t, precision = cfg.train, Precision(cfg.train.precision)
+    held = per_rank_bytes(stage, n_params, ranks, precision, master_weights=cfg.plan.master_weights,
+                          reduce_dtype=cfg.strategy.reduce_dtype)
+    held["grads"] = peak_gradient_bytes(stage, held["grads"], n_params, t.grad_accum_steps, cfg.strategy.grad_reduce,
+                                        precision)
+    return held
+
+
+def decision_order(expert_sizes: list[int]):
+    """(offload, strategy, strategy.ep, activation checkpointing) of each option in the decision order:
+    cheaper in speed first, each ep size after the same strategy without it; offload last of all
+    (without ep: what it moves and ep's groups were not tried together)."""
+    for offload in (False, True):
+        for stage in STAGES:
+            if offload and stage not in OFFLOADED:
+                continue
+            for ep in (1, *expert_sizes) if stage in EXPERT_PARALLEL and not offload else (1,):
+                for checkpointing in (False, True):
+                    yield offload, stage, ep, checkpointing
 
 
 def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source: str = "",
@@ -165,38 +219,46 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         and cfg.peft.init else 0
     # strategy.sp: a rank computes 1 / sp of each row (its tokens, and attention for 1 / sp of the heads)
     tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * row_len // cfg.strategy.sp
-    # The decision order: cheaper in speed first; offload last of all.
-    for offload in (False, True):
-        for stage in STAGES:
-            if offload and stage not in OFFLOADED:
-                continue
-            for checkpointing in (False, True):
-                held = per_rank_bytes(stage, trainable, world_size, precision, master_weights=cfg.plan.master_weights,
-                                      reduce_dtype=cfg.strategy.reduce_dtype)
-                # ddp's copy is fp32, as the policy's parameters (Strategy.frozen_dtype)
-                copy_bytes = 4 if stage is StrategyName.ddp else DTYPE_BYTES[precision]
-                held["params"] += (DTYPE_BYTES[precision] * frozen + copy_bytes * reference) // (
-                    world_size if "params" in SHARDED[stage] else 1) + DTYPE_BYTES[precision] * starting_adapter
-                held["grads"] = peak_gradient_bytes(stage, held["grads"], trainable, t.grad_accum_steps,
-                                                    cfg.strategy.grad_reduce, precision)
-                moved = OFFLOADED[stage] if offload else ()
-                gpu = {k: 0 if k in moved else v for k, v in held.items()}
-                need = activation_need(cfg, checkpointing, t.fused_loss, cfg.strategy.sp)
-                gpu["activations"] = need.bytes(row_len, t.micro_batch_size)
-                gpu["total"] = sum(gpu.values())
-                whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole
-                traffic = step_traffic(stage, trainable, whole, world_size, precision, t.grad_accum_steps,
-                                       cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype, frozen)
-                traffic["all_to_all"] = sequence_traffic(need, row_len, t.micro_batch_size * t.grad_accum_steps,
-                                                         checkpointing)
-                # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
-                flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
-                option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), traffic,
-                                step_seconds(traffic, world_size, flops, cfg))
-                option.fits = gpu["total"] <= gpu_memory_bytes
-                option.longest_seq_len = need.longest(gpu_memory_bytes - gpu["total"] + gpu["activations"],
-                                                      t.micro_batch_size) // (2 if dpo else 1)
-                plan.options.append(option)
+    # strategy.ep (fsdp, zero1/2, without offload or LoRA): ep ranks split each MoE layer's experts
+    expert_sizes = expert_parallel_sizes(facts, world_size) if PeftName(cfg.peft.name) is PeftName.none else []
+    for offload, stage, ep, checkpointing in decision_order(expert_sizes):
+        # strategy.ep: a rank holds 1 / ep of the experts, held as a model of their own by the
+        # world / ep ranks that hold the same ones (FSDP2 shards them there, ZeRO-1/2 partition their
+        # optimizer state and ZeRO-2 their gradients there); every other parameter over the world
+        experts = facts.expert_params if ep > 1 else 0
+        held = held_bytes(stage, trainable - experts, world_size, cfg)
+        if experts:
+            held = {k: v + held_bytes(stage, experts // ep, world_size // ep, cfg)[k] for k, v in held.items()}
+        # ddp's copy is fp32, as the policy's parameters (Strategy.frozen_dtype)
+        copy_bytes = 4 if stage is StrategyName.ddp else DTYPE_BYTES[precision]
+        held["params"] += (DTYPE_BYTES[precision] * frozen + copy_bytes * reference) // (
+            world_size if "params" in SHARDED[stage] else 1) + DTYPE_BYTES[precision] * starting_adapter
+        moved = OFFLOADED[stage] if offload else ()
+        gpu = {k: 0 if k in moved else v for k, v in held.items()}
+        need = activation_need(cfg, checkpointing, t.fused_loss, cfg.strategy.sp)
+        gpu["activations"] = need.bytes(row_len, t.micro_batch_size)
+        gpu["total"] = sum(gpu.values())
+        whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole
+        traffic = step_traffic(stage, trainable - experts, whole, world_size, precision, t.grad_accum_steps,
+                               cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype, frozen)
+        traffic["all_to_all"] = sequence_traffic(need, row_len, t.micro_batch_size * t.grad_accum_steps,
+                                                 checkpointing)
+        # strategy.ep: the experts' own collectives among the ranks that hold the same ones, and
+        # the tokens' all-to-alls in place of gathering the other ranks' experts
+        expert_collectives = step_traffic(stage, experts // ep, 0, world_size // ep, precision,
+                                          t.grad_accum_steps, cfg.strategy.grad_reduce, offload,
+                                          cfg.strategy.reduce_dtype)
+        traffic["expert_all_to_all"] = expert_traffic(tokens_per_rank, facts, ep, precision, checkpointing)
+        # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
+        flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
+        comm = {k: v + expert_collectives.get(k, 0) for k, v in traffic.items()}
+        option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), comm,
+                        step_seconds([(traffic, world_size), (expert_collectives, world_size // ep)], flops, cfg),
+                        ep=ep)
+        option.fits = gpu["total"] <= gpu_memory_bytes
+        option.longest_seq_len = need.longest(gpu_memory_bytes - gpu["total"] + gpu["activations"],
+                                              t.micro_batch_size) // (2 if dpo else 1)
+        plan.options.append(option)
     # The fastest that fits; within 1 % of it, the decision order (the options' order) decides.
     fitting = [o for o in plan.options if o.fits]
     if fitting:
@@ -251,20 +313,21 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{plan.params:,} parameters{trainable}, world size {plan.world_size}, {plan.gpu_memory_bytes / size:.1f} {unit} "
              f"per GPU{f' ({plan.memory_source})' if plan.memory_source else ''}, {plan.precision}"
              f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
-             f"  {'strategy':<8}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
+             f"  {'strategy':<8}{'ep':>4}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
              f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}{'max seq':>10}  fits"]
     # one format for the whole column: seconds to the millisecond, or in exponent form for tiny models
     step_format = ".3f" if max((o.step_s for o in plan.options), default=0) >= 0.01 else ".2e"
     for o in plan.options:
         g = {k: v / size for k, v in o.per_gpu_bytes.items()}
-        lines.append(f"  {o.name:<8}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
+        lines.append(f"  {o.name:<8}{o.ep:>4}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
                      f"{g['params']:>9.2f}{g['grads']:>9.2f}{g['optim']:>9.2f}{g['activations']:>9.2f}"
                      f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}{sum(o.comm_bytes.values()) / size:>9.2f}"
                      f"{o.step_s:>9{step_format}}{o.longest_seq_len:>10}  {'yes' if o.fits else 'no':<3}"
                      + ("  <- chosen" if o.chosen else ""))
     if not plan.choice:
         lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
-    lines.append(f"  comm: collective payload per step (offload copies and strategy.sp's all-to-alls included); step s: estimated at "
+    lines.append(f"  ep: strategy.ep; comm: collective payload per step (offload copies, strategy.sp's all-to-alls and "
+                 "the hidden vectors strategy.ep's all-to-alls send to other ranks included); step s: estimated at "
                  f"{plan.flops_per_s:.3g} FLOP/s, {plan.link_gbps:g} Gbit/s links, {plan.pcie_gbps:g} Gbit/s PCIe, "
                  "without overlap; chosen: the fastest that fits, the first of those within 1 %; "
                  "max seq: the longest model.seq_len whose activations fit beside the rest")
@@ -294,7 +357,8 @@ def plan_as_json(plan: Plan) -> dict:
             "gpu_memory_bytes": plan.gpu_memory_bytes, "memory_source": plan.memory_source,
             "precision": plan.precision, "master_weights": plan.master_weights,
             "flops_per_s": plan.flops_per_s, "link_gbps": plan.link_gbps, "pcie_gbps": plan.pcie_gbps,
-            "options": [{"name": o.name, "activation_checkpointing": o.activation_checkpointing, "offload": o.offload,
+            "options": [{"name": o.name, "ep": o.ep, "activation_checkpointing": o.activation_checkpointing,
+                         "offload": o.offload,
                          "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "comm_bytes": o.comm_bytes,
                          "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen,
                          "longest_seq_len": o.longest_seq_len} for o in plan.options],
@@ -336,7 +400,8 @@ def resolve_auto(cfg, world_size: int) -> None:
         raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
                           f"({plan.memory_source})")
     chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
-              **{("strategy", key): on for key, on in offload_settings(plan.choice).items()}, **long_context}
+              **{("strategy", key): on for key, on in offload_settings(plan.choice).items()},
+              ("strategy", "ep"): plan.choice.ep, **long_context}
     replaced = []
     for (group, key), value in chosen.items():
         if cfg[group][key] != value:
@@ -346,7 +411,7 @@ def resolve_auto(cfg, world_size: int) -> None:
     if planned_world != world_size:
         replaced.append(f"planned for plan.world_size={planned_world}, this run has {world_size} rank"
                         f"{'s' if world_size > 1 else ''}")
-    log.info(f"strategy=auto chose {plan.choice.name}"
+    log.info(f"strategy=auto chose {plan.choice.name}{f' ep={plan.choice.ep}' if plan.choice.ep > 1 else ''}"
              f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
              f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
 
@@ -358,9 +423,9 @@ def offload_settings(option: Option) -> dict[str, bool]:
 
 
 def own_option(plan: Plan, cfg: Config) -> Option:
-    """The option of `plan` that cfg runs: its strategy, activation checkpointing and offload."""
+    """The option of `plan` that cfg runs: its strategy, strategy.ep, activation checkpointing and offload."""
     s = cfg.strategy
-    return next(o for o in plan.options if o.name == StrategyName(s.name).value
+    return next(o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep
                 and o.activation_checkpointing == cfg.train.activation_checkpointing
                 and o.offload == (s.offload_optimizer or s.offload_params))
 
@@ -369,7 +434,7 @@ def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tu
     """train.on_oom's strategy rungs for cfg, which ran out of memory `missing` bytes short (the
     bytes asked less those free, measured; None: unknown): in the decision order, strategy.sp where
     the world and the heads divide, then the options after cfg's own (the later stages, then CPU
-    offload), each with activation checkpointing; those the planner says fit: holding at least the
+    offload), each with activation checkpointing and cfg's strategy.ep; those the planner says fit: holding at least the
     missing bytes (at least one) less per device than cfg's own option, as it counts them. Each as
     the strategy settings it takes ({"name", "sp", "offload_optimizer", "offload_params"}) and why."""
     budget = memory_budget(cfg)
@@ -385,7 +450,7 @@ def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tu
             trial = dataclasses.replace(cfg, strategy=dataclasses.replace(s, sp=sp))
             candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
     candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
-                   for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing]
+                   for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing and o.ep == s.ep]
     return [(rung, f"the planner counts {size(option.per_gpu_bytes['total'])} per device there against "
                    f"{size(own.per_gpu_bytes['total'])} at {own.name}, which was {size(missing)} short")
             for rung, option in candidates if option.per_gpu_bytes["total"] <= limit]

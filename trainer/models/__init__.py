@@ -127,6 +127,9 @@ class ModelFacts:
     trainable: int  # parameters that train (all but frozen ones: LoRA's base)
     sizes: tuple[int, ...]  # of each parameter
     active: int  # the parameters a token activates: a mixture of experts' top_k of E (active_params)
+    experts: int = 0  # routed experts a MoE layer has (its config's count); 0: not a mixture of experts
+    expert_params: int = 0  # elements of the routed experts' stacked parameters: what strategy.ep splits
+    routed_per_token: int = 0  # (token, expert) pairs a token makes, over all MoE layers: top_k x those layers
 
     def elements_below(self, size: int) -> int:
         """Elements in parameters of fewer than `size` (what ZeRO-3 keeps whole on every rank)."""
@@ -139,9 +142,11 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | Non
     does) 2 forward, 2 backward for its input's gradient and 2 for its own gradient, which a frozen
     one (LoRA's base) does not have: 6 x trainable + 4 x frozen; + 12 x layers x width x context
     for attention. A mixture of experts' parameters count for the share a token activates (top_k of
-    the E experts: `active_params`)."""
-    from trainer.models.active_params import active_count, active_fractions
+    the E experts: `active_params`). For strategy.ep: the experts a layer has, the elements of the
+    modules that ep splits (models/experts.py) and the (token, expert) pairs a token makes."""
+    from trainer.models.active_params import active_count, active_fractions, experts_per_token
     from trainer.models.blocks import find_blocks
+    from trainer.models.experts import expert_modules, routed_experts
 
     model = meta_model(cfg, peft)
     params = sum(p.numel() for p in model.parameters())
@@ -154,5 +159,11 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | Non
     active = active_fractions(model)
     flops = round(sum((6 if p.requires_grad else 4) * p.numel() * active.get(id(p), 1.0) for p in multiplying)) \
         + 12 * n_layers * d_model * cfg.seq_len
+    names = {id(m): name for name, m in model.named_modules()}
+    routed = expert_modules(model)
+    experts = (routed_experts(model) or 0) if routed else 0
     return ModelFacts(params, n_layers, d_model, flops, sum(p.numel() for p in model.parameters() if p.requires_grad),
-                      tuple(p.numel() for p in model.parameters()), active_count(model))
+                      tuple(p.numel() for p in model.parameters()), active_count(model),
+                      experts=experts,
+                      expert_params=sum(p.numel() for m in routed for p in m.parameters(recurse=False)),
+                      routed_per_token=sum(experts_per_token(model, names[id(m)]) or 0 for m in routed))
