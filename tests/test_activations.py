@@ -10,18 +10,18 @@ import torch
 from torch import nn
 
 from trainer.config import to_config
+from trainer.layout import Degrees, Layout
 from trainer.losses.objectives import NextToken
 from trainer.models import build_model, resolve_model
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.fused_loss import fuse_output_layer
-from trainer.models.sequence import SequenceGroup
 from trainer.saved_bytes import SavedBytes
 from trainer.training.loop import micro_steps
 
 
 class OneRank:
     """The loop's view of a strategy on one rank: no communication, a plain backward."""
-    sequence = SequenceGroup(None, 1, 0)
+    layout = Layout(Degrees(1), rank=0)  # one rank: no group is made
 
     def all_reduce(self, tensor, op=None):
         return tensor

@@ -169,6 +169,7 @@ def test_the_planner_counts_activations_and_times_the_active_parameters(folders,
 
 
 def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
+    from trainer.layout import Degrees, Layout
     from trainer.models import model_facts
     from trainer.models.active_params import short_count
     from trainer.training.loop import describe
@@ -177,7 +178,7 @@ def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
         world_size, device = 1, torch.device("cpu")
 
     class Strategy:
-        dp_size = 1
+        layout = Layout(Degrees(1), rank=0)  # one rank: no group is made
 
         def start_words(self):
             return []
