@@ -212,6 +212,7 @@ def meta_model(folder):
     (2, 2, "zero3", "strategy.ep: zero3 partitions every parameter over the world as it is built"),
     (2, 3, "fsdp", "strategy.ep: the world size 3 must be a multiple of strategy.ep=2"),
     (3, 3, "fsdp", "strategy.ep: qwen3_moe has 4 experts a layer, which strategy.ep=3 must divide"),
+    (0, 2, "fsdp", "strategy.ep: must be >= 1"),
 ])
 def test_a_setting_expert_parallelism_cannot_take_is_refused_in_one_line(folders, ep, world, strategy, said):
     from trainer.models.experts import check_expert_parallel

@@ -65,7 +65,9 @@ def check_expert_parallel(ep: int, world_size: int, model: nn.Module, strategy: 
     split and N divides their number, the backend takes it."""
     if ep == 1:
         return
-    if ep < 1 or world_size % ep:
+    if ep < 1:
+        raise ConfigError(f"strategy.ep: must be >= 1 (1: every rank holds every expert), got {ep}")
+    if world_size % ep:
         raise ConfigError(f"strategy.ep: the world size {world_size} must be a multiple of strategy.ep={ep} "
                           "(an expert group is ep of the data-parallel ranks)")
     if strategy == "ddp":
