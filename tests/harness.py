@@ -89,9 +89,9 @@ def resuming(cfg: dict, ckpt: Path, step: int) -> dict:
 def assert_resumes(resumed: list[dict], straight: list[dict], at: int, what: str = "", rtol: float = 0.0,
                    same_batch: bool = True) -> None:
     """A run resumed at step `at` logs the steps after it as `straight`, a run that never stopped,
-    logged every step, did: the same steps and learning rates, the same losses (rtol 0: bitwise,
-    DESIGN §5 for the same strategy and world size) or within `rtol` (another backend), and, at the
-    same global batch, the same token counts (targets and inputs). Evaluation lines are compared apart."""
+    logged every step, did: the same steps and learning rates, the same losses (rtol 0: bitwise for
+    the same strategy and world size, docs/design.md, Checkpoints) or within `rtol` (another backend), and,
+    at the same global batch, the same token counts (targets and inputs). Evaluation lines are compared apart."""
     resumed, straight = ([r for r in rows if "split" not in r] for rows in (resumed, straight))
     tail = [r for r in straight if r["step"] > at]
     assert [r["step"] for r in resumed] == [r["step"] for r in tail] == list(range(at + 1, at + 1 + len(tail))), what

@@ -345,6 +345,21 @@ def test_every_docs_page_is_linked_from_the_readme_and_links_back():
             f"{rel(page)}: a title, then a one-line summary with a link back to the README"
 
 
+def test_the_code_cites_sections_of_the_design_page():
+    """A comment's `docs/design.md, <Section>` names a heading of docs/design.md, and nothing cites a
+    design file outside the repository by section number."""
+    headings = set(re.findall(r"^## (.+)$", (REPO / "docs" / "design.md").read_text(), re.M))
+    cited, unknown, outside = 0, [], []
+    for path in sorted(p for d in ("trainer", "tests", "conf", "bench") for p in (REPO / d).rglob("*.*")
+                       if p.suffix in {".py", ".yaml"}):
+        text = path.read_text()
+        outside += [rel(path)] * ("DESIGN \N{SECTION SIGN}" in text)
+        for names in re.findall(r"docs/design\.md[,:] ((?:[A-Z][\w' -]*?(?:, )?)+)(?=[)\].;]|$)", text, re.M):
+            cited += 1
+            unknown += [f"{rel(path)}: {name}" for name in names.split(", ") if name not in headings]
+    assert cited >= 20 and not unknown and not outside, (cited, unknown, outside)
+
+
 def test_the_readme_names_the_test_commands():
     """CI (.ci/run) runs `make lint`, then the README's test command, `make test-all`."""
     readme = (REPO / "README.md").read_text()

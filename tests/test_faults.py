@@ -1,4 +1,4 @@
-"""Issue 9, DESIGN §7: faults injected into real runs (a signal, a NaN, a save that fails, a
+"""Faults injected into real runs (a signal, a NaN, a save that fails, a
 damaged manifest), the outcome checked on disk and in metrics.jsonl."""
 from __future__ import annotations
 

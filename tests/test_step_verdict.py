@@ -1,4 +1,4 @@
-"""The step in explicit parts (DESIGN §2, §7): the norm, every rank's verdict, then the update or the
+"""The step in explicit parts (docs/design.md: The Strategy, Faults): the norm, every rank's verdict, then the update or the
 skip, on every backend; an fp16 loss scaler's overflows are its own skips, counted apart."""
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def validate(cfg: Config) -> None:
 
 
 def check_objective(cfg: Config) -> None:
-    """objective=dpo trains on preference pairs against a reference it can have (DESIGN §12)."""
+    """objective=dpo trains on preference pairs against a reference it can have (docs/design.md, Objectives)."""
     o, data_name = cfg.objective, DataName(cfg.data.name)
     dpo = ObjectiveName(o.name) is ObjectiveName.dpo
     _require(not dpo or data_name is DataName.preference, "objective",

@@ -1,4 +1,4 @@
-"""`python -m trainer.convert SRC DST --to trainer|dcp|deepspeed|hf` (DESIGN §10): checkpoints in and
+"""`python -m trainer.convert SRC DST --to trainer|dcp|deepspeed|hf` (docs/design.md, Interchange): checkpoints in and
 out of the trainer's format. SRC's format is detected:
 - ours: a step dir (or a checkpoint dir, for its newest);
 - torch DCP: a dir with `.metadata` (plain FSDP2 programs' `{"model", "optim"}`; torchtitan's, the model's

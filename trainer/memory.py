@@ -1,6 +1,7 @@
-"""Bytes per rank that each strategy holds, in theory: DESIGN's table and the ZeRO paper.
+"""Bytes per rank that each strategy holds, in theory: the ZeRO paper's table (params, grads, optimizer state, each
+sharded or not).
 
-The runtime metrics (DESIGN §4) are checked against `per_rank_bytes`, and the planner is
+The runtime metrics (docs/design.md, Step records) are checked against `per_rank_bytes`, and the planner is
 built on it. Bytes per parameter, by what each backend keeps (`master_weights=True`, ours):
 - DDP: fp32 parameters and gradients (bf16/fp16 come from autocast), two fp32 Adam moments.
 - FSDP2: the same, sharded: its fp32 sharded parameters are the masters, gradients reduce in fp32.

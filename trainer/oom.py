@@ -1,4 +1,4 @@
-"""train.on_oom (DESIGN §15): a rank that runs out of memory records what failed in the run dir's
+"""train.on_oom (docs/design.md, Out of memory): a rank that runs out of memory records what failed in the run dir's
 oom.jsonl and leaves, and the job stops as it does for a dead rank; the restart (max_restarts,
 torchrun's, a SLURM requeue) reads the records and adapts the plan before it resumes from the
 newest checkpoint. The ladder: the micro-batch halved and the accumulation doubled (the global

@@ -1,4 +1,4 @@
-"""Every replacement of a third-party internal, in one place (DESIGN §1).
+"""Every replacement of a third-party internal, in one place (docs/design.md, Rooms).
 
 Each `Internal` names a function the trainer puts its own in place of, the signature the
 replacement relies on, and the versions it was checked against; tests/test_patches.py fails when

@@ -1,4 +1,4 @@
-"""Checkpoints in and out of the trainer's format (DESIGN §10); the command is `python -m trainer.convert`,
+"""Checkpoints in and out of the trainer's format (docs/design.md, Interchange); the command is `python -m trainer.convert`,
 whose text says what each format gives."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The on-disk format of a checkpoint (DESIGN §5), the same whichever strategy and world size wrote it:
+"""The on-disk format of a checkpoint (docs/design.md, Checkpoints), the same whichever strategy and world size wrote it:
 
     step_00000100/
       manifest.json           format, step, strategy, world size, model fingerprint, trainer
@@ -50,7 +50,7 @@ class Piece(NamedTuple):
 
 
 def state_keys(name: str) -> dict[str, str]:
-    """Portable keys (DESIGN §5) of one parameter: its fp32 value and its Adam moments."""
+    """Portable keys (docs/design.md, Checkpoints) of one parameter: its fp32 value and its Adam moments."""
     return {"param": f"model.{name}", **{k: f"optim.{name}.{k}" for k in ADAM_KEYS}}
 
 

@@ -1,4 +1,4 @@
-"""What the checkpoint package needs of whoever holds the training state: a Strategy (DESIGN §2)
+"""What the checkpoint package needs of whoever holds the training state: a Strategy (docs/design.md, The Strategy)
 satisfies it. Written here, as a Protocol, so that checkpoints stand below the strategies, which
 build on the format (format.Piece), and never import them."""
 from __future__ import annotations

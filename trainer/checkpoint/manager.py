@@ -1,5 +1,5 @@
 """CheckpointManager: step dirs saved and loaded by any strategy, atomic commit, keep_last and
-keep_best (DESIGN §5). The format on disk: trainer/checkpoint/format.py; which checkpoint a run
+keep_best (docs/design.md, Checkpoints). The format on disk: trainer/checkpoint/format.py; which checkpoint a run
 resumes from: trainer/checkpoint/resume.py.
 """
 from __future__ import annotations

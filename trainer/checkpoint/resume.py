@@ -140,7 +140,7 @@ def resolve_resume(cfg: CheckpointConfig) -> Path | None:
 
     checkpoint.resume says where the first start begins. A restart (torchrun --max-restarts,
     max_restarts, a requeued SLURM job: the same settings again) continues from the newest
-    checkpoint in checkpoint.dir when that is newer than what the setting names (DESIGN §7): the
+    checkpoint in checkpoint.dir when that is newer than what the setting names (docs/design.md, Faults): the
     named one is older work by then, or pruned by keep_last."""
     root = Path(cfg.dir) if cfg.dir else None
     found = latest_checkpoint(root) if root and root.is_dir() else None

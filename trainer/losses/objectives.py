@@ -2,7 +2,7 @@
 
 The loop sums an objective's losses over a step's micro-batches and divides by the step's units
 of all ranks (target tokens for lm, pairs for dpo), counted from the batches before any forward:
-the same mean at any world size and accumulation (DESIGN §6; for DPO, trl#2615 is what goes
+the same mean at any world size and accumulation (docs/design.md, The loss; for DPO, trl#2615 is what goes
 wrong otherwise). Each objective also sums its own statistics (DPO's rewards), reduced and
 divided the same way where a step is logged.
 

@@ -1,4 +1,4 @@
-"""The router's load-balancing loss of a mixture-of-experts model (DESIGN §14), added to any objective.
+"""The router's load-balancing loss of a mixture-of-experts model (docs/design.md, Mixtures of experts), added to any objective.
 
 A Hugging Face MoE family whose causal LM has `router_aux_loss_coef` (Mixtral, Qwen2-MoE, Qwen3-MoE,
 OLMoE, gpt-oss, ...) adds, when its config's `output_router_logits` is true (or

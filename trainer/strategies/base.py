@@ -1,4 +1,4 @@
-"""The Strategy interface (DESIGN §2, docs/architecture.md), and the small pieces backends share,
+"""The Strategy interface (docs/design.md, The Strategy, docs/architecture.md), and the small pieces backends share,
 as plain functions they call explicitly."""
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class Strategy(ABC):
     def backward(self, loss: torch.Tensor, measure_memory: bool = False) -> None:
         """`loss` is already normalised by the loop: this micro-batch's token-loss sum x world size /
         the target tokens of the whole step (all micro-batches, all ranks), so that the backends'
-        average over ranks gives DESIGN §6's loss. Backends must not divide again. `measure_memory`:
+        average over ranks gives the loss of docs/design.md, The loss. Backends must not divide again. `measure_memory`:
         this step's memory is reported; a backend whose gradients peak inside `backward` (ZeRO-1)
         measures them there, for `memory_bytes`."""
 
@@ -174,9 +174,9 @@ class Strategy(ABC):
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
-        """Bytes this rank holds: {"params", "grads", "optim", "peak"} (DESIGN §4)."""
+        """Bytes this rank holds: {"params", "grads", "optim", "peak"} (docs/design.md, Step records)."""
 
-    # Portable state (DESIGN §5): keys from checkpoint.format's `state_keys` and STEP_KEY, values as
+    # Portable state (docs/design.md, Checkpoints): keys from checkpoint.format's `state_keys` and STEP_KEY, values as
     # flat ranges, so a checkpoint is independent of how a backend splits tensors.
 
     @abstractmethod
@@ -205,7 +205,7 @@ class Strategy(ABC):
         """The backend's own checkpoint format, written by the backend's own code (convert --to
         deepspeed). Only DeepSpeed has one; the others refuse in one line."""
         raise CheckpointError(f"{self.cfg.strategy.name.value}: has no checkpoint format of its own; "
-                              "its checkpoints are the trainer's (DESIGN §5)")
+                              "its checkpoints are the trainer's (docs/design.md, Checkpoints)")
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         dist.all_reduce(tensor, op=op)

@@ -1,4 +1,4 @@
-"""DeepSpeed's state in portable form (DESIGN §5). DeepSpeed keeps fp32 masters and Adam moments
+"""DeepSpeed's state in portable form (docs/design.md, Checkpoints). DeepSpeed keeps fp32 masters and Adam moments
 in flat partitions; its fragment APIs tell which range of each parameter this rank owns. ZeRO-1/2:
 the `_hp_mapping` fragment (any range, or none); ZeRO-3: partition `rank` of the flat parameter.
 `ZeroPartitions` is built by DeepSpeedStrategy once its engine exists, with what it reads."""

@@ -1,4 +1,4 @@
-"""objective=dpo's reference (DESIGN §12), made once the policy is set up and before a checkpoint
+"""objective=dpo's reference (docs/design.md, Objectives), made once the policy is set up and before a checkpoint
 is loaded into it, when the policy is still the reference:
 - LoRA without `peft.init`: the policy's own model with its adapters off, in eval mode, per
   micro-batch (no extra memory);

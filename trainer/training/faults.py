@@ -1,4 +1,4 @@
-"""Faults (DESIGN §7) that every rank must agree on: a stop signal, a non-finite step.
+"""Faults (docs/design.md, Faults) that every rank must agree on: a stop signal, a non-finite step.
 
 Each step ends with one small all-reduce of a CPU tensor (gloo, also beside NCCL on CUDA), so
 all ranks take the same decision at the same step boundary whichever rank saw the fault.

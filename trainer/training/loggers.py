@@ -1,8 +1,8 @@
-"""Where a run's records go (DESIGN §8): `logger=jsonl|tensorboard|wandb|mlflow`, or a list.
+"""Where a run's records go (docs/design.md, Loggers): `logger=jsonl|tensorboard|wandb|mlflow`, or a list.
 
 Every logger gets the same things, from rank 0 only: the resolved config (as hyperparameters),
 each logged step, each evaluation, events (resumed, ...) and a final summary. jsonl writes
-them as they are (metrics.jsonl, DESIGN §4), for every run, whatever else is listed: it is the
+them as they are (metrics.jsonl, docs/design.md, Step records), for every run, whatever else is listed: it is the
 run's record, which the stop line, the run-dir guard, `python -m trainer.metrics` and the sweep
 table read. The others get the numbers, named `train/loss`, `train/lr`, `mem/params`,
 `val/loss`, ..., at the record's step.
