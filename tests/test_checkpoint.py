@@ -1,4 +1,4 @@
-"""Issue 3: portable checkpoints — resume under any strategy at any world size, atomic saves."""
+"""Portable checkpoints — resume under any strategy at any world size, atomic saves."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Issue 29: every checkpoint file is hashed as it is written and verified where it is read: a damaged
+"""Every checkpoint file is hashed as it is written and verified where it is read: a damaged
 file is never trained on, exported or converted, and `python -m trainer.verify` finds it offline."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 2: the CLI trains under every strategy, spawned or under torchrun; bad input fails early."""
+"""The CLI trains under every strategy, spawned or under torchrun; bad input fails early."""
 from __future__ import annotations
 
 import json

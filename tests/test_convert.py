@@ -1,4 +1,4 @@
-"""Issue 21: checkpoints in and out of other libraries' formats. The other side is always a program
+"""Checkpoints in and out of other libraries' formats. The other side is always a program
 written against that library's API alone (tests/foreign.py), run as a subprocess: a plain FSDP2
 loop saving torch DCP, a plain DeepSpeed ZeRO-2 loop, accelerate's save_state under DeepSpeed; and
 programs that load what the trainer converts for them."""

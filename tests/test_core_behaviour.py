@@ -1,4 +1,4 @@
-"""Issue 2: micro_step (no gradient sync before the final one), activation checkpointing, FSDP units, precision and offload options."""
+"""`micro_step` (no gradient sync before the final one), activation checkpointing, FSDP units, precision and offload options."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 2: every backend gives the 1-rank losses; accumulation, clipping, AC, bytes per rank.
+"""Every backend gives the 1-rank losses; accumulation, clipping, AC, bytes per rank.
 
 All 2-rank runs share one gloo process group (one launch), then the tests read metrics.jsonl.
 """

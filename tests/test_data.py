@@ -1,4 +1,4 @@
-"""Issue 2: the data stream calls set_epoch itself; shards are disjoint and cover the data."""
+"""The data stream calls set_epoch itself; shards are disjoint and cover the data."""
 from __future__ import annotations
 
 from trainer.data import BatchStream

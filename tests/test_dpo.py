@@ -1,4 +1,4 @@
-"""Issue 32: preference training (objective=dpo, data=preference). Pairs are tokenised as TRL's
+"""Preference training (objective=dpo, data=preference). Pairs are tokenised as TRL's
 DPOTrainer does; a pair's two sequences share a packed row and give the log-probabilities they
 give alone; the loss and rewards are TRL's, normalised over the pairs of the whole step."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 43 item 7b: objective=dpo brings its own optimizer defaults (TRL's DPOConfig: lr 1e-6, no
+"""`objective=dpo` brings its own optimizer defaults (TRL's DPOConfig: lr 1e-6, no
 weight decay) where the user names none; peft=lora's win over them, the command line over both;
 the start line says the objective, its beta and the rate."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 43 item 5: objective=dpo trains without dropout unless told to keep it (TRL's
+"""`objective=dpo` trains without dropout unless told to keep it (TRL's
 disable_dropout): the model's nn.Dropout, Hugging Face attention's dropout probability, LoRA's
 lora_dropout; and peft.dropout=0 replaces a starting adapter's lora_dropout."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 43 item 6: TRL's other DPO metrics, with TRL 1.16's definitions: `logps/chosen|rejected`
+"""TRL's other DPO metrics, with TRL 1.16's definitions: `logps/chosen|rejected`
 the policy's summed log-probabilities of the responses, means over the pairs; `logits/chosen|rejected`
 the mean over the vocabulary of the policy's logits at each response token, means over the tokens."""
 from __future__ import annotations

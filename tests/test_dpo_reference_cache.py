@@ -1,4 +1,4 @@
-"""Issue 43: objective.precompute_ref's table. Its key follows every split's files (content by size
+"""`objective.precompute_ref`'s table. Its key follows every split's files (content by size
 and mtime), the tokenizer's files and the template; rank 0's cache decides for every rank."""
 from __future__ import annotations
 

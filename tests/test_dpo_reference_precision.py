@@ -1,4 +1,4 @@
-"""Issue 43 item 4: full fine-tuning's frozen copy computes as the policy does at its start, in
+"""Full fine-tuning's frozen copy computes as the policy does at its start, in
 bf16 on ddp too (the policy: fp32 parameters under autocast, norms and embeddings in fp32)."""
 from __future__ import annotations
 

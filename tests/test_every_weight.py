@@ -1,4 +1,4 @@
-"""Issue 17, every weight right: what a pretrained folder may hold, fresh initialisation with
+"""Every weight right: what a pretrained folder may hold, fresh initialisation with
 transformers' own spread, frozen parameters and persistent buffers under every strategy, uneven
 shards, signals at the edges of a step, resumes that are exact (dropout, new ranks), and a
 tokenised-data cache that outlasts the collective timeout, a killed writer and shared nodes."""

@@ -1,4 +1,4 @@
-"""Issue 55: expert parallelism (`strategy.ep=N`, models/experts.py). Each rank of an expert group
+"""Expert parallelism (`strategy.ep=N`, models/experts.py). Each rank of an expert group
 holds 1 / N of every MoE layer's experts and tokens travel to them; the losses equal one rank's at the
 same global batch within 1e-6 (fp32, the router's loss on, clipping active), at ep=2 on 2 and 4 ranks
 and ep=4 on 4, crossed with accumulation and activation checkpointing, compile, packed chat rows,

@@ -1,4 +1,4 @@
-"""Issue 43, item 15: what export and the planner print is the whole of what they wrote or planned:
+"""What export and the planner print is the whole of what they wrote or planned:
 export's line names every file of the folder it wrote, and `plan.json=true` carries the budget
 line of the text plan."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 31, part 2: what a user coming from transformers, peft and TRL meets first: fine-tuning's
+"""What a user coming from transformers, peft and TRL meets first: fine-tuning's
 optimizer defaults, exports that carry the tokenizer and chat template, `peft.init` that says what
 it ignores, a resume line that says what was restored, a done line that names the checkpoint and
 the export command, and models and data by their Hugging Face Hub names."""

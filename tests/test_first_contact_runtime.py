@@ -1,4 +1,4 @@
-"""Issue 31, the runtime and CLI items: refusals in one line (Hydra's grammar, a missing Hydra
+"""What a newcomer meets first at the command line: refusals in one line (Hydra's grammar, a missing Hydra
 plugin), `python -m trainer.metrics` of a missing path and into a closed pipe, the sweep table's
 units."""
 from __future__ import annotations

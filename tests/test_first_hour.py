@@ -1,4 +1,4 @@
-"""Issues 12 and 20: what a new user meets in the first hour — messages, files and launch scripts."""
+"""What a new user meets in the first hour — messages, files and launch scripts."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 30, train.fused_loss=true: the output layer gives each token's loss, in chunks, without the
+"""`train.fused_loss=true`: the output layer gives each token's loss, in chunks, without the
 [tokens, vocab] logits; the same losses as the plain loss on every strategy (the output weight the
 backend gathered, a tied one too), with LoRA, sequence parallelism, compile and validation; what
 cannot be fused is refused before any rank starts."""

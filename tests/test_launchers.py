@@ -1,4 +1,4 @@
-"""Issue 4: the same program under torchrun (1 and 2 nodes), accelerate, the deepspeed launcher,
+"""The same program under torchrun (1 and 2 nodes), accelerate, the deepspeed launcher,
 SLURM's variables and Hydra multirun; every test reads metrics.jsonl."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issues 28 and 40: the import rules of the layout (docs/architecture.md), read from the source of every
+"""The import rules of the layout (docs/architecture.md), read from the source of every
 module under trainer/, every import counted (one inside a function too: it runs when the function is
 called; one under `if TYPE_CHECKING` too: a type named is a room known): no import circle among
 modules, none among rooms (a top-level module or package of trainer/: so no import runs back up from

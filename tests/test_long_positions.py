@@ -1,4 +1,4 @@
-"""Issue 42: model.seq_len past max_position_embeddings is refused only where the model looks positions
+"""`model.seq_len` past max_position_embeddings is refused only where the model looks positions
 up in an embedding, seen by what the model does (hf.position_embedding), not by an embedding's row
 count: a Mistral-7B-v0.3-like model, whose vocabulary is as large as its positions, trains past them
 (with a warning); GPT-2's and OPT's learned positions are refused in one line. One process, tiny models."""

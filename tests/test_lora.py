@@ -1,4 +1,4 @@
-"""Issue 18: LoRA (peft=lora) under every strategy, on a Hugging Face family the other tests do
+"""LoRA (peft=lora) under every strategy, on a Hugging Face family the other tests do
 not use (Phi-3: fused qkv and gate/up projections, a padding row in its embedding), from saved
 weights: only the adapters train, checkpoints hold them alone and resume anywhere, export gives a
 PEFT folder and a merged model with the same logits."""

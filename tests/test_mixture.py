@@ -1,4 +1,4 @@
-"""Issue 33: data=mixture. Sources drawn by weight, exactly, in a fresh order every epoch that is
+"""`data=mixture`. Sources drawn by weight, exactly, in a fresh order every epoch that is
 the same at any world size and continues exactly on resume; counts per source in the step records."""
 from __future__ import annotations
 

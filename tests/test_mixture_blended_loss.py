@@ -1,4 +1,4 @@
-"""Issue 43, item 13: a mixture's validation gives each source's loss and one blended by the
+"""A mixture's validation gives each source's loss and one blended by the
 weights (the mixture's own loss, as Megatron and MosaicML report it), besides the plain loss over
 all held-out tokens. One short run on one rank."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 43, item 13: how much of each source an epoch draws: a source's `max_samples` (LLaMA-Factory's:
+"""How much of each source an epoch draws: a source's `max_samples` (LLaMA-Factory's:
 only its first N documents), `repeat` (MosaicML's Stream repeat: each epoch draws repeat x its
 documents, in place of weights), and HF interleave_datasets' stopping strategies
 (`data.exhausted=first_exhausted|all_exhausted`), read in process from token files whose windows

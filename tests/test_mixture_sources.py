@@ -1,4 +1,4 @@
-"""Issue 43, mixtures: what each source gives. A source's own validation file is not overridden by
+"""Mixtures: what each source gives. A source's own validation file is not overridden by
 data.val_fraction; an hf source's long documents are cut into windows (no token lost) or, on
 request, truncated or dropped with what is lost counted; the allocation's rounding is carried
 across epochs."""

@@ -1,4 +1,4 @@
-"""Issue 39 (mixture-of-experts models): LoRA on the experts, active-parameter FLOPs, export back to
+"""Mixture-of-experts models: LoRA on the experts, active-parameter FLOPs, export back to
 the Hub's per-expert layout. Models from trainer/demo.py's MOE_FAMILIES (4 experts, 2 per token)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 5: the memory planner against the textbook, the real model, the runtime, and strategy=auto."""
+"""The memory planner against the textbook, the real model, the runtime, and strategy=auto."""
 from __future__ import annotations
 
 import json

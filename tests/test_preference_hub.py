@@ -1,4 +1,4 @@
-"""Issue 43 item 7: Hub data set names for data=preference and for a mixture's sources, resolved to
+"""Hub data set names for data=preference and for a mixture's sources, resolved to
 the Hugging Face cache's snapshot as data=hf|chat's are (offline, from a cache laid out by hand)."""
 from __future__ import annotations
 

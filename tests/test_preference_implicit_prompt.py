@@ -1,4 +1,4 @@
-"""Issue 43 item 8: preference rows of {chosen, rejected} alone (hh-rlhf's), the prompt inside both:
+"""Preference rows of {chosen, rejected} alone (hh-rlhf's), the prompt inside both:
 cut as TRL 1.16's extract_prompt cuts it, then tokenised as the row with that prompt."""
 from __future__ import annotations
 

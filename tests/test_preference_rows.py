@@ -1,4 +1,4 @@
-"""Issue 43: preference rows a model can take. A row of pairs is 2 x seq_len wide; its padding's
+"""Preference rows a model can take. A row of pairs is 2 x seq_len wide; its padding's
 positions stay within the model's position table, packed or not (item 1); a batch larger than the
 packed rows is refused naming what a row holds (item 9)."""
 from __future__ import annotations

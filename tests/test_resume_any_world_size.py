@@ -1,4 +1,4 @@
-"""Issue 43 item 14: the data position is a count of the epoch's samples, so it continues at any
+"""The data position is a count of the epoch's samples, so it continues at any
 world size, one that does not divide it too (another global batch): the ranks together read the
 epoch's next samples in order, none twice, none skipped."""
 from __future__ import annotations

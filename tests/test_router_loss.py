@@ -1,4 +1,4 @@
-"""Issue 39: the router's load-balancing loss of mixture-of-experts models (losses/router_loss.py):
+"""The router's load-balancing loss of mixture-of-experts models (losses/router_loss.py):
 transformers' own number for one row, per-row statistics, and 2 ranks = 1 rank on every strategy
 and across the crossings, with the term on."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10: loggers read back with each tool's reader, a quiet console, mfu and profiles,
+"""Loggers read back with each tool's reader, a quiet console, mfu and profiles,
 torch.compile and grad_reduce on every strategy, the planner's traffic against what the runs
 move, the device choice, and the wheel installed elsewhere."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 42: under sequence parallelism each rank of a group draws its own dropout masks (the ranks start
+"""Under sequence parallelism each rank of a group draws its own dropout masks (the ranks start
 every micro-batch from the same random state: without this the mask of a row repeats every
 seq_len / sp tokens), reproducibly from the seed, and the group's shared generator stays alike on
 every rank (training/sequence_shares.py). In one process: the two ranks' shares, one after the other."""

@@ -1,4 +1,4 @@
-"""Issue 42: under sequence parallelism, grouped-query attention sends its key/value heads, not copies
+"""Under sequence parallelism, grouped-query attention sends its key/value heads, not copies
 of them for every query head (models/sequence.py, `key_value_heads_sent`): `kv_heads / sp` a rank
 where they split, one a rank (each repeated sp / kv_heads times) where there are fewer than the
 ranks. On 2 gloo ranks, one launch: a tiny Qwen2 in both regimes gives the whole model's logits and

@@ -1,4 +1,4 @@
-"""Issue 42: the check before any rank starts runs every layer type a Hugging Face model has, not only
+"""The check before any rank starts runs every layer type a Hugging Face model has, not only
 its first layer's (hf.small_builder keeps the first layer of each type): a sliding window in later
 layers only (Qwen2 with use_sliding_window past max_window_layers) is refused at sp > 1, in one line."""
 from __future__ import annotations

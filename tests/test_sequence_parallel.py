@@ -1,4 +1,4 @@
-"""Issue 30: sequence parallelism (`strategy.sp=N`, Ulysses attention) through the trainer: the losses
+"""Sequence parallelism (`strategy.sp=N`, Ulysses attention) through the trainer: the losses
 of one rank with the same global batch on every backend, at sp=2, at dp=2 x sp=2 and at sp=3; with offload,
 activation checkpointing, compile and LoRA; packed conversations kept apart; checkpoints that resume
 at another sp, strategy and world size; the refusals before any rank starts.

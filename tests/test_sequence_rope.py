@@ -1,4 +1,4 @@
-"""Issue 42: rotary embeddings that pick their frequencies from the positions they see (Phi-3's longrope,
+"""Rotary embeddings that pick their frequencies from the positions they see (Phi-3's longrope,
 dynamic NTK scaling) pick them at sp=2 from the whole rows, as at sp=1 (models/hf_sequence.py,
 `whole_row_rotary`). Rows of 16 tokens where the model was made for 8: the whole rows take the long
 (or scaled) frequencies, while rank 0's half alone would take the short ones. On 2 gloo ranks, one

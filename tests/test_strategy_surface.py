@@ -1,4 +1,4 @@
-"""Issue 28: the Strategy interface's own refusals, without a process group."""
+"""The Strategy interface's own refusals, without a process group."""
 from __future__ import annotations
 
 from pathlib import Path

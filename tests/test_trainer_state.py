@@ -1,4 +1,4 @@
-"""Issue 28: the trainer state of a checkpoint is one typed dataclass (trainer.checkpoint.format.TrainerState),
+"""The trainer state of a checkpoint is one typed dataclass (trainer.checkpoint.format.TrainerState),
 read and written in one place; manifests keep the bytes they always had."""
 from __future__ import annotations
 

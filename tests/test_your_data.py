@@ -1,4 +1,4 @@
-"""Issue 8: your data — tokenised text (once, cached), pre-tokenised files, packing or padded
+"""Your data — tokenised text (once, cached), pre-tokenised files, packing or padded
 documents, evaluation, and a loss normalised over the target tokens of the whole step."""
 from __future__ import annotations
 

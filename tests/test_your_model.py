@@ -1,4 +1,4 @@
-"""Issue 8: Hugging Face causal LMs and any nn.Module, through every strategy.
+"""Hugging Face causal LMs and any nn.Module, through every strategy.
 
 Two HF families with different block classes (Qwen2: tied embeddings, rotary, GQA; GPT-NeoX:
 untied, parallel residual) and a custom `_target_` model, built from configs in the test.
