@@ -189,6 +189,18 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def refused_by(check, *args) -> str | None:
+    """The one line a check before work refuses `args` with (its ConfigError), or None: it accepts
+    them. So a test of what a check accepts asserts `is None` beside the case it refuses."""
+    from trainer.errors import ConfigError
+
+    try:
+        check(*args)
+    except ConfigError as refused:
+        return str(refused)
+    return None
+
+
 def refusal(run_dir: Path, *overrides: str) -> str:
     """The error the CLI stops with before any rank starts, found in this process: the same
     overrides check, composition, resolution and checks as `trainer` (trainer/__main__.py), which

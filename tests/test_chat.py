@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import case, on_ranks, records, refusal, train_cases, with_overrides
+from tests.harness import case, on_ranks, records, refusal, refused_by, train_cases, with_overrides
 from trainer.config import TrainOn, to_config
 from trainer.data.sources import IGNORE_INDEX
 from trainer.demo import (
@@ -289,14 +289,17 @@ def positions_only(vocab: int = VOCAB, dim: int = 32, apart: bool = False) -> Po
 
 
 def test_the_packing_check_passes_models_that_keep_conversations_apart(chat):
-    """The refusals of models that attend across packed conversations are among the bad settings below."""
+    """The same custom model without `apart` attends across them and is refused (more refusals are
+    among the bad settings below)."""
     from trainer.models import resolve_model
     from trainer.models.checks import check_packing
 
     apart = {"name": "custom", "kind": "custom", "_target_": "tests.test_chat.positions_only", "apart": True}
     for node in (apart, {"name": "hf", "kind": "hf", "path": str(chat.qwen2)},
                  {"name": "hf", "kind": "hf", "path": str(chat.qwen2), "attn_implementation": "eager"}):
-        check_packing(resolve_model(to_config({"model": node}).model))
+        assert refused_by(check_packing, resolve_model(to_config({"model": node}).model)) is None, node
+    across = resolve_model(to_config({"model": {**apart, "apart": False}}).model)
+    assert "data.packing" in refused_by(check_packing, across)
 
 
 def chat_case(chat, path, **overrides) -> dict:

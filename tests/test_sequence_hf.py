@@ -15,7 +15,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from tests.harness import assert_close, case, crossings, losses, on_ranks, records, train_cases, with_overrides
+from tests.harness import (
+    assert_close,
+    case,
+    crossings,
+    losses,
+    on_ranks,
+    records,
+    refused_by,
+    train_cases,
+    with_overrides,
+)
 from tests.test_chat import PACKED_RTOL, chat, chat_case, summed_loss  # noqa: F401 (chat: the fixture)
 from trainer.demo import FAMILIES, VOCAB
 
@@ -216,7 +226,8 @@ def test_a_model_attending_through_the_interface_passes_the_check(tmp_path):
     from trainer.models.checks import check_hf_sequence_parallel
 
     path = family_dir(tmp_path, BuiltConfig, {})
-    check_hf_sequence_parallel(ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ), 2)
+    assert refused_by(check_hf_sequence_parallel, ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ),
+                      2) is None
 
 
 def test_families_ulysses_splits_pass_the_check(tmp_path):
@@ -226,7 +237,8 @@ def test_families_ulysses_splits_pass_the_check(tmp_path):
 
     for family, config in (("llama", {}), ("mistral", {"sliding_window": 64})):
         path = family_dir(tmp_path / family, family, config)
-        check_hf_sequence_parallel(ModelConfig(name="hf", kind="hf", path=str(path), seq_len=SEQ), 2)
+        assert refused_by(check_hf_sequence_parallel, ModelConfig(name="hf", kind="hf", path=str(path),
+                                                                  seq_len=SEQ), 2) is None, family
 
 
 # -- the trainer: fp32 losses at sp=2 are one rank's with the same global batch ----------------------

@@ -20,6 +20,7 @@ from tests.harness import (
     on_ranks,
     records,
     refusal,
+    refused_by,
     resuming,
     saving,
     train_cases,
@@ -78,13 +79,16 @@ def test_what_sequence_parallelism_cannot_split_is_refused_before_any_rank_start
 
 
 def test_a_custom_model_with_the_hook_passes_the_checks():
-    from examples.attention_model import build
+    from examples.attention_model import AttentionLM, build
     from trainer.checks import check_sequence_parallel
     from trainer.config import to_config
 
     cfg = to_config(custom_case("ddp", 2, GLOBAL_BATCH))
     with torch.device("meta"):
-        check_sequence_parallel(cfg, 4, build())  # refused without `sequence_parallel = True`
+        hooked = build()
+        unhooked = type("Unhooked", (AttentionLM,), {"sequence_parallel": False})(256, 32, 2, 4, 2048)
+    assert refused_by(check_sequence_parallel, cfg, 4, hooked) is None
+    assert "sequence_parallel = True" in refused_by(check_sequence_parallel, cfg, 4, unhooked)
 
 
 # -- parity: the losses of one rank ---------------------------------------------------------------
