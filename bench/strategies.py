@@ -12,7 +12,9 @@ weights, data, global batch (micro-batch = global / ranks), optimizer, LR schedu
 precision and steps. Reported: median step time after `--warmup` steps of each run, tokens/s,
 the bytes rank 0 holds (metrics `mem`: params/grads/optim; CUDA `peak`), peak RSS (max over
 ranks), the trainer/raw ratio of median and of fastest step times (the trainer's overhead), the
-largest loss difference between the two (0: the same work), and with --peak-flops the MFU.
+largest loss difference between the two, and with --peak-flops the MFU. The bench fails (exit 1,
+naming the run and the step) when a step's losses differ past SAME_WORK_RTOL: then the two did
+different work and their times do not compare.
 Results: <out-dir>/strategies_<model>_<device>.json (rewritten after every run, per-step times
 included) and .png. On a CPU shared with other work, `--threads 1` keeps a busy core from
 stalling a rank's thread pool (seen: 25x slower steps at 2 threads per rank).
@@ -36,6 +38,9 @@ sys.path.insert(0, str(REPO))  # `bench.raw_loops` importable here and in the sp
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 MB = 1e6
+# The trainer and the raw loop do the same work when their per-step losses agree this closely
+# (relative): fp32 only reorders a reduction here and there; bf16 rounds each op's output.
+SAME_WORK_RTOL = {"fp32": 1e-5, "bf16": 1e-2}
 
 
 def parse_args() -> argparse.Namespace:
@@ -130,8 +135,23 @@ def summarise(run: dict, settings: dict) -> None:
             timed["mfu"] = timed["tokens_per_s"] * settings["flops_per_token"] / (settings["peak_flops"] * run["ranks"])
     run["overhead_ratio"] = run["step_time_s"] / run["raw"]["step_time_s"]
     run["overhead_ratio_fastest"] = run["fastest_step_s"] / run["raw"]["fastest_step_s"]
-    run["loss_max_abs_diff"] = max(abs(a - b) for ts, rs in zip(run["trainer_losses"], run["raw_losses"])
-                                   for a, b in zip(ts, rs))
+    pairs = [(a, b) for ts, rs in zip(run["trainer_losses"], run["raw_losses"]) for a, b in zip(ts, rs)]
+    run["loss_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
+    run["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in pairs)
+
+
+def different_work(results: dict) -> list[str]:
+    """The runs whose trainer and raw loop did not do the same work: a step's losses differ past
+    SAME_WORK_RTOL. Their step times are not comparable, so the bench fails on them."""
+    rtol = SAME_WORK_RTOL[results["settings"]["precision"]]
+    lines = []
+    for run in results["runs"]:
+        for r, (ts, rs) in enumerate(zip(run["trainer_losses"], run["raw_losses"])):
+            step = next((i for i, (a, b) in enumerate(zip(ts, rs), 1) if abs(a - b) > rtol * abs(b)), None)
+            if step is not None:
+                lines.append(f"{run['strategy']} x{run['ranks']} round {r}: step {step} loss {ts[step - 1]:.7g} "
+                             f"(trainer) vs {rs[step - 1]:.7g} (raw), past rtol {rtol:g}")
+    return lines
 
 
 def print_table(results: dict) -> None:
@@ -267,6 +287,9 @@ def main() -> None:
     print_table(results)
     plot(results, out.with_suffix(".png"))
     print(f"\n[bench] results: {out}, chart: {out.with_suffix('.png')}")
+    if differ := different_work(results):
+        sys.exit("[bench] FAILED: the trainer and the raw loop did different work, so their times do not compare:\n  "
+                 + "\n  ".join(differ))
 
 
 if __name__ == "__main__":
