@@ -257,8 +257,8 @@ def test_two_blocks_traced_count_what_the_whole_depth_does(family, alike, tmp_pa
     of the whole depth, with checkpointing, the fused loss, sp=2, packed rows and LoRA; a model whose
     blocks differ (DeepSeek-V3's dense first layer, Qwen2's sliding-window layers past
     max_window_layers) is traced whole."""
-    from trainer.plan import activations as plan_activations
     from trainer.demo import make_model_dir
+    from trainer.plan import activations as plan_activations
 
     sliding = dict(use_sliding_window=True, sliding_window=64, max_window_layers=2) if family == "qwen2_sliding" else {}
     model = {"name": "tiny", "n_layers": 5} if family == "tiny" else {"name": "hf", "kind": "hf", "path": str(
