@@ -49,7 +49,7 @@ def planned_bytes(overrides: list[str], seq: int, sp: int, fused: bool, ac: bool
 
     from trainer.config import CONFIG_MODULE, register_configs, to_config
     from trainer.models import resolve_model
-    from trainer.plan_activations import planned
+    from trainer.plan.activations import planned
 
     register_configs()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):

@@ -1,5 +1,5 @@
 """mem.activations (the bytes a micro-step's forward saves for backward) and the planner's count of
-them (trainer/plan_activations.py): single process, on the CPU."""
+them (trainer/plan/activations.py): single process, on the CPU."""
 from __future__ import annotations
 
 import dataclasses
@@ -127,7 +127,7 @@ def qwen2(tmp_path_factory):
 
 @pytest.mark.parametrize("model", ["tiny", pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: slow
 def test_the_plan_counts_what_a_micro_step_keeps_at_three_lengths(model, request):
-    from trainer.plan_activations import planned
+    from trainer.plan.activations import planned
 
     settings = TINY if model == "tiny" else {"model": {"name": "hf", "kind": "hf",
                                                        "path": str(request.getfixturevalue("qwen2"))}}
@@ -184,7 +184,7 @@ def test_the_plan_counts_the_output_layers_gradients_at_the_start_of_backward():
     kept (8 bytes a token and vocabulary entry, read by torch.profiler on the CPU): the plan counts
     them on meta and adds them to what an option needs; the fused loss holds a chunk's."""
     from trainer.plan import activation_need
-    from trainer.plan_activations import planned
+    from trainer.plan.activations import planned
 
     cfg = to_config({"model": {"name": "tiny", "vocab_size": 4096}, "train": {"precision": "bf16"}})
     plain, fused = planned(cfg, False, False), planned(cfg, False, True)
@@ -201,7 +201,7 @@ def test_the_plan_counts_the_output_layers_gradients_at_the_start_of_backward():
 
 
 def test_a_model_whose_logits_no_linear_layer_makes_is_planned_without_the_output_gradients():
-    from trainer.plan_activations import output_backward_bytes
+    from trainer.plan.activations import output_backward_bytes
 
     class TiedByHand(nn.Module):  # a custom model's F.linear on its embedding: no output layer to count
         def __init__(self):
@@ -239,7 +239,7 @@ def test_at_sp_2_each_rank_keeps_about_half_and_the_plan_knows(tmp_path):
     which, were it a view, would keep the whole row's ids and targets for backward (16 bytes a token
     of the other ranks' shares that the plan does not count)."""
     from tests.harness import case, on_ranks, records, train_cases, with_overrides
-    from trainer.plan_activations import planned
+    from trainer.plan.activations import planned
 
     base = with_overrides(case("ddp", steps=1), model__seq_len=256, train__micro_batch_size=1)
     on_ranks(1, train_cases, {"sp1": base}, str(tmp_path))
@@ -257,8 +257,8 @@ def test_two_blocks_traced_count_what_the_whole_depth_does(family, alike, tmp_pa
     of the whole depth, with checkpointing, the fused loss, sp=2, packed rows and LoRA; a model whose
     blocks differ (DeepSeek-V3's dense first layer, Qwen2's sliding-window layers past
     max_window_layers) is traced whole."""
-    from trainer import plan_activations
     from trainer.demo import make_model_dir
+    from trainer.plan import activations as plan_activations
 
     sliding = dict(use_sliding_window=True, sliding_window=64, max_window_layers=2) if family == "qwen2_sliding" else {}
     model = {"name": "tiny", "n_layers": 5} if family == "tiny" else {"name": "hf", "kind": "hf", "path": str(

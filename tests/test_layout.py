@@ -135,7 +135,7 @@ def test_the_rules_catch_each_kind_of_wrong_import():
     assert cycles(adding("trainer.models.hf_sequence", "trainer.models.hf", top=False))  # inside a function too
     assert "trainer.data.tokenized imports trainer.checks" in upward(adding("trainer.data.tokenized", "trainer.checks",
                                                                             top=False))  # round 2's circle
-    assert cycles(adding("trainer.losses.objectives", "trainer.plan_activations"), of=room)  # the trace runs the losses
+    assert cycles(adding("trainer.losses.objectives", "trainer.plan.activations"), of=room)  # the trace runs the losses
     assert not upward(adding("trainer.training.loop", "trainer.saved_bytes"))  # the counter stands below the loop
     assert violations(adding("trainer.checkpoint.convert", "trainer.training.loop", top=False))  # at run time
     assert violations(adding("trainer.checkpoint.manager", "trainer.strategies.base"))

@@ -1,4 +1,4 @@
-"""The planner counts what packing costs (trainer/plan_activations.py): where the data packs rows, its
+"""The planner counts what packing costs (trainer/plan/activations.py): where the data packs rows, its
 meta trace gives the model packed position ids, so a model that keeps a [t, t] document mask shows
 its square term, and the built-in model (no mask: models/sequence.py) costs what plain rows cost."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ class MaskedWhenPacked(nn.Module):
 
 
 def planned_for(model: dict, data: dict):
-    from trainer.plan_activations import planned
+    from trainer.plan.activations import planned
 
     cfg = to_config({"model": model, "data": data})
     cfg.model = resolve_model(cfg.model)

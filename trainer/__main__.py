@@ -34,7 +34,7 @@ from trainer.hub import resolve_names
 from trainer.launchers import take_local_rank, with_accelerate_choice
 from trainer.log import QuietRankExits, log, refuse, setup_logging
 from trainer.models import meta_model, param_shapes, resolve_model
-from trainer.plan import resolve_auto
+from trainer.plan.auto import resolve_auto
 from trainer.sweep import check_sweep
 from trainer.training.faults import STOP_SIGNALS
 from trainer.training.run import check_run_dir, exit_now, launched_worker, worker

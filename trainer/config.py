@@ -21,7 +21,7 @@ from trainer.errors import ConfigError
 
 
 class StrategyName(str, Enum):
-    auto = "auto"  # the planner picks (trainer/plan.py)
+    auto = "auto"  # the planner picks (trainer/plan/)
     ddp = "ddp"
     fsdp = "fsdp"
     zero1 = "zero1"

@@ -6,7 +6,7 @@ checkpointing, torch's own hooks take the checkpointed blocks' saves, so only wh
 is seen: the blocks' inputs. Tensors a custom autograd function keeps on its context rather than
 saving them are found by walking the loss's graph.
 
-The planner counts with the same class on the meta device (trainer/plan_activations.py).
+The planner counts with the same class on the meta device (trainer/plan/activations.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """train.on_oom=adapt at a restart: the plan this start runs, from the out-of-memory records in the
 run dir (oom.py: the records and the ladder down to micro-batch 1, activation checkpointing
 and the fused loss). Past those, the strategy rungs: the next option of the planner's decision order
-that it says fits with the failure's bytes (trainer/plan.py: strategy_rungs), whose settings pass the
+that it says fits with the failure's bytes (trainer/plan/auto.py: strategy_rungs), whose settings pass the
 checks a user's command gets (checks.check_settings); a rung they refuse is skipped, and said why.
 The portable checkpoint resumes under the new strategy as under any other.
 """
@@ -14,7 +14,7 @@ from trainer.checks import check_settings
 from trainer.config import Config
 from trainer.errors import RunError
 from trainer.oom import Plan, adapted_plan, append, changes, read_records, value, what_failed
-from trainer.plan import strategy_rungs
+from trainer.plan.auto import strategy_rungs
 
 
 def strategy_rung(plan: Plan, failure: dict, cfg: Config, world_size: int) -> tuple[Plan | None, str, list[str]]:

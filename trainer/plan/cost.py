@@ -1,8 +1,7 @@
-"""`python -m trainer.plan [overrides]`: what each memory strategy costs per GPU and per step,
-and the fastest that fits (options in the decision order DDP -> activation checkpointing ->
-ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties). Same configs as the trainer;
-`plan.json=true` prints JSON only. `plan.run_dir=DIR` of a run that ran out of memory
-(train.on_oom): what failed there, and the plan at the one it adapted to.
+"""The planner's cost model: what each memory strategy holds per GPU and moves per step, and the
+fastest option that fits (options in the decision order DDP -> activation checkpointing ->
+ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties), and the longest seq_len per
+sequence-parallel degree.
 
 The parameter count comes from the real model built on the meta device. Bytes per parameter
 follow trainer/memory.py (what our backends keep; `plan.master_weights=false` for pure bf16).
@@ -15,21 +14,14 @@ moves its gradients too.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
-from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES, SHARDED, peak_gradient_bytes, per_rank_bytes, reduce_bytes
-from trainer.oom import RECORDS, read_records, size, what_failed
-from trainer.oom import Plan as RunPlan
-from trainer.plan_activations import ActivationCount, planned
+from trainer.plan.activations import ActivationCount, planned
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
 if TYPE_CHECKING:
@@ -270,7 +262,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
 
 
 def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool, sp: int = 1) -> ActivationCount:
-    """The activation bytes an option needs per rank (trainer/plan_activations.py counts them on the
+    """The activation bytes an option needs per rank (trainer/plan/activations.py counts them on the
     meta device) at the peak of backward: those kept for backward, and beside them the larger of the
     output layer's and loss's gradients (at backward's start) and, with checkpointing, one block's
     activations, recomputed in backward (later, when the former are gone)."""
@@ -307,65 +299,6 @@ def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequenc
                 plan.long_context.append((sp, fused, checkpointing, longest))
 
 
-def format_plan(plan: Plan) -> str:
-    unit, size = ("GB", GB) if plan.gpu_memory_bytes >= GB else ("MB", 1e6)
-    trainable = f" ({plan.trainable:,} trainable)" if plan.trainable < plan.params else ""
-    lines = [f"{plan.params:,} parameters{trainable}, world size {plan.world_size}, {plan.gpu_memory_bytes / size:.1f} {unit} "
-             f"per GPU{f' ({plan.memory_source})' if plan.memory_source else ''}, {plan.precision}"
-             f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
-             f"  {'strategy':<8}{'ep':>4}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
-             f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}{'max seq':>10}  fits"]
-    # one format for the whole column: seconds to the millisecond, or in exponent form for tiny models
-    step_format = ".3f" if max((o.step_s for o in plan.options), default=0) >= 0.01 else ".2e"
-    for o in plan.options:
-        g = {k: v / size for k, v in o.per_gpu_bytes.items()}
-        lines.append(f"  {o.name:<8}{o.ep:>4}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
-                     f"{g['params']:>9.2f}{g['grads']:>9.2f}{g['optim']:>9.2f}{g['activations']:>9.2f}"
-                     f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}{sum(o.comm_bytes.values()) / size:>9.2f}"
-                     f"{o.step_s:>9{step_format}}{o.longest_seq_len:>10}  {'yes' if o.fits else 'no':<3}"
-                     + ("  <- chosen" if o.chosen else ""))
-    if not plan.choice:
-        lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
-    lines.append(f"  ep: strategy.ep; comm: collective payload per step (offload copies, strategy.sp's all-to-alls and "
-                 "the hidden vectors strategy.ep's all-to-alls send to other ranks included); step s: estimated at "
-                 f"{plan.flops_per_s:.3g} FLOP/s, {plan.link_gbps:g} Gbit/s links, {plan.pcie_gbps:g} Gbit/s PCIe, "
-                 "without overlap; chosen: the fastest that fits, the first of those within 1 %; "
-                 "max seq: the longest model.seq_len whose activations fit beside the rest")
-    return "\n".join(lines + long_context_lines(plan))
-
-
-def long_context_lines(plan: Plan) -> list[str]:
-    """The activations per token, and the longest seq_len per sp, fused loss and checkpointing."""
-    a = plan.activations
-    if a is None:
-        return []
-    lines = [f"activations (counted on the meta device): {a.per_token_per_layer / 1e3:,.1f} kB per token per layer, "
-             f"{a.per_token / 1e3:,.1f} kB per token in all, of which the output layer and loss "
-             f"{a.logits_per_token / 1e3:,.1f} kB" + (f" + {a.constant / 1e6:,.1f} MB a micro-batch" if a.constant >= 1e5 else "")
-             + (f"; {a.per_token_squared:,.1f} B per token squared" if a.per_token_squared else ""),
-             f"longest model.seq_len that fits, on {plan.room_for} (per rank: seq_len / sp tokens of each row):",
-             f"  {'sp':>4}  {'fused_loss':<11}{'AC':<5}{'max seq':>10}"]
-    lines += [f"  {sp:>4}  {'on' if fused else 'off':<11}{'on' if ac else 'off':<5}{longest:>10}"
-              for sp, fused, ac, longest in plan.long_context]
-    return lines
-
-
-def plan_as_json(plan: Plan) -> dict:
-    """The plan as the table gives it: the budget line (memory per GPU and where it came from,
-    precision, master weights, the rates the step times assume), the options, the long context."""
-    return {"params": plan.params, "trainable": plan.trainable, "world_size": plan.world_size,
-            "gpu_memory_bytes": plan.gpu_memory_bytes, "memory_source": plan.memory_source,
-            "precision": plan.precision, "master_weights": plan.master_weights,
-            "flops_per_s": plan.flops_per_s, "link_gbps": plan.link_gbps, "pcie_gbps": plan.pcie_gbps,
-            "options": [{"name": o.name, "ep": o.ep, "activation_checkpointing": o.activation_checkpointing,
-                         "offload": o.offload,
-                         "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "comm_bytes": o.comm_bytes,
-                         "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen,
-                         "longest_seq_len": o.longest_seq_len} for o in plan.options],
-            "long_context": [{"sp": sp, "fused_loss": fused, "activation_checkpointing": ac, "longest_seq_len": n}
-                             for sp, fused, ac, n in plan.long_context]}
-
-
 DEFAULT_GPU_MEMORY_GB = 80.0  # the budget where neither plan.gpu_memory_gb nor a GPU says one
 
 
@@ -379,150 +312,3 @@ def memory_budget(cfg: Config) -> tuple[int, str]:
     if device_type() == "cuda":
         return torch.cuda.get_device_properties(0).total_memory, f"the local GPU, {torch.cuda.get_device_name(0)}"
     return int(DEFAULT_GPU_MEMORY_GB * GB), "the default: no local GPU and no plan.gpu_memory_gb"
-
-
-def resolve_auto(cfg, world_size: int) -> None:
-    """strategy=auto: plan against this run's world size (plan.world_size when given) and device,
-    then set the choice in `cfg` (a DictConfig) so that everything downstream sees a concrete
-    strategy. The line that says the choice names every setting it replaced."""
-    from trainer.config import to_config
-    from trainer.errors import ConfigError
-    from trainer.log import log
-
-    typed = to_config(cfg)
-    planned_world = typed.plan.world_size or world_size
-    plan = make_plan(typed, planned_world, *memory_budget(typed))
-    log.info(f"strategy=auto:\n{format_plan(plan)}")
-    long_context = {}
-    if not plan.choice:  # the sequence does not fit: the fused loss, then sequence parallelism, where they make it fit
-        plan, long_context = plan_for_the_sequence(typed, planned_world, plan)
-    if not plan.choice:
-        raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
-                          f"({plan.memory_source})")
-    chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
-              **{("strategy", key): on for key, on in offload_settings(plan.choice).items()},
-              ("strategy", "ep"): plan.choice.ep, **long_context}
-    replaced = []
-    for (group, key), value in chosen.items():
-        if cfg[group][key] != value:
-            replaced.append(f"{group}.{key}={str(value).lower()} (was {str(cfg[group][key]).lower()})")
-        cfg[group][key] = value
-    cfg.strategy.name = plan.choice.name
-    if planned_world != world_size:
-        replaced.append(f"planned for plan.world_size={planned_world}, this run has {world_size} rank"
-                        f"{'s' if world_size > 1 else ''}")
-    log.info(f"strategy=auto chose {plan.choice.name}{f' ep={plan.choice.ep}' if plan.choice.ep > 1 else ''}"
-             f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
-             f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
-
-
-def offload_settings(option: Option) -> dict[str, bool]:
-    """strategy.offload_optimizer and strategy.offload_params of an option (OFFLOADED: what it moves)."""
-    return {"offload_optimizer": option.offload,
-            "offload_params": option.offload and "params" in OFFLOADED[StrategyName(option.name)]}
-
-
-def own_option(plan: Plan, cfg: Config) -> Option:
-    """The option of `plan` that cfg runs: its strategy, strategy.ep, activation checkpointing and offload."""
-    s = cfg.strategy
-    return next(o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep
-                and o.activation_checkpointing == cfg.train.activation_checkpointing
-                and o.offload == (s.offload_optimizer or s.offload_params))
-
-
-def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
-    """train.on_oom's strategy rungs for cfg, which ran out of memory `missing` bytes short (the
-    bytes asked less those free, measured; None: unknown): in the decision order, strategy.sp where
-    the world and the heads divide, then the options after cfg's own (the later stages, then CPU
-    offload), each with activation checkpointing and cfg's strategy.ep; those the planner says fit: holding at least the
-    missing bytes (at least one) less per device than cfg's own option, as it counts them. Each as
-    the strategy settings it takes ({"name", "sp", "offload_optimizer", "offload_params"}) and why."""
-    budget = memory_budget(cfg)
-    here = make_plan(cfg, world_size, *budget)
-    own = own_option(here, cfg)
-    limit = own.per_gpu_bytes["total"] - max(missing or 0, 1)
-    s = cfg.strategy
-    settings = {"name": StrategyName(s.name).value, "sp": s.sp, "offload_optimizer": s.offload_optimizer,
-                "offload_params": s.offload_params}
-    candidates = []
-    for sp in sequence_parallel_sizes(cfg, world_size):
-        if sp > s.sp:
-            trial = dataclasses.replace(cfg, strategy=dataclasses.replace(s, sp=sp))
-            candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
-    candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
-                   for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing and o.ep == s.ep]
-    return [(rung, f"the planner counts {size(option.per_gpu_bytes['total'])} per device there against "
-                   f"{size(own.per_gpu_bytes['total'])} at {own.name}, which was {size(missing)} short")
-            for rung, option in candidates if option.per_gpu_bytes["total"] <= limit]
-
-
-def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[Plan, dict]:
-    """strategy=auto when nothing fits: the first of train.fused_loss=true, then strategy.sp=2, 3, 4, ...
-    (each with and without the fused loss) whose plan has a choice; the settings it takes."""
-    for sp in sequence_parallel_sizes(typed, world_size):
-        for fused in (False, True):
-            if (sp, fused) == (typed.strategy.sp, typed.train.fused_loss) or sp < typed.strategy.sp or (
-                    typed.train.fused_loss and not fused):
-                continue
-            trial = dataclasses.replace(typed, strategy=dataclasses.replace(typed.strategy, sp=sp),
-                                        train=dataclasses.replace(typed.train, fused_loss=fused))
-            found = make_plan(trial, world_size, plan.gpu_memory_bytes, plan.memory_source)
-            if found.choice:
-                return found, {("strategy", "sp"): sp, ("train", "fused_loss"): fused}
-    return plan, {}
-
-
-def after_out_of_memory(cfg: Config, run_dir: Path) -> tuple[Config, list[str]]:
-    """plan.run_dir: the run's out-of-memory failures, one line each, and cfg at the plan the run
-    adapted to (the last of its oom.jsonl), which the table then shows."""
-    records = read_records(run_dir)
-    if not records:
-        raise ConfigError(f"plan.run_dir: {run_dir} has no {RECORDS}: that run never ran out of memory")
-    lines = [f"{run_dir}: {what_failed(r)}" for r in records if r["event"] == "out_of_memory"]
-    if adapted := [r for r in records if r["event"] == "adapted"]:
-        plan = RunPlan(**adapted[-1]["plan"])
-        cfg = plan.applied(cfg)
-        t, s = cfg.train, cfg.strategy
-        strategy = (f" strategy={s.name.value} strategy.sp={s.sp} strategy.offload_optimizer="
-                    f"{str(s.offload_optimizer).lower()} strategy.offload_params={str(s.offload_params).lower()}"
-                    if plan.strategy else "")
-        lines.append(f"it adapted to train.micro_batch_size={t.micro_batch_size} train.grad_accum_steps="
-                     f"{t.grad_accum_steps} train.activation_checkpointing={str(t.activation_checkpointing).lower()} "
-                     f"eval.micro_batch_size={cfg.eval.micro_batch_size}{strategy}: planned below at that plan")
-    return cfg, lines
-
-
-def main(argv: list[str] | None = None) -> None:
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from trainer.checks import check_overrides
-    from trainer.config import CONFIG_MODULE, register_configs, to_config
-    from trainer.errors import RunError
-    from trainer.hub import resolve_names
-    from trainer.log import refuse
-    from trainer.models import resolve_model
-
-    overrides = sys.argv[1:] if argv is None else argv
-    register_configs()
-    try:
-        check_overrides(overrides)
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-            composed = compose(config_name="config", overrides=overrides)
-        resolve_names(composed, data_too=False)  # model.path=org/name: its config from the HF cache (trainer/hub.py)
-        cfg = to_config(composed)
-        world = cfg.plan.world_size or int(os.environ.get("WORLD_SIZE", cfg.nproc))
-        cfg.model = resolve_model(cfg.model)
-        cfg, out_of_memory = after_out_of_memory(cfg, Path(cfg.plan.run_dir)) if cfg.plan.run_dir else (cfg, [])
-        plan = make_plan(cfg, world, *memory_budget(cfg))
-    except (RunError, HydraException, OmegaConfBaseException) as e:  # the trainer's one-line errors
-        refuse(e, "trainer.plan")
-    if cfg.plan.json:
-        print(json.dumps({**plan_as_json(plan), "out_of_memory": out_of_memory}, indent=1))
-    else:
-        print("\n".join([*out_of_memory, format_plan(plan)]))
-
-
-if __name__ == "__main__":
-    main()

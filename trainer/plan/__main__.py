@@ -1,0 +1,3 @@
+from trainer.plan.report import main
+
+main()

@@ -1,0 +1,101 @@
+"""`strategy=auto` (the plan's choice set in the run's config) and train.on_oom's strategy rungs (the
+options after a run's own that hold the bytes it was short less): the planner deciding for a run."""
+from __future__ import annotations
+
+import dataclasses
+
+from trainer.config import Config, StrategyName
+from trainer.oom import size
+from trainer.plan.cost import GB, OFFLOADED, Option, Plan, make_plan, memory_budget, sequence_parallel_sizes
+from trainer.plan.report import format_plan
+
+
+def resolve_auto(cfg, world_size: int) -> None:
+    """strategy=auto: plan against this run's world size (plan.world_size when given) and device,
+    then set the choice in `cfg` (a DictConfig) so that everything downstream sees a concrete
+    strategy. The line that says the choice names every setting it replaced."""
+    from trainer.config import to_config
+    from trainer.errors import ConfigError
+    from trainer.log import log
+
+    typed = to_config(cfg)
+    planned_world = typed.plan.world_size or world_size
+    plan = make_plan(typed, planned_world, *memory_budget(typed))
+    log.info(f"strategy=auto:\n{format_plan(plan)}")
+    long_context = {}
+    if not plan.choice:  # the sequence does not fit: the fused loss, then sequence parallelism, where they make it fit
+        plan, long_context = plan_for_the_sequence(typed, planned_world, plan)
+    if not plan.choice:
+        raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
+                          f"({plan.memory_source})")
+    chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
+              **{("strategy", key): on for key, on in offload_settings(plan.choice).items()},
+              ("strategy", "ep"): plan.choice.ep, **long_context}
+    replaced = []
+    for (group, key), value in chosen.items():
+        if cfg[group][key] != value:
+            replaced.append(f"{group}.{key}={str(value).lower()} (was {str(cfg[group][key]).lower()})")
+        cfg[group][key] = value
+    cfg.strategy.name = plan.choice.name
+    if planned_world != world_size:
+        replaced.append(f"planned for plan.world_size={planned_world}, this run has {world_size} rank"
+                        f"{'s' if world_size > 1 else ''}")
+    log.info(f"strategy=auto chose {plan.choice.name}{f' ep={plan.choice.ep}' if plan.choice.ep > 1 else ''}"
+             f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
+             f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
+
+
+def offload_settings(option: Option) -> dict[str, bool]:
+    """strategy.offload_optimizer and strategy.offload_params of an option (OFFLOADED: what it moves)."""
+    return {"offload_optimizer": option.offload,
+            "offload_params": option.offload and "params" in OFFLOADED[StrategyName(option.name)]}
+
+
+def own_option(plan: Plan, cfg: Config) -> Option:
+    """The option of `plan` that cfg runs: its strategy, strategy.ep, activation checkpointing and offload."""
+    s = cfg.strategy
+    return next(o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep
+                and o.activation_checkpointing == cfg.train.activation_checkpointing
+                and o.offload == (s.offload_optimizer or s.offload_params))
+
+
+def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
+    """train.on_oom's strategy rungs for cfg, which ran out of memory `missing` bytes short (the
+    bytes asked less those free, measured; None: unknown): in the decision order, strategy.sp where
+    the world and the heads divide, then the options after cfg's own (the later stages, then CPU
+    offload), each with activation checkpointing and cfg's strategy.ep; those the planner says fit: holding at least the
+    missing bytes (at least one) less per device than cfg's own option, as it counts them. Each as
+    the strategy settings it takes ({"name", "sp", "offload_optimizer", "offload_params"}) and why."""
+    budget = memory_budget(cfg)
+    here = make_plan(cfg, world_size, *budget)
+    own = own_option(here, cfg)
+    limit = own.per_gpu_bytes["total"] - max(missing or 0, 1)
+    s = cfg.strategy
+    settings = {"name": StrategyName(s.name).value, "sp": s.sp, "offload_optimizer": s.offload_optimizer,
+                "offload_params": s.offload_params}
+    candidates = []
+    for sp in sequence_parallel_sizes(cfg, world_size):
+        if sp > s.sp:
+            trial = dataclasses.replace(cfg, strategy=dataclasses.replace(s, sp=sp))
+            candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
+    candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
+                   for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing and o.ep == s.ep]
+    return [(rung, f"the planner counts {size(option.per_gpu_bytes['total'])} per device there against "
+                   f"{size(own.per_gpu_bytes['total'])} at {own.name}, which was {size(missing)} short")
+            for rung, option in candidates if option.per_gpu_bytes["total"] <= limit]
+
+
+def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[Plan, dict]:
+    """strategy=auto when nothing fits: the first of train.fused_loss=true, then strategy.sp=2, 3, 4, ...
+    (each with and without the fused loss) whose plan has a choice; the settings it takes."""
+    for sp in sequence_parallel_sizes(typed, world_size):
+        for fused in (False, True):
+            if (sp, fused) == (typed.strategy.sp, typed.train.fused_loss) or sp < typed.strategy.sp or (
+                    typed.train.fused_loss and not fused):
+                continue
+            trial = dataclasses.replace(typed, strategy=dataclasses.replace(typed.strategy, sp=sp),
+                                        train=dataclasses.replace(typed.train, fused_loss=fused))
+            found = make_plan(trial, world_size, plan.gpu_memory_bytes, plan.memory_source)
+            if found.choice:
+                return found, {("strategy", "sp"): sp, ("train", "fused_loss"): fused}
+    return plan, {}
