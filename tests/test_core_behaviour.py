@@ -28,8 +28,8 @@ def build(env, overrides: dict):
 
 def loss_of(model, x):
     """The trainer's loss of next-token targets x[1:] (the loop's normalisation, one micro-batch)."""
+    from trainer.losses.objectives import token_loss_sum
     from trainer.models import logits_of
-    from trainer.training.loop import token_loss_sum
 
     return token_loss_sum(logits_of(model(x[:, :-1])), x[:, 1:]) / x[:, 1:].numel()
 
