@@ -242,16 +242,6 @@ def test_ranks_beyond_the_saved_world_size_get_rng_states_of_their_own():
     assert torch.equal(rng_state_of_new_rank(rank0, 2), states[0])  # the same on every resume
 
 
-def test_the_cosine_reaches_its_floor_at_the_last_step():
-    from trainer.config import OptimConfig
-    from trainer.training.schedule import lr_at
-
-    o = OptimConfig(lr=1e-3, warmup_steps=2, min_lr_ratio=0.1)
-    lrs = [lr_at(step, 10, o) for step in range(10)]
-    assert lrs[1] == o.lr and lrs[-1] == pytest.approx(o.lr * o.min_lr_ratio, rel=1e-12)
-    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # from the end of warmup down
-
-
 def test_mfu_divides_by_the_peak_of_the_precision_that_runs(monkeypatch):
     from trainer.distributed import PEAK_BF16_FLOPS, peak_flops
 
