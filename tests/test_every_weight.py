@@ -242,16 +242,6 @@ def test_ranks_beyond_the_saved_world_size_get_rng_states_of_their_own():
     assert torch.equal(rng_state_of_new_rank(rank0, 2), states[0])  # the same on every resume
 
 
-def test_mfu_divides_by_the_peak_of_the_precision_that_runs(monkeypatch):
-    from trainer.distributed import PEAK_BF16_FLOPS, peak_flops
-
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    gpu = torch.device("cuda", 0)
-    assert peak_flops(gpu, "bf16") == peak_flops(gpu, "fp16") == PEAK_BF16_FLOPS["H200"]
-    assert peak_flops(gpu, "fp32") is None  # TF32 or not is a setting: no mfu rather than a wrong one
-    assert peak_flops(torch.device("cpu"), "bf16") is None
-
-
 @pytest.mark.slow
 def test_persistent_buffers_are_read_from_a_pretrained_folder(tmp_path):
     """Gemma4's `layer_scalar` (a persistent buffer that scales each layer's output), saved with
