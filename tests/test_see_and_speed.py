@@ -26,7 +26,6 @@ from tests.harness import (
     records,
     run_cli,
     train_cases,
-    with_overrides,
 )
 from trainer.config import GradReduce, Precision, StrategyName, to_config
 from trainer.errors import ConfigError
@@ -246,42 +245,6 @@ def test_regional_compile_keeps_the_losses_under_each_wrapper(tmp_path):
         assert compiled == pytest.approx(eager, rel=COMPILE_RTOL), s
         events = [json.loads(line) for line in (tmp_path / f"{s}_compiled" / "metrics.jsonl").read_text().splitlines()]
         assert events[0]["event"] == "compiled" and events[0]["first_step_s"] > 0  # timed apart
-
-
-@pytest.fixture(scope="module")
-def accumulated(tmp_path_factory):
-    out = tmp_path_factory.mktemp("grad_reduce")
-    cases = {}
-    for s in STRATEGIES:
-        base = case(s, train__micro_batch_size=2, train__grad_accum_steps=4)
-        cases[f"{s}:step"] = base
-        cases[f"{s}:micro_step"] = with_overrides(base, strategy__grad_reduce="micro_step")
-    on_ranks(2, train_cases, cases, str(out))
-    return {name: records(out / name) for name in cases}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_micro_step_reduction_gives_the_same_losses(accumulated, strategy):
-    step, micro = accumulated[f"{strategy}:step"], accumulated[f"{strategy}:micro_step"]
-    assert [r["loss"] for r in micro] == pytest.approx([r["loss"] for r in step], rel=2e-6)
-    assert [r["grad_norm"] for r in micro] == pytest.approx([r["grad_norm"] for r in step], rel=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
-def test_micro_step_keeps_gradients_sharded_and_the_planner_knows(accumulated, strategy):
-    from trainer.memory import peak_gradient_bytes, per_rank_bytes
-
-    n = 136_960  # tiny
-    sharded = per_rank_bytes(StrategyName(strategy), n, 2)["grads"]
-    for mode in GradReduce:
-        measured = accumulated[f"{strategy}:{mode.value}"][-1]["mem"]["grads"]
-        planned = peak_gradient_bytes(StrategyName(strategy), sharded, n, 4, mode)
-        # ZeRO-2 also holds the whole gradient of the parameter straddling its partition edge: +3 %
-        assert measured == pytest.approx(planned, rel=0.04), (mode, measured, planned)
-    assert accumulated[f"{strategy}:micro_step"][-1]["mem"]["grads"] < 0.6 * \
-        accumulated[f"{strategy}:step"][-1]["mem"]["grads"]
 
 
 # -- the planner's traffic against what the collectives carry ---------------------------------------
