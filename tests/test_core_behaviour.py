@@ -191,7 +191,7 @@ def set_up(env, cases: dict[str, dict]) -> dict[str, dict]:
         strategy, model, blocks = build(env, cfg)
         seen = {"compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
                 "loss_scale": strategy.loss_scale_state() is not None}
-        if not to_config(cfg).train.compile:  # compiling takes a minute here: test_see_and_speed's runs do
+        if not to_config(cfg).train.compile:  # compiling takes a minute here: test_compile.py's runs do
             linears, dtypes = [m for m in strategy.module.modules() if isinstance(m, torch.nn.Linear)], set()
             hooks = [m.register_forward_hook(lambda m, args, y, dtypes=dtypes: dtypes.add((args[0].dtype, m.weight.dtype, y.dtype)))
                      for m in linears]
