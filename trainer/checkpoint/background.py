@@ -82,8 +82,9 @@ class Writer:
         self.thread.join()
         self.thread = None
         if self.error is not None:
+            first_line = (str(self.error).splitlines() or [""])[0]  # said in one line (a gloo error has several)
             raise CheckpointError(f"checkpoint: the background writer failed: {type(self.error).__name__}: "
-                                  f"{self.error}") from self.error
+                                  f"{first_line}") from self.error
         return self.outcome
 
     def close(self) -> None:
