@@ -10,7 +10,9 @@ and published on a thread while training goes on. What these tests guarantee, on
 - a kill -9 during the background write leaves the previous checkpoint the newest (nothing of the
   step being written is published), and the resume from it is the run that never stopped;
 - a failed background write is reported as a failed save (training goes on, the next save
-  publishes), and one that stops the run says so in one line.
+  publishes), and one that stops the run says so in one line;
+- the host copy's bytes (a rank's share of the state, fp32) are in the planner's host column and
+  on the start line, with checkpoint.dir set.
 
 The slow and failing writes come from tests/slow_save.py, a toy model whose factory wraps the
 rank file's write in the rank that builds it.
@@ -154,3 +156,25 @@ def test_a_failed_background_write_is_a_failed_save_and_one_that_stops_the_run_s
                               "checkpoint.max_failed_saves=1"), f"hydra.run.dir={tmp_path / 'stops'}")
     assert_refused(stops, "checkpoint: saving step 2 failed (1 in a row)", "rank 1: OSError: disk full (injected)",
                    "checkpoint.max_failed_saves=1")
+
+
+def test_the_host_copy_is_counted_by_the_planner_and_said_on_the_start_line():
+    from trainer.config import to_config
+    from trainer.memory import async_save_bytes
+    from trainer.models import model_facts
+    from trainer.plan import make_plan
+    from trainer.training.loop import save_words
+
+    def plan(**checkpoint):
+        return make_plan(to_config({"model": {"name": "small"}, "checkpoint": checkpoint}), 4, 80 * 10 ** 9)
+
+    cfg = to_config({"model": {"name": "small"}})
+    facts = model_facts(cfg.model, cfg.strategy.wrap, cfg.peft)
+    copy = async_save_bytes(facts.trainable, facts.params - facts.trainable, 4)
+    assert copy == 12 * facts.params // 4  # a rank's share of weights and two moments, fp32
+    without, saved, with_copy = plan(), plan(dir="ckpt"), plan(dir="ckpt", **{"async": True})
+    assert [o.host_bytes for o in saved.options] == [o.host_bytes for o in without.options]
+    assert [o.host_bytes - copy for o in with_copy.options] == [o.host_bytes for o in without.options]
+    on = to_config({"model": {"name": "small"}, "checkpoint": {"dir": "ckpt", "async": True}})
+    assert save_words(on, facts, 4) == [f"checkpoint.async=on (+{copy / 2 ** 20:.1f} MiB host memory a rank)"]
+    assert save_words(cfg, facts, 4) == []
