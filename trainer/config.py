@@ -313,6 +313,14 @@ class TrainConfig:
     max_adaptations: int = 4  # on_oom=adapt: changes of the plan after out-of-memory, apart from max_restarts
 
 
+def keyword_field(namespace: dict, name: str, hint: str, default) -> None:
+    """A field named by a Python keyword (`checkpoint.async`), declared in a class body, where
+    `async: bool = False` cannot be written: read with getattr. Left out of __init__, repr and ==,
+    whose generated code would spell the name; OmegaConf sets it after building the object."""
+    namespace["__annotations__"][name] = hint
+    namespace[name] = field(default=default, init=False, repr=False, compare=False)
+
+
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # where step dirs go (multi-node: on storage every node sees); None: no saves
@@ -321,6 +329,12 @@ class CheckpointConfig:
     keep_best: int = 0  # also keep the N checkpoints with the lowest val loss (saved at evaluation steps)
     resume: str = "auto"  # auto | none | PATH
     max_failed_saves: int = 3  # failed saves in a row that stop the run (fewer: reported, training goes on)
+    keyword_field(locals(), "async", "bool", False)  # copy the state to host memory at the save step and write, hash and publish it on a thread while training goes on (one save in flight)
+
+    @property
+    def async_(self) -> bool:
+        """checkpoint.async (`cfg.checkpoint.async` is not Python)."""
+        return getattr(self, "async")
 
 
 @dataclass

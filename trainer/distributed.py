@@ -209,9 +209,9 @@ def init(timeout_s: float = 600) -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0, group=None):
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

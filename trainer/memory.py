@@ -44,6 +44,13 @@ def bytes_per_param(strategy: StrategyName, precision: Precision, master_weights
     return {"params": b, "grads": grads, "optim": ADAM_MOMENT_BYTES + MASTER_BYTES}
 
 
+def async_save_bytes(trainable: int, frozen: int, world_size: int, frozen_saved: bool = True) -> int:
+    """checkpoint.async's host copy on one rank, kept for the run: its share of what a step dir holds,
+    in fp32 (each range is saved by one rank, whatever the strategy): a trainable parameter's value
+    and its two Adam moments, a frozen one's value unless it is read from pretrained files (LoRA's base)."""
+    return 4 * (3 * trainable + (frozen if frozen_saved else 0)) // world_size
+
+
 # Which of params / grads / optim each strategy splits over the ranks.
 SHARDED = {StrategyName.ddp: (), StrategyName.zero1: ("optim",), StrategyName.zero2: ("grads", "optim"),
            StrategyName.zero3: ("params", "grads", "optim"), StrategyName.fsdp: ("params", "grads", "optim")}

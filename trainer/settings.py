@@ -56,18 +56,20 @@ def member_comments(cls: type) -> dict[str, str]:
     notes = comments("".join(lines))
     out = {}
     for n, line in enumerate(lines, 1):
-        name = re.match(r"^\s+(\w+)\s*[:=]", line)
+        # a field, or one named by a keyword (config.keyword_field)
+        name = re.match(r"^\s+(?:(\w+)\s*[:=]|keyword_field\(locals\(\), \"(\w+)\")", line)
         if not name or line.strip().startswith("#"):
             continue
+        field_name = name.group(1) or name.group(2)
         if n in notes and not line.strip().startswith(notes[n]):
-            out[name.group(1)] = notes[n]
+            out[field_name] = notes[n]
             continue
         above, k = [], n - 1
         while k in notes and lines[k - 1].strip().startswith("#"):
             above.insert(0, notes[k])
             k -= 1
         if above:
-            out[name.group(1)] = " ".join(above)
+            out[field_name] = " ".join(above)
     return out
 
 

@@ -1,6 +1,7 @@
 """CheckpointManager: step dirs saved and loaded by any strategy, atomic commit, keep_last and
-keep_best (docs/design.md, Checkpoints). The format on disk: trainer/checkpoint/format.py; which checkpoint a run
-resumes from: trainer/checkpoint/resume.py.
+keep_best (docs/design.md, Checkpoints), written in the step or, with checkpoint.async, on a thread while
+training goes on (trainer/checkpoint/background.py). The format on disk: trainer/checkpoint/format.py;
+which checkpoint a run resumes from: trainer/checkpoint/resume.py.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint.background import HostCopy, Writer
 from trainer.checkpoint.format import (
     LATEST,
     REPLACED_PREFIX,
@@ -65,7 +67,7 @@ class CheckpointManager:
     the trainer's state (step, data position, RNG). Every method is called on all ranks."""
 
     def __init__(self, cfg: CheckpointConfig, strategy: StateHolder, strategy_name: str, source: dict | None = None,
-                 records=None, base_fingerprint: str | None = None):
+                 records=None, base_fingerprint: str | None = None, collective_timeout_s: float = 600):
         self.cfg, self.strategy, self.strategy_name = cfg, strategy, strategy_name
         self.source = source or {}  # where the model came from (trainer.models.description), for export
         # Frozen weights read from pretrained files (LoRA's base) are never saved, only recorded
@@ -77,35 +79,112 @@ class CheckpointManager:
         self.root = Path(cfg.dir) if cfg.dir else None
         self.resumed_older: Path | None = None  # the step dir this run resumed from, when newer ones exist
         self.failed_in_a_row = 0
+        self.pending: tuple[int, bool] = (0, False)  # the newest save's step, and whether it was the last
+        self.outcome: Path | None = None  # the newest save's step dir once published
+        # checkpoint.async (with somewhere to save): the writer's thread and group, made here on every rank
+        self.writer = Writer(collective_timeout_s) if cfg.async_ and self.root and strategy is not None else None
+        self.host = HostCopy(pinned=strategy is not None and strategy.device.type == "cuda")
 
     def due(self, step: int, total_steps: int) -> bool:
         """Every `every_steps` steps, and always the last step, whenever checkpoint.dir is set."""
         every = self.cfg.every_steps
         return self.root is not None and (step == total_steps or (every > 0 and step % every == 0))
 
-    def save(self, step: int, trainer_state: dict, last: bool = False) -> Path | None:
+    def save(self, step: int, trainer_state: dict, last: bool = False, wait: bool = False) -> Path | None:
         """Write step_N; a save that fails on any rank leaves the previous checkpoints and `latest`
         as they were, is reported, and returns None: training goes on, unless it was the
-        `max_failed_saves`-th failure in a row or the `last` step's (CheckpointError)."""
+        `max_failed_saves`-th failure in a row or the `last` step's (CheckpointError).
+        checkpoint.async: the state is copied to host memory here and written on the writer's
+        thread; the step dir it will have is returned, and what became of it is known (reported,
+        counted, raised) at the next save or `wait` (here at once for the `last` step, or `wait`)."""
+        if self.writer:
+            self.wait()  # one save in flight: the one before, published (or reported failed) first
+        s = self.strategy
+        snapshot = self._snapshot()
+        shapes = param_shapes(s.module, s.full_shape)  # the model's facts, read here: the writer touches no module
+        buffers = {name: torch.empty(b.shape, dtype=b.dtype, device="meta")
+                   for name, b in persistent_buffers(s.module).items()}
+
+        def job(group) -> list[str]:
+            return self._publish(step, trainer_state, snapshot, shapes, buffers, group)
+
+        self.pending = (step, last)
+        if not self.writer:
+            self.outcome = self._settle(job(None))
+            return self.outcome
+        self.writer.start(job)
+        return self.wait() if last or wait else self.root / step_dir_name(step)
+
+    def wait(self) -> Path | None:
+        """The newest save's step dir once it is published (checkpoint.async: waited for here, its
+        failure reported as `save` reports one), None if it failed or there was none."""
+        if self.writer and self.writer.busy:
+            self.outcome = self._settle(self.writer.wait())
+        return self.outcome
+
+    def close(self, wait: bool = True) -> None:
+        """At the run's end, or on its way out: the save in flight waited for (`wait`: when every rank
+        goes the same way, none left on a dead peer), the writer's group released."""
+        if not self.writer:
+            return
+        if wait:
+            try:
+                self.wait()
+            except CheckpointError as e:
+                log.error(str(e))
+        self.writer.close()
+
+    def _snapshot(self) -> dict:
+        """What this rank saves, taken now: its pieces (with checkpoint.async, copies of them in host
+        memory), the RNG states, or the error that stops this rank saving (reported to all ranks, so
+        that none waits forever)."""
+        s = self.strategy
+        try:
+            pieces = {key: piece for key, piece in s.state_dict().items() if key not in self.unsaved}
+            if s.is_main:
+                pieces.update({buffer_key(name): Piece(0, b.view(-1))
+                               for name, b in persistent_buffers(s.module).items()})
+            tensors = {f"{key}@{p.start}": p.tensor for key, p in pieces.items()}
+            tensors = self.host.take(tensors) if self.writer else {
+                key: t.detach().float().cpu() for key, t in tensors.items()}
+            tensors["rng.torch"] = torch.get_rng_state()
+            if s.device.type == "cuda":
+                tensors["rng.cuda"] = torch.cuda.get_rng_state()
+            return {"tensors": tensors, "pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _publish(self, step: int, trainer_state: dict, snapshot: dict, shapes: dict, buffers: dict,
+                 group) -> list[str]:
+        """Every rank writes its file, rank 0 the manifest, then publishes the step dir whole; the
+        failures of every rank (the same list on all ranks). `group`: where its collectives run."""
         s = self.strategy
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         failed = attempt(lambda: self._prepare(tmp), "rank 0") if s.is_main else []
-        if not broadcast_object(failed):
-            outcome = self._write_rank_file(tmp)
+        if not broadcast_object(failed, group=group):
+            outcome = self._write_rank_file(tmp, snapshot)
             outcomes = [None] * s.world_size
-            dist.all_gather_object(outcomes, outcome)
+            dist.all_gather_object(outcomes, outcome, group=group)
             failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if "error" in o]
             if not failed and s.is_main:
-                failed = attempt(lambda: self._commit(tmp, final, step, trainer_state, outcomes), "rank 0")
-        failed = broadcast_object(failed)
+                failed = attempt(lambda: self._commit(tmp, final, step, trainer_state, outcomes, shapes, buffers),
+                                 "rank 0")
+        failed = broadcast_object(failed, group=group)
+        if s.is_main:
+            if failed:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                self._prune(keep=final)
+        return failed
+
+    def _settle(self, failed: list[str]) -> Path | None:
+        """A save's outcome: its step dir, or its failure reported and counted (raised where it stops the run)."""
+        s = self.strategy
+        step, last = self.pending
         if not failed:
             self.failed_in_a_row = 0
-            if s.is_main:
-                self._prune(keep=final)
-            return final
-        if s.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            return self.root / step_dir_name(step)
         self.failed_in_a_row += 1
         message = (f"checkpoint: saving step {step} failed ({self.failed_in_a_row} in a row); the previous "
                    f"checkpoints and {LATEST} are untouched: " + "; ".join(failed))
@@ -133,34 +212,29 @@ class CheckpointManager:
                 replaced.rename(original)
         tmp.mkdir()
 
-    def _write_rank_file(self, tmp: Path) -> dict:
+    def _write_rank_file(self, tmp: Path, snapshot: dict) -> dict:
         s = self.strategy
         try:
-            pieces = {key: piece for key, piece in s.state_dict().items() if key not in self.unsaved}
-            if s.is_main:
-                pieces.update({buffer_key(name): Piece(0, b.view(-1))
-                               for name, b in persistent_buffers(s.module).items()})
-            tensors = {f"{key}@{p.start}": p.tensor.detach().float().cpu() for key, p in pieces.items()}
-            bad = [key for key, t in tensors.items() if not torch.isfinite(t).all()]
+            if "error" in snapshot:
+                raise RuntimeError(snapshot["error"])
+            tensors = snapshot["tensors"]
+            bad = [key for key, t in tensors.items()
+                   if t.is_floating_point() and not torch.isfinite(t).all()]
             if bad:  # never saved: a checkpoint must be one to go back to
                 raise ValueError(f"non-finite values in {', '.join(bad[:3])}")
-            tensors["rng.torch"] = torch.get_rng_state()
-            if self.strategy.device.type == "cuda":
-                tensors["rng.cuda"] = torch.cuda.get_rng_state()
             checksum = write_tensors(tensors, tmp / rank_file(s.rank))
-            return {"pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}, "checksum": checksum}
+            return {"pieces": snapshot["pieces"], "checksum": checksum}
         except Exception as e:  # reported to all ranks, so that none waits forever
             return {"error": f"{type(e).__name__}: {e}"}
 
-    def _commit(self, tmp: Path, final: Path, step: int, trainer_state: dict, outcomes: list[dict]) -> None:
-        shapes = param_shapes(self.strategy.module, self.strategy.full_shape)
+    def _commit(self, tmp: Path, final: Path, step: int, trainer_state: dict, outcomes: list[dict], shapes: dict,
+                buffers: dict) -> None:
         tensors: dict[str, dict] = {}
         for rank, outcome in enumerate(outcomes):
             for key, (start, numel) in outcome["pieces"].items():
                 tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), start, numel])
         key_shapes = {key: shape for name, shape in shapes.items() for key in state_keys(name).values()}
         key_shapes[STEP_KEY] = (1,)
-        buffers = persistent_buffers(self.strategy.module)
         key_shapes.update({buffer_key(name): tuple(b.shape) for name, b in buffers.items()})
         for key, spec in tensors.items():
             spec["shape"] = list(key_shapes[key])

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
-from trainer.memory import DTYPE_BYTES, SHARDED, peak_gradient_bytes, per_rank_bytes, reduce_bytes
+from trainer.memory import DTYPE_BYTES, SHARDED, async_save_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 from trainer.plan.activations import ActivationCount, planned
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
@@ -213,6 +213,9 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
     tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * row_len // cfg.strategy.sp
     # strategy.ep (fsdp, zero1/2, without offload or LoRA): ep ranks split each MoE layer's experts
     expert_sizes = expert_parallel_sizes(facts, world_size) if PeftName(cfg.peft.name) is PeftName.none else []
+    # checkpoint.async: a rank's share of the step dir, copied to host memory at each save and kept
+    save_copy = async_save_bytes(trainable, frozen, world_size, frozen_saved=m.path is None) \
+        if cfg.checkpoint.async_ and cfg.checkpoint.dir else 0
     for offload, stage, ep, checkpointing in decision_order(expert_sizes):
         # strategy.ep: a rank holds 1 / ep of the experts, held as a model of their own by the
         # world / ep ranks that hold the same ones (FSDP2 shards them there, ZeRO-1/2 partition their
@@ -244,7 +247,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         # with activation checkpointing, every block's forward runs twice: 8 instead of 6 FLOPs
         flops = facts.flops_per_token * tokens_per_rank * (8 / 6 if checkpointing else 1)
         comm = {k: v + expert_collectives.get(k, 0) for k, v in traffic.items()}
-        option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved), comm,
+        option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved) + save_copy, comm,
                         step_seconds([(traffic, world_size), (expert_collectives, world_size // ep)], flops, cfg),
                         ep=ep)
         option.fits = gpu["total"] <= gpu_memory_bytes

@@ -19,9 +19,11 @@ from trainer.checks import check_validation_rows
 from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName, Precision
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
+from trainer.errors import RunError
 from trainer.log import log, setup_logging
 from trainer.losses.objectives import NextToken, Objective, record, target_count
 from trainer.losses.router_loss import AUX, language_loss, router_logits, start_words, with_router_loss
+from trainer.memory import async_save_bytes
 from trainer.models import ModelFacts, description, initial_weights, model_facts
 from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
@@ -121,11 +123,20 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
                      # peft=lora and objective=dpo bring their own (conf/peft/lora.yaml, conf/objective/dpo.yaml):
                      # said, so nobody trains at a rate they did not expect
                      f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
-                     f"offload={'+'.join(strategy.offloaded()) or 'none'}",
+                     f"offload={'+'.join(strategy.offloaded()) or 'none'}", *save_words(cfg, facts, env.world_size),
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
                      *(["fused_loss=on"] if t.fused_loss else []),
                      f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
                      f"{ranks}) seq_len={cfg.model.seq_len}", *sp, *ep])
+
+
+def save_words(cfg: Config, facts: ModelFacts, world_size: int) -> list[str]:
+    """checkpoint.async, with the host memory its copy of the state holds on each rank."""
+    if not (cfg.checkpoint.async_ and cfg.checkpoint.dir):
+        return []
+    held = async_save_bytes(facts.trainable, facts.params - facts.trainable, world_size,
+                            frozen_saved=cfg.model.path is None)
+    return [f"checkpoint.async=on (+{size(held)} host memory a rank)"]
 
 
 def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
@@ -206,7 +217,8 @@ class Run:
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                              description(cfg.model, cfg.data.tokenizer, strategy.module,
                                                          cfg.data.chat_template),
-                                             self.records, base_fingerprint=weights.fingerprint)
+                                             self.records, base_fingerprint=weights.fingerprint,
+                                             collective_timeout_s=cfg.collective_timeout_s)
         self.early_stop = EarlyStop(cfg.eval.early_stop_patience)
         self.saved: Path | None = None  # the newest checkpoint this run wrote: the done line names it
         self.step, self.lr, self.val_loss, self.evaluated, self.last = 0, 0.0, None, False, {}
@@ -326,7 +338,8 @@ class Run:
             shown["val_loss"] = f"{self.val_loss:.4f}"
         return shown
 
-    def save(self, last: bool = False) -> Path | None:
+    def save(self, last: bool = False, wait: bool = False) -> Path | None:
+        """The step saved (checkpoint.async: being saved; `wait`, or `last`: saved by the return)."""
         o = self.cfg.optim
         state = TrainerState(
             step=self.step, epoch=self.stream.epoch, skipped=self.guard.skipped, scale_skips=self.guard.scale_skips,
@@ -337,13 +350,14 @@ class Run:
             optim={"lr": self.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
             val_loss=self.val_loss if self.evaluated else None,
             plan=asdict(self.plan) if self.plan.adaptations else None)
-        saved = self.checkpoints.save(self.step, state.to_dict(), last=last or self.step == self.total_steps)
+        saved = self.checkpoints.save(self.step, state.to_dict(), last=last or self.step == self.total_steps,
+                                      wait=wait)
         self.saved = saved or self.saved
         return saved
 
     def stop(self, saved: Path | None) -> None:
         """After a stop signal: saved (if not yet, and there is a checkpoint.dir), recorded, raised."""
-        checkpoint = saved or (self.save() if self.checkpoints.root else None)
+        checkpoint = (saved and self.checkpoints.wait()) or (self.save(wait=True) if self.checkpoints.root else None)
         name = signal.Signals(self.guard.stop_signal).name
         self.records.log({"event": "preempted", "step": self.step, "signal": name,
                           "checkpoint": str(checkpoint) if checkpoint else None})
@@ -351,6 +365,12 @@ class Run:
             f"saved {checkpoint}: the same command resumes from it" if checkpoint else
             "nothing saved (" + ("the save failed" if self.checkpoints.root else "no checkpoint.dir") + ")"))
         raise Stopped(self.guard.stop_signal, self.step)
+
+    def leave(self, kind, error, traceback) -> None:
+        """On every way out, before the strategy is torn down: checkpoint.async's save in flight
+        waited for where every rank leaves the same way (the end, a stop, a RunError); not where this
+        rank alone fails (its peers may be gone): its step dir is then never published."""
+        self.checkpoints.close(wait=error is None or isinstance(error, (RunError, Stopped)))
 
     def stop_early(self) -> None:
         e = self.early_stop
@@ -414,6 +434,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                      f"{size(event['asked'])} with {size(event['free'])} free)"
                      + "".join(f"; skipped {line}" for line in event["skipped"]))
         run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records, plan)
+        cleanup.push(run.leave)
         profiler, first_step = StepProfiler(t.profile, run_dir, env.rank, env.device), run.step + 1
         # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named
         # semaphore of a rank that leaves with os._exit is reported leaked by the resource tracker.
