@@ -69,6 +69,8 @@ def runs(folders, tmp_path_factory):
             "zero3_ep2": saving(moe_case(qwen, "zero3", 1, 2, strategy__ep=2, train__activation_checkpointing=True),
                                 ckpt["zero3_ep2"], 2),
             "zero3_ep2_from_ep2": resuming(moe_case(qwen, "zero3", 2, strategy__ep=2), ckpt["ep2"], 2),
+            "zero3_ep2_offload": moe_case(qwen, "zero3", 2, strategy__ep=2, strategy__offload_optimizer=True,
+                                          strategy__offload_params=True),
             **{f"ep2_{f}": moe_case(folders[f], "fsdp", 2, steps=2, strategy__ep=2) for f in FAMILIES}}
     on_ranks(2, train_cases, twos, str(out))
     fours = {"ep2_4": moe_case(qwen, "fsdp", 1, strategy__ep=2),
@@ -100,7 +102,7 @@ def assert_same_run(runs, name: str, baseline: str, rtol: float = RTOL, steps: i
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ep2", "ep2_4", "ep4_4", "zero2_ep2", "zero1_ep2", "zero2_ep2_4", "zero2_ep4_4",
-                                  "zero3_ep2", "zero3_ep2_4", "zero3_ep4_4",
+                                  "zero3_ep2", "zero3_ep2_4", "zero3_ep4_4", "zero3_ep2_offload",
                                   "ep2_accum_ac", "ep2_compile", "ep2_sp2", "ep2_grad_op"])
 def test_expert_parallel_runs_give_one_ranks_losses_and_norms(runs, name):
     assert_same_run(runs, name, "one")
