@@ -194,9 +194,9 @@ def test_strategy_auto_says_each_setting_it_replaced_and_a_world_size_it_planned
                     "this run has 2 ranks"), said
 
 
-# strategy.ep: a rank holds 1 / ep of the experts (FSDP2: sharded over world / ep ranks; ZeRO-2: whole, their
-# gradients and optimizer state partitioned over world / ep ranks), the rest as without ep
-EXPERT_PARALLEL = ["fsdp", "zero2"]
+# strategy.ep: a rank holds 1 / ep of the experts (FSDP2 and ZeRO-3: sharded over world / ep ranks; ZeRO-2:
+# whole, their gradients and optimizer state partitioned over world / ep ranks), the rest as without ep
+EXPERT_PARALLEL = ["fsdp", "zero2", "zero3"]
 EP_WORLD = 2
 
 
@@ -238,8 +238,9 @@ def test_strategy_auto_chooses_expert_parallelism_where_it_is_the_fastest_fit(tm
     from trainer.__main__ import resolve_settings
     from trainer.config import CONFIG_MODULE
 
-    # 16 experts, 83 % of the parameters: at 4 ranks in 9 MB, fsdp fits without checkpointing, and at ep=4
-    # the tokens' all-to-alls move less than gathering every expert twice a step
+    # 16 experts, 83 % of the parameters: at 4 ranks in 9 MB, fsdp and zero3 fit without checkpointing, and at
+    # ep=4 the tokens' all-to-alls move less than gathering every expert twice a step; zero3, which gathers
+    # these small parameters once a step, the least
     folder = make_model_dir(tmp_path / "moe", "qwen3_moe", weights=False, num_experts=16, moe_intermediate_size=64)
     overrides = ["strategy=auto", "model=hf", f"model.path={folder}", "data=synthetic", "plan.gpu_memory_gb=0.009",
                  "plan.world_size=4", "train.micro_batch_size=4"]
@@ -248,17 +249,20 @@ def test_strategy_auto_chooses_expert_parallelism_where_it_is_the_fastest_fit(tm
     with caplog.at_level(logging.INFO, logger="trainer"):
         resolved = resolve_settings(cfg, 4)
     assert (resolved.strategy.name.value, resolved.strategy.ep, resolved.train.activation_checkpointing) == (
-        "fsdp", 4, False)
+        "zero3", 4, False)
     said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
-    assert said == "strategy=auto chose fsdp ep=4; strategy.ep=4 (was 1)", said
+    assert said == "strategy=auto chose zero3 ep=4; strategy.ep=4 (was 1)", said
     plan = make_plan(to_config(cfg), 4, int(0.009 * GB))
-    # the table offers every ep the world and the 16 experts allow, on fsdp, zero1 and zero2 alone
-    assert {(o.name, o.ep) for o in plan.options if o.ep > 1} == {(s, ep) for s in ("zero1", "zero2", "fsdp")
+    # the table offers every ep the world and the 16 experts allow, on fsdp, zero1, zero2 and zero3 alone
+    assert {(o.name, o.ep) for o in plan.options if o.ep > 1} == {(s, ep) for s in ("zero1", "zero2", "fsdp", "zero3")
                                                                  for ep in (2, 4)}
-    ep4 = next(o for o in plan.options if (o.name, o.ep, o.activation_checkpointing) == ("fsdp", 4, False))
-    without = next(o for o in plan.options if (o.name, o.ep, o.activation_checkpointing) == ("fsdp", 1, False))
-    assert ep4.comm_bytes["expert_all_to_all"] > 0 == without.comm_bytes["expert_all_to_all"]
-    assert ep4.comm_bytes["all_gather"] < without.comm_bytes["all_gather"] and ep4.step_s < without.step_s
+    for strategy in ("fsdp", "zero3"):
+        ep4 = next(o for o in plan.options if (o.name, o.ep, o.activation_checkpointing) == (strategy, 4, False))
+        without = next(o for o in plan.options if (o.name, o.ep, o.activation_checkpointing) == (strategy, 1, False))
+        assert ep4.comm_bytes["expert_all_to_all"] > 0 == without.comm_bytes["expert_all_to_all"]
+        assert ep4.comm_bytes["all_gather"] < without.comm_bytes["all_gather"] and ep4.step_s < without.step_s
+    # zero3's small experts, kept whole among the ranks that hold them, are not taken from the other parameters
+    assert all(v >= 0 for o in plan.options for v in o.comm_bytes.values())
 
 
 TRAFFIC_CASES = [(s, 1, "step") for s in STRATEGIES] + [

@@ -3,7 +3,8 @@ zero.Init and fills them from the weights itself, so neither the build nor deeps
 broadcasts or gathers a parameter (DeepSpeed alone sends the whole model twice: rank 0's initial
 values to every rank as each parameter is made, then every parameter gathered whole to register
 its gradient hook). The partitions hold the stored values, and the model computes from_pretrained's
-loss (the small parameters, which ZeRO-3 keeps whole on every rank, included)."""
+loss (the small parameters, which ZeRO-3 keeps whole on every rank, included). The same with the
+experts split (strategy.ep=2), whose modules are partitioned again over the ranks that hold them."""
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,11 @@ from tests.harness import CollectiveBytes, case, full_state, on_ranks, with_over
 from tests.test_core_behaviour import build, loss_of
 
 
-def started(env, path: str) -> tuple[dict, dict | None, float]:
+def started(env, path: str, ep: int) -> tuple[dict, dict | None, float]:
     """What the start sent, the weights it gave (whole, on rank 0), and the loss of a fixed batch."""
     from trainer.demo import VOCAB
 
-    cfg = with_overrides(case("zero3"), data__name="synthetic")
+    cfg = with_overrides(case("zero3"), data__name="synthetic", strategy__ep=ep)
     cfg["model"] = {"name": "hf", "kind": "hf", "path": path, "seq_len": 16, "vocab_size": VOCAB}
     counter = CollectiveBytes()
     with counter:
@@ -30,14 +31,15 @@ def started(env, path: str) -> tuple[dict, dict | None, float]:
     return counter.bytes, weights, loss
 
 
-@pytest.mark.slow  # one launch of 2 ranks: 20 s here
-def test_zero3_starts_without_sending_parameters(tmp_path):
+@pytest.mark.slow  # one launch of 2 ranks each: 20 s here
+@pytest.mark.parametrize("ep", [1, 2])
+def test_zero3_starts_without_sending_parameters(tmp_path, ep):
     from transformers import AutoModelForCausalLM
 
     from trainer.demo import VOCAB, make_model_dir
 
     path = make_model_dir(tmp_path / "qwen3_moe", "qwen3_moe", weights=True, seed=1)
-    by_rank = on_ranks(2, started, str(path))
+    by_rank = on_ranks(2, started, str(path), ep)
     for rank, (sent, _, _) in by_rank.items():
         assert sent["broadcast"] == 0 and sent["all_gather"] == 0, (rank, sent)
     _, weights, loss = by_rank[0]

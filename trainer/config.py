@@ -169,7 +169,7 @@ class StrategyConfig:
     grad_reduce: GradReduce = GradReduce.step  # with grad_accum_steps > 1: when gradients are reduced
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # the dtype gradients are reduced in, on every backend
     sp: int = 1  # sequence parallelism: ranks that split each sequence (Ulysses attention); the world is dp x sp
-    ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts, tokens sent to them (fsdp, zero1/2)
+    ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts, tokens sent to them (fsdp, zero1/2/3)
 
 
 @dataclass

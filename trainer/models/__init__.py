@@ -130,10 +130,17 @@ class ModelFacts:
     experts: int = 0  # routed experts a MoE layer has (its config's count); 0: not a mixture of experts
     expert_params: int = 0  # elements of the routed experts' stacked parameters: what strategy.ep splits
     routed_per_token: int = 0  # (token, expert) pairs a token makes, over all MoE layers: top_k x those layers
+    expert_sizes: tuple[int, ...] = ()  # of each of those stacked parameters, whole
 
     def elements_below(self, size: int) -> int:
         """Elements in parameters of fewer than `size` (what ZeRO-3 keeps whole on every rank)."""
         return sum(n for n in self.sizes if n < size)
+
+    def expert_elements_below(self, size: int, ep: int) -> tuple[int, int]:
+        """Of the routed experts' stacked parameters: the elements of those of fewer than `size`, and a
+        rank's elements of those whose 1 / ep share is (strategy.ep: ZeRO-3 keeps these whole among
+        the ranks that hold the same experts)."""
+        return sum(n for n in self.expert_sizes if n < size), sum(n // ep for n in self.expert_sizes if n // ep < size)
 
 
 def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | None = None) -> ModelFacts:
@@ -166,4 +173,5 @@ def model_facts(cfg: ModelConfig, wrap: list[str] | None, peft: PeftConfig | Non
                       tuple(p.numel() for p in model.parameters()), active_count(model),
                       experts=experts,
                       expert_params=sum(p.numel() for m in routed for p in m.parameters(recurse=False)),
-                      routed_per_token=sum(experts_per_token(model, names[id(m)]) or 0 for m in routed))
+                      routed_per_token=sum(experts_per_token(model, names[id(m)]) or 0 for m in routed),
+                      expert_sizes=tuple(p.numel() for m in routed for p in m.parameters(recurse=False)))

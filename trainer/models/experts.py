@@ -72,11 +72,7 @@ def check_expert_parallel(ep: int, world_size: int, model: nn.Module, strategy: 
                           "(an expert group is ep of the data-parallel ranks)")
     if strategy == "ddp":
         raise ConfigError("strategy.ep: ddp keeps every weight whole on every rank and all-reduces every gradient "
-                          "over the world; expert parallelism needs strategy=fsdp or strategy=zero2 (or zero1)")
-    if strategy == "zero3":
-        raise ConfigError("strategy.ep: zero3 partitions every parameter over the world as it is built (zero.Init), "
-                          "before experts can be given to ranks; use strategy=fsdp strategy.ep=N (experts sharded "
-                          "over world / ep as well) or strategy=zero2 strategy.ep=N")
+                          "over the world; expert parallelism needs strategy=fsdp, zero1, zero2 or zero3")
     experts = routed_experts(model)
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     if experts is None:

@@ -32,8 +32,8 @@ STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName
 # What CPU offload moves to host memory, per strategy (DDP cannot offload).
 OFFLOADED = {StrategyName.zero1: ("optim",), StrategyName.zero2: ("optim",),
              StrategyName.fsdp: ("params", "grads", "optim"), StrategyName.zero3: ("params", "optim")}
-# The strategies that take strategy.ep > 1 (models/experts.py: ddp and zero3 refuse it)
-EXPERT_PARALLEL = (StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp)
+# The strategies that take strategy.ep > 1 (models/experts.py: ddp refuses it)
+EXPERT_PARALLEL = (StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
 
 
 @dataclass
@@ -211,15 +211,15 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         and cfg.peft.init else 0
     # strategy.sp: a rank computes 1 / sp of each row (its tokens, and attention for 1 / sp of the heads)
     tokens_per_rank = t.micro_batch_size * t.grad_accum_steps * row_len // cfg.strategy.sp
-    # strategy.ep (fsdp, zero1/2, without offload or LoRA): ep ranks split each MoE layer's experts
+    # strategy.ep (fsdp, zero1/2/3, without offload or LoRA): ep ranks split each MoE layer's experts
     expert_sizes = expert_parallel_sizes(facts, world_size) if PeftName(cfg.peft.name) is PeftName.none else []
     # checkpoint.async: a rank's share of the step dir, copied to host memory at each save and kept
     save_copy = async_save_bytes(trainable, frozen, world_size, frozen_saved=m.path is None) \
         if cfg.checkpoint.async_ and cfg.checkpoint.dir else 0
     for offload, stage, ep, checkpointing in decision_order(expert_sizes):
         # strategy.ep: a rank holds 1 / ep of the experts, held as a model of their own by the
-        # world / ep ranks that hold the same ones (FSDP2 shards them there, ZeRO-1/2 partition their
-        # optimizer state and ZeRO-2 their gradients there); every other parameter over the world
+        # world / ep ranks that hold the same ones (FSDP2 and ZeRO-3 shard them there, ZeRO-1/2 partition
+        # their optimizer state and ZeRO-2 their gradients there); every other parameter over the world
         experts = facts.expert_params if ep > 1 else 0
         held = held_bytes(stage, trainable - experts, world_size, cfg)
         if experts:
@@ -234,13 +234,17 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         gpu["activations"] = need.bytes(row_len, t.micro_batch_size)
         gpu["total"] = sum(gpu.values())
         whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), n_params)  # ZeRO-3 keeps these whole
+        experts_whole = 0
+        if experts:  # strategy.ep: the experts' own, at a rank's share, go with their collectives below
+            in_whole, experts_whole = facts.expert_elements_below(ZERO3_PERSISTENCE_THRESHOLD, ep)
+            whole = max(0, whole - in_whole)
         traffic = step_traffic(stage, trainable - experts, whole, world_size, precision, t.grad_accum_steps,
                                cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype, frozen)
         traffic["all_to_all"] = sequence_traffic(need, row_len, t.micro_batch_size * t.grad_accum_steps,
                                                  checkpointing)
         # strategy.ep: the experts' own collectives among the ranks that hold the same ones, and
         # the tokens' all-to-alls in place of gathering the other ranks' experts
-        expert_collectives = step_traffic(stage, experts // ep, 0, world_size // ep, precision,
+        expert_collectives = step_traffic(stage, experts // ep, experts_whole, world_size // ep, precision,
                                           t.grad_accum_steps, cfg.strategy.grad_reduce, offload,
                                           cfg.strategy.reduce_dtype)
         traffic["expert_all_to_all"] = expert_traffic(tokens_per_rank, facts, ep, precision, checkpointing)

@@ -59,9 +59,17 @@ class DeepSpeedStrategy(Strategy):
 
     def setup(self, model, optimizer_factory, weights):
         ep = self.layout.experts.size
-        experts = shard_experts(model, self.layout.experts) if ep > 1 else []  # strategy.ep: this rank's experts
+        if ep > 1:  # strategy.ep: this rank's experts
+            from trainer.strategies.ds_experts import make_groups, partition_experts
+
+            make_groups(ep)
+            experts = (partition_experts(model, self.layout.experts, self.device) if self.stage == 3
+                       else shard_experts(model, self.layout.experts))
+        else:
+            experts = []
         if self.stage == 3:  # each rank fills its own partition of every parameter
-            fill(model, weights, partial(z3_local, rank=self.rank))
+            self.experts.add(experts)
+            fill(model, weights, partial(z3_local, rank=self.rank, experts=self.experts))
         else:  # every rank holds the whole model, in the training dtype (the fp32 masters are DeepSpeed's
             # partitions, set below): allocated so where it trains and filled a tensor at a time, so that
             # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
@@ -114,7 +122,7 @@ class DeepSpeedStrategy(Strategy):
             if not p.requires_grad:
                 continue
             if self.stage == 3:
-                start, numel = z3_range(p, self.rank)
+                start, numel = z3_range(p, self.rank, self.experts)
                 if numel:
                     padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
                     padded[:numel] = weights.read(name, start, numel)

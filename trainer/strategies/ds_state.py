@@ -12,15 +12,20 @@ from trainer.models.weights import canonical_name
 from trainer.strategies.adam_state import AdamState
 
 
-def z3_range(p, rank: int) -> tuple[int, int]:
-    """(start, numel) of a ZeRO-3 parameter's partition on `rank` (numel 0: padding only)."""
+def z3_range(p, rank: int, experts: ExpertRows | None = None) -> tuple[int, int]:
+    """(start, numel) of a ZeRO-3 parameter's partition on `rank` (numel 0: padding only). strategy.ep:
+    a parameter of this rank's experts is partitioned over the ranks that hold them (rank // ep among
+    them), and begins at its first expert's row of the full parameter."""
     size = p.ds_tensor.numel()  # partition size, padded on the last ranks
-    start = rank * size
-    return start, max(0, min(size, p.ds_numel - start))
+    part, rows = rank, 0
+    if experts is not None and p in experts:
+        part, rows = rank // experts.group.size, experts.group.rank * p.ds_numel
+    start = part * size
+    return rows + start, max(0, min(size, p.ds_numel - start))
 
 
-def z3_local(p, rank: int) -> tuple[int, torch.Tensor]:
-    start, numel = z3_range(p, rank)
+def z3_local(p, rank: int, experts: ExpertRows | None = None) -> tuple[int, torch.Tensor]:
+    start, numel = z3_range(p, rank, experts)
     return start, p.ds_tensor.data.view(-1)[:numel]
 
 
@@ -67,14 +72,14 @@ class ZeroPartitions:
         for name, p in named_params(self.engine.module):
             if not p.requires_grad:  # frozen: no master, no moments; the parameter itself
                 if self.stage == 3:
-                    start, local = z3_local(p, self.rank)
+                    start, local = z3_local(p, self.rank, self.experts)
                 else:
                     ep = self.experts.group.size if p in self.experts else 1
                     start, local = replica_slice(self.experts.start(p), p.detach().view(-1), self.world_size // ep,
                                                  self.rank // ep)
                 yield name, start, local.numel(), {"param": local}
             elif self.stage == 3:
-                start, numel = z3_range(p, self.rank)
+                start, numel = z3_range(p, self.rank, self.experts)
                 local = {"param": safe_get_local_fp32_param(p)}
                 local.update({k: safe_get_local_optimizer_state(p, k) for k in moments})
                 yield name, start, numel, {k: v.view(-1)[:numel] for k, v in local.items()}
@@ -110,11 +115,11 @@ class ZeroPartitions:
             if keys["param"] not in values:  # frozen pretrained weights, which a checkpoint does not save
                 continue
             if self.stage == 3 and not p.requires_grad:
-                if z3_range(p, self.rank)[1]:
-                    z3_local(p, self.rank)[1].copy_(values[keys["param"]])
+                if z3_range(p, self.rank, self.experts)[1]:
+                    z3_local(p, self.rank, self.experts)[1].copy_(values[keys["param"]])
                 continue
             if self.stage == 3:
-                start, numel = z3_range(p, self.rank)
+                start, numel = z3_range(p, self.rank, self.experts)
                 if not numel:
                     continue
                 padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
