@@ -21,7 +21,7 @@ from trainer import distributed
 from trainer.checkpoint.format import check_base, check_fingerprint, read_manifest
 from trainer.checkpoint.resume import check_writable, hold_checkpoint_dir, resolve_resume
 from trainer.checks import check_overrides, check_settings
-from trainer.config import CONFIG_MODULE, Config, ModelKind, PeftName, StrategyName, register_configs, to_config
+from trainer.config import CONFIG_MODULE, Config, ModelKind, OnOom, PeftName, StrategyName, register_configs, to_config
 from trainer.errors import (
     ERROR_EXIT_CODE,
     OUT_OF_MEMORY_EXIT_CODE,
@@ -139,7 +139,6 @@ def app(cfg: DictConfig):
     if first:  # what runs, resolved (strategy=auto's choice, the model's vocabulary and context)
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    # max_restarts: under the elastic launcher, one rank too (a restart adapts to an out-of-memory)
     if launches_ranks(cfg):  # torch's launcher takes the stop signals over as it starts the ranks
         return objective(launch_ranks(typed, cfg_dict, run_dir))
     say_stops_during_startup(False)  # this process is the rank: the run's own handler takes over as it starts
@@ -147,9 +146,12 @@ def app(cfg: DictConfig):
 
 
 def launches_ranks(cfg: DictConfig) -> bool:
-    """nproc=N started alone: this process launches the ranks. Under a launcher it is one; one rank
-    runs in this process, unless max_restarts asks for the elastic launcher's restarts."""
-    return not distributed.launched_externally() and (cfg.nproc > 1 or bool(cfg.max_restarts))
+    """Started alone, this process launches the ranks under torch's elastic launcher: nproc=N, and one
+    rank too where the run may need a restart (max_restarts, or train.on_oom=adapt, the default: a
+    restart adapts to an out-of-memory). Only a run that needs neither trains in this process. Under
+    a launcher this process is one rank."""
+    return not distributed.launched_externally() and (
+        cfg.nproc > 1 or bool(cfg.max_restarts) or cfg.train.on_oom == OnOom.adapt)
 
 
 def rank_modules(cfg: DictConfig) -> list[str]:
@@ -179,11 +181,11 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                  "torch.multiprocessing.spawn"):  # "Terminating process N via signal SIGTERM": the rank's peers
         logging.getLogger(name).addFilter(QuietRankExits(said_codes))
+    adaptations = cfg.train.max_adaptations if cfg.train.on_oom is OnOom.adapt else 0
     try:
-        return distributed.launch_local(cfg.nproc, launched_worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
-                                        shutdown_timeout_s=cfg.shutdown_timeout_s,
-                                        on_restart=lambda rank, failure, restart: say_restart(cfg, rank, failure,
-                                                                                              restart))[0]
+        return distributed.launch_local(cfg.nproc, launched_worker, cfg_dict, str(run_dir),
+                                        max_restarts=cfg.max_restarts + adaptations,
+                                        shutdown_timeout_s=cfg.shutdown_timeout_s, restart=Restarts(cfg, run_dir))[0]
     except SignalException as e:  # to this process: passed on to the ranks, which saved and stopped
         exit_code = signal_exit_code(e.sigval)
     except ChildFailedError as e:
@@ -230,13 +232,35 @@ def rank_failure(cfg: Config, rank: int, failure) -> str:
     return f"trainer: error: {what_happened(rank, failure)}{restarts}; the other ranks were stopped{resume}"
 
 
-def say_restart(cfg: Config, rank: int, failure, restart: int) -> None:
-    """max_restarts: the line before each restart of every rank."""
-    resume = (f"resuming from the newest checkpoint in {cfg.checkpoint.dir}" if cfg.checkpoint.dir else
-              "starting over (no checkpoint.dir)")
-    sys.stderr.write(f"trainer: {what_happened(rank, failure)}; restart {restart} of {cfg.max_restarts}, "
-                     f"{resume}\n")
-    sys.stderr.flush()
+class Restarts:
+    """The two budgets of the ranks' restarts under this process's launcher, which gives torch's agent
+    their sum: a round where a rank ran out of memory restarts the ranks to adapt while an adaptation
+    is left (oom.adaptation_left, by which the rank's own line goes too); any other failure takes one
+    of max_restarts. Each restart is said, for each rank that failed, before it."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir, self.faults = cfg, run_dir, 0
+
+    def __call__(self, failures: dict) -> bool:
+        from trainer.oom import adaptation_left, read_records
+
+        if any(failure.exitcode == OUT_OF_MEMORY_EXIT_CODE for failure in failures.values()):
+            recorded = [r for r in read_records(self.run_dir) if r["event"] == "out_of_memory"][-1]
+            if not adaptation_left(recorded, self.cfg):  # the rank said so: the job ends
+                return False
+            restart = (f"restarting to adapt (adaptation {recorded['plan']['adaptations'] + 1} of "
+                       f"train.max_adaptations={self.cfg.train.max_adaptations})")
+        elif self.faults < self.cfg.max_restarts:
+            self.faults += 1
+            restart = f"restart {self.faults} of {self.cfg.max_restarts}"
+        else:
+            return False
+        resume = (f"resuming from the newest checkpoint in {self.cfg.checkpoint.dir}" if self.cfg.checkpoint.dir
+                  else "starting over (no checkpoint.dir)")
+        for rank, failure in sorted(failures.items()):
+            sys.stderr.write(f"trainer: {what_happened(rank, failure)}; {restart}, {resume}\n")
+        sys.stderr.flush()
+        return True
 
 
 def objective(summary: dict) -> float | None:
