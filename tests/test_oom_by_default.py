@@ -4,6 +4,7 @@ max_restarts for the other failures; a run out of host memory so finishes with t
 that had the memory; an out-of-memory during set-up is said in one line, not a traceback."""
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from dataclasses import asdict
@@ -44,6 +45,29 @@ def test_the_launcher_restarts_to_adapt_within_max_adaptations_and_for_faults_wi
         "trainer: rank 1 (pid 7) was killed by SIGKILL; restart 1 of 1, starting over (no checkpoint.dir)"]
     on_oom_fail = Restarts(to_config({"max_restarts": 0, "train": {"on_oom": "fail"}}), tmp_path)
     assert not on_oom_fail({0: out_of_memory})
+
+
+def test_a_plain_run_trains_in_its_own_process_and_restarts_it_to_adapt(tmp_path):
+    """No max_restarts, one process: the first round trains in the trainer's own process (no launcher
+    to start: the pid it names is the command's), the restart adapts and resumes from the checkpoint."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    result = run_cli("train.max_steps=3", "train.log_every=1", "data.num_workers=0", f"checkpoint.dir={ckpt}",
+                     "checkpoint.every_steps=1", f"hydra.run.dir={run_dir}", env={TEST_SWITCH: "rank=0,rows=8,from_step=2"},
+                     launcher=["bash", "-c", 'echo "pid $$" >&2; exec "$0" "$@"', sys.executable, "-m", "trainer"],
+                     timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pid = result.stderr.split("pid ", 1)[1].split()[0]
+    lines = said(result.stderr)
+    assert "Traceback" not in result.stderr and len(lines) == 2, result.stderr[-3000:]
+    assert lines[0].startswith("trainer: error: rank 0 ran out of memory in the forward of step 2 at "
+                               "train.micro_batch_size=8") and lines[0].endswith(
+        "the restart adapts (train.micro_batch_size=4 train.grad_accum_steps=2)"), lines
+    assert lines[1] == (f"trainer: rank 0 (pid {pid}) ran out of memory (its line is above); restarting to adapt "
+                        f"(adaptation 1 of train.max_adaptations=4), resuming from the newest checkpoint in {ckpt}")
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
+    assert [(r["event"], r.get("restart"), r["step"]) for r in events] == [
+        ("adapted", None, 2), ("restarted", 1, 1), ("resumed", None, 1), ("end", None, 3)], events
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3]
 
 
 def test_one_process_without_max_restarts_adapts_and_stops_once_max_adaptations_are_used_up(tmp_path):

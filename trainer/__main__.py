@@ -5,15 +5,19 @@ alone with nproc=N it spawns N local ranks with torch's elastic launcher.
 """
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import shutil
 import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -142,16 +146,30 @@ def app(cfg: DictConfig):
     if launches_ranks(cfg):  # torch's launcher takes the stop signals over as it starts the ranks
         return objective(launch_ranks(typed, cfg_dict, run_dir))
     say_stops_during_startup(False)  # this process is the rank: the run's own handler takes over as it starts
-    return objective(worker(cfg_dict, str(run_dir)))
+    if distributed.launched_externally():
+        return objective(worker(cfg_dict, str(run_dir)))
+    return objective(train_here(cfg, typed, cfg_dict, run_dir))
 
 
 def launches_ranks(cfg: DictConfig) -> bool:
-    """Started alone, this process launches the ranks under torch's elastic launcher: nproc=N, and one
-    rank too where the run may need a restart (max_restarts, or train.on_oom=adapt, the default: a
-    restart adapts to an out-of-memory). Only a run that needs neither trains in this process. Under
-    a launcher this process is one rank."""
-    return not distributed.launched_externally() and (
-        cfg.nproc > 1 or bool(cfg.max_restarts) or cfg.train.on_oom == OnOom.adapt)
+    """nproc=N started alone: this process launches the ranks. Under a launcher it is one; one rank
+    runs in this process (train_here), unless max_restarts asks for the elastic launcher's restarts."""
+    return not distributed.launched_externally() and (cfg.nproc > 1 or bool(cfg.max_restarts))
+
+
+def train_here(cfg: DictConfig, typed: Config, cfg_dict: dict, run_dir: Path) -> dict:
+    """One process, no max_restarts: its rank trains in this process, which starts it quickest. Where it
+    runs out of memory with an adaptation left (oom.adaptation_left), it is restarted as nproc=N's ranks
+    are, in a fresh process under the local launcher: its next round, by the same Restarts."""
+    summary = worker(cfg_dict, str(run_dir), in_process=True)
+    if summary is not None:
+        return summary
+    gc.collect()  # the round's tensors (some held in cycles) freed, and what CUDA cached of them, if it started
+    torch.cuda.empty_cache()
+    restarts = Restarts(typed, run_dir)
+    restarts({0: SimpleNamespace(pid=os.getpid(), exitcode=OUT_OF_MEMORY_EXIT_CODE)})  # said; yes, as the rank found
+    distributed.start_rank_server(rank_modules(cfg))
+    return launch_ranks(typed, cfg_dict, run_dir, restarts, rounds_before=1)
 
 
 def rank_modules(cfg: DictConfig) -> list[str]:
@@ -167,13 +185,15 @@ def rank_modules(cfg: DictConfig) -> list[str]:
     return modules
 
 
-def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
+def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path, restarts: Restarts | None = None,
+                 rounds_before: int = 0) -> dict:
     """nproc=N: the ranks under torch's elastic launcher. One rule for how it ends (trainer/errors.py):
     ranks that left with a code that says why (ERROR_EXIT_CODE: rank 0 printed the error; a stop
     signal's: they saved and stopped; OUT_OF_MEMORY_EXIT_CODE: the rank said so) are passed on as they
     are, the highest of their codes, without a traceback (the peers of a rank out of memory fail in
     their collective after it left); a stop also says where the ranks stopped. A rank that dies or
-    fails otherwise stops the others (torch's launcher does) and is named in one line."""
+    fails otherwise stops the others (torch's launcher does) and is named in one line. rounds_before:
+    the rounds the rank already ran in this process (train_here), whose Restarts go on counting."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -185,7 +205,8 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
     try:
         return distributed.launch_local(cfg.nproc, launched_worker, cfg_dict, str(run_dir),
                                         max_restarts=cfg.max_restarts + adaptations,
-                                        shutdown_timeout_s=cfg.shutdown_timeout_s, restart=Restarts(cfg, run_dir))[0]
+                                        shutdown_timeout_s=cfg.shutdown_timeout_s,
+                                        restart=restarts or Restarts(cfg, run_dir), rounds_before=rounds_before)[0]
     except SignalException as e:  # to this process: passed on to the ranks, which saved and stopped
         exit_code = signal_exit_code(e.sigval)
     except ChildFailedError as e:
