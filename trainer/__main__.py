@@ -5,15 +5,19 @@ alone with nproc=N it spawns N local ranks with torch's elastic launcher.
 """
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import shutil
 import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,7 +25,7 @@ from trainer import distributed
 from trainer.checkpoint.format import check_base, check_fingerprint, read_manifest
 from trainer.checkpoint.resume import check_writable, hold_checkpoint_dir, resolve_resume
 from trainer.checks import check_overrides, check_settings
-from trainer.config import CONFIG_MODULE, Config, ModelKind, PeftName, StrategyName, register_configs, to_config
+from trainer.config import CONFIG_MODULE, Config, ModelKind, OnOom, PeftName, StrategyName, register_configs, to_config
 from trainer.errors import (
     ERROR_EXIT_CODE,
     OUT_OF_MEMORY_EXIT_CODE,
@@ -139,17 +143,33 @@ def app(cfg: DictConfig):
     if first:  # what runs, resolved (strategy=auto's choice, the model's vocabulary and context)
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    # max_restarts: under the elastic launcher, one rank too (a restart adapts to an out-of-memory)
     if launches_ranks(cfg):  # torch's launcher takes the stop signals over as it starts the ranks
         return objective(launch_ranks(typed, cfg_dict, run_dir))
     say_stops_during_startup(False)  # this process is the rank: the run's own handler takes over as it starts
-    return objective(worker(cfg_dict, str(run_dir)))
+    if distributed.launched_externally():
+        return objective(worker(cfg_dict, str(run_dir)))
+    return objective(train_here(cfg, typed, cfg_dict, run_dir))
 
 
 def launches_ranks(cfg: DictConfig) -> bool:
     """nproc=N started alone: this process launches the ranks. Under a launcher it is one; one rank
-    runs in this process, unless max_restarts asks for the elastic launcher's restarts."""
+    runs in this process (train_here), unless max_restarts asks for the elastic launcher's restarts."""
     return not distributed.launched_externally() and (cfg.nproc > 1 or bool(cfg.max_restarts))
+
+
+def train_here(cfg: DictConfig, typed: Config, cfg_dict: dict, run_dir: Path) -> dict:
+    """One process, no max_restarts: its rank trains in this process, which starts it quickest. Where it
+    runs out of memory with an adaptation left (oom.adaptation_left), it is restarted as nproc=N's ranks
+    are, in a fresh process under the local launcher: its next round, by the same Restarts."""
+    summary = worker(cfg_dict, str(run_dir), in_process=True)
+    if summary is not None:
+        return summary
+    gc.collect()  # the round's tensors (some held in cycles) freed, and what CUDA cached of them, if it started
+    torch.cuda.empty_cache()
+    restarts = Restarts(typed, run_dir)
+    restarts({0: SimpleNamespace(pid=os.getpid(), exitcode=OUT_OF_MEMORY_EXIT_CODE)})  # said; yes, as the rank found
+    distributed.start_rank_server(rank_modules(cfg))
+    return launch_ranks(typed, cfg_dict, run_dir, restarts, rounds_before=1)
 
 
 def rank_modules(cfg: DictConfig) -> list[str]:
@@ -165,13 +185,15 @@ def rank_modules(cfg: DictConfig) -> list[str]:
     return modules
 
 
-def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
+def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path, restarts: Restarts | None = None,
+                 rounds_before: int = 0) -> dict:
     """nproc=N: the ranks under torch's elastic launcher. One rule for how it ends (trainer/errors.py):
     ranks that left with a code that says why (ERROR_EXIT_CODE: rank 0 printed the error; a stop
     signal's: they saved and stopped; OUT_OF_MEMORY_EXIT_CODE: the rank said so) are passed on as they
     are, the highest of their codes, without a traceback (the peers of a rank out of memory fail in
     their collective after it left); a stop also says where the ranks stopped. A rank that dies or
-    fails otherwise stops the others (torch's launcher does) and is named in one line."""
+    fails otherwise stops the others (torch's launcher does) and is named in one line. rounds_before:
+    the rounds the rank already ran in this process (train_here), whose Restarts go on counting."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -179,11 +201,12 @@ def launch_ranks(cfg: Config, cfg_dict: dict, run_dir: Path) -> dict:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                  "torch.multiprocessing.spawn"):  # "Terminating process N via signal SIGTERM": the rank's peers
         logging.getLogger(name).addFilter(QuietRankExits(said_codes))
+    adaptations = cfg.train.max_adaptations if cfg.train.on_oom is OnOom.adapt else 0
     try:
-        return distributed.launch_local(cfg.nproc, launched_worker, cfg_dict, str(run_dir), max_restarts=cfg.max_restarts,
+        return distributed.launch_local(cfg.nproc, launched_worker, cfg_dict, str(run_dir),
+                                        max_restarts=cfg.max_restarts + adaptations,
                                         shutdown_timeout_s=cfg.shutdown_timeout_s,
-                                        on_restart=lambda rank, failure, restart: say_restart(cfg, rank, failure,
-                                                                                              restart))[0]
+                                        restart=restarts or Restarts(cfg, run_dir), rounds_before=rounds_before)[0]
     except SignalException as e:  # to this process: passed on to the ranks, which saved and stopped
         exit_code = signal_exit_code(e.sigval)
     except ChildFailedError as e:
@@ -230,13 +253,35 @@ def rank_failure(cfg: Config, rank: int, failure) -> str:
     return f"trainer: error: {what_happened(rank, failure)}{restarts}; the other ranks were stopped{resume}"
 
 
-def say_restart(cfg: Config, rank: int, failure, restart: int) -> None:
-    """max_restarts: the line before each restart of every rank."""
-    resume = (f"resuming from the newest checkpoint in {cfg.checkpoint.dir}" if cfg.checkpoint.dir else
-              "starting over (no checkpoint.dir)")
-    sys.stderr.write(f"trainer: {what_happened(rank, failure)}; restart {restart} of {cfg.max_restarts}, "
-                     f"{resume}\n")
-    sys.stderr.flush()
+class Restarts:
+    """The two budgets of the ranks' restarts under this process's launcher, which gives torch's agent
+    their sum: a round where a rank ran out of memory restarts the ranks to adapt while an adaptation
+    is left (oom.adaptation_left, by which the rank's own line goes too); any other failure takes one
+    of max_restarts. Each restart is said, for each rank that failed, before it."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir, self.faults = cfg, run_dir, 0
+
+    def __call__(self, failures: dict) -> bool:
+        from trainer.oom import adaptation_left, read_records
+
+        if any(failure.exitcode == OUT_OF_MEMORY_EXIT_CODE for failure in failures.values()):
+            recorded = [r for r in read_records(self.run_dir) if r["event"] == "out_of_memory"][-1]
+            if not adaptation_left(recorded, self.cfg):  # the rank said so: the job ends
+                return False
+            restart = (f"restarting to adapt (adaptation {recorded['plan']['adaptations'] + 1} of "
+                       f"train.max_adaptations={self.cfg.train.max_adaptations})")
+        elif self.faults < self.cfg.max_restarts:
+            self.faults += 1
+            restart = f"restart {self.faults} of {self.cfg.max_restarts}"
+        else:
+            return False
+        resume = (f"resuming from the newest checkpoint in {self.cfg.checkpoint.dir}" if self.cfg.checkpoint.dir
+                  else "starting over (no checkpoint.dir)")
+        for rank, failure in sorted(failures.items()):
+            sys.stderr.write(f"trainer: {what_happened(rank, failure)}; {restart}, {resume}\n")
+        sys.stderr.flush()
+        return True
 
 
 def objective(summary: dict) -> float | None:

@@ -310,7 +310,7 @@ class TrainConfig:
     profile: Optional[str] = None  # "START:STOP": a torch profiler trace of those steps, in the run dir
     max_bad_steps: int = 10  # steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run
     on_oom: OnOom = OnOom.adapt  # a rank out of memory: adapt the plan on the restart (micro-batch, AC, fused loss, strategy) or fail
-    max_adaptations: int = 4  # on_oom=adapt: changes of the plan after out-of-memory, apart from max_restarts
+    max_adaptations: int = 4  # on_oom=adapt: changes of the plan after out-of-memory, each a restart of its own, apart from max_restarts
 
 
 def keyword_field(namespace: dict, name: str, hint: str, default) -> None:
@@ -400,7 +400,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     nproc: int = 1  # local ranks to spawn when no launcher started this process
-    max_restarts: int = 0  # restarts of all ranks after one fails (or runs out of memory), each resuming from the newest checkpoint
+    max_restarts: int = 0  # restarts of all ranks after one dies or fails (not out of memory: train.max_adaptations), each resuming from the newest checkpoint
     shutdown_timeout_s: int = 120  # nproc > 1: after a stop signal, how long ranks may take to save before SIGKILL
     collective_timeout_s: int = 600  # a rank waiting this long in a collective (a dead or hung peer) ends the job
     log_level: LogLevel = LogLevel.warning  # third-party libraries' console output (DeepSpeed, torch, HF)

@@ -91,10 +91,15 @@ def launched_externally() -> bool:
     return bool(launcher_env())
 
 
+ROUNDS_BEFORE = "TRAINER_ROUNDS_BEFORE"  # launch_local's rounds_before, in its ranks' environment
+
+
 def restart_count() -> int:
     """How often this group was started again: by torch's elastic agent (torchrun --max-restarts,
-    max_restarts), plus SLURM's requeues of the job (launch/slurm.sbatch)."""
-    return sum(int(os.environ.get(name) or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    max_restarts), after the rounds its launching process ran itself (launch_local), plus SLURM's
+    requeues of the job (launch/slurm.sbatch)."""
+    return sum(int(os.environ.get(name) or 0) for name in ("TORCHELASTIC_RESTART_COUNT", ROUNDS_BEFORE,
+                                                           "SLURM_RESTART_COUNT"))
 
 
 def launcher_rank() -> int:
@@ -289,19 +294,20 @@ def in_launchers_environment(environ: dict[str, str], fn, *args):
 
 
 def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_s: int = 30,
-                 on_restart: Callable | None = None) -> dict:
+                 restart: Callable | None = None, rounds_before: int = 0) -> dict:
     """fn(*args) in `nproc` fresh local processes under torch's elastic launcher, which sets the
     rank variables for `init`, restarts all of them up to `max_restarts` times when one fails,
     and passes stop signals on to them. The rendezvous is on a fresh free port, so back-to-back
     launches (a Hydra sweep, a test suite) never clash: static (the quickest) for one round;
     with restarts torchrun --standalone's (c10d), which gives each round a store of its own (the
     static one keeps the first round's keys: seen, a restarted group hanging in
-    init_process_group). `fn` must be importable (not from __main__). `on_restart(rank, failure,
-    restart)`: told, before each restart, which rank failed and how (torch's agent only logs
-    "Worker group FAILED")."""
+    init_process_group). `fn` must be importable (not from __main__). `restart(failures)`: asked,
+    while restarts are left, whether to restart after the ranks that failed ({rank: failure}, how
+    each failed); say no, and the launch ends as it does once `max_restarts` are used up.
+    rounds_before: rounds of the ranks this process ran before (in itself), which `restart_count` adds."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainer.patches import reported_restarts
+    from trainer.patches import decided_restarts
 
     rendezvous = ({"rdzv_backend": "c10d", "rdzv_configs": {"timeout": 120}} if max_restarts else
                   {"rdzv_backend": "static", "rdzv_configs": {"rank": 0, "timeout": 120}})
@@ -311,8 +317,9 @@ def launch_local(nproc: int, fn, *args, max_restarts: int = 0, shutdown_timeout_
                           monitor_interval=0.1, signals_to_handle=SIGNALS_TO_HANDLE,
                           shutdown_timeout=shutdown_timeout_s,
                           start_method="forkserver" if forks_ranks() else "spawn")
-    with reported_restarts(on_restart):
-        return elastic_launch(config, in_launchers_environment)(dict(os.environ), fn, *args)
+    with decided_restarts(restart):
+        environ = {**os.environ, **({ROUNDS_BEFORE: str(rounds_before)} if rounds_before else {})}
+        return elastic_launch(config, in_launchers_environment)(environ, fn, *args)
 
 
 def shutdown(peers_alive: bool = True) -> None:

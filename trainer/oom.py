@@ -141,6 +141,8 @@ def next_plan(plan: Plan, failure: dict, can_fuse: bool = False) -> Plan | None:
     """The plan after `plan` ran out of memory as `failure` says; None where nothing is left to adapt.
     can_fuse: whether the model takes the fused loss (logits that are its output layer's own)."""
     step = {"adaptations": plan.adaptations + 1}
+    if failure["where"] == "setup":  # the model, its shards or the optimizer: no batch was drawn yet
+        return None
     if failure["where"] == "evaluation":
         rows = plan.eval_micro_batch_size
         return replace(plan, eval_micro_batch_size=smaller(rows), **step) if rows > 1 else None
@@ -226,12 +228,17 @@ class Watch:
                                          f"The device, of which 0 bytes is free, holds {held} ({TEST_SWITCH}={switch})")
 
 
+def when(failure: dict) -> str:
+    """Where a rank ran out of memory: `in the forward of step 3`, `during set-up`."""
+    return "during set-up" if failure["where"] == "setup" else f"in the {failure['where']} of step {failure['step']}"
+
+
 def what_failed(failure: dict) -> str:
     """Which rank ran out of memory, where, at which micro-batch, asking for how much."""
     plan, where = Plan(**failure["plan"]), failure["where"]
     rows = f"eval.micro_batch_size={plan.eval_micro_batch_size}" if where == "evaluation" else \
         f"train.micro_batch_size={plan.micro_batch_size}"
-    return (f"rank {failure['rank']} ran out of memory in the {where} of step {failure['step']} at {rows}: it asked "
+    return (f"rank {failure['rank']} ran out of memory {when(failure)} at {rows}: it asked "
             f"for {size(failure['asked'])} with {size(failure['free'])} free")
 
 
@@ -242,8 +249,16 @@ def adapted_plan(plan: Plan, failure: dict, cfg: Config) -> Plan | None:
     return next_plan(plan, failure, can_fuse=at_fused_rung and fusable(cfg))
 
 
-def failure_line(failure: dict, cfg: Config, restarts_left: bool) -> str:
-    """The one line of a rank out of memory: what failed, and what to change."""
+def adaptation_left(failure: dict, cfg: Config) -> bool:
+    """Whether a restart may adapt after `failure`: train.on_oom=adapt, and train.max_adaptations not
+    used up by the plan that failed. The rank's line, the trainer's own launcher (which restarts the
+    ranks for it) and the restart (training/adapt.py) all go by it."""
+    return cfg.train.on_oom is OnOom.adapt and Plan(**failure["plan"]).adaptations < cfg.train.max_adaptations
+
+
+def failure_line(failure: dict, cfg: Config, restart: bool) -> str:
+    """The one line of a rank out of memory: what failed, and what the restart changes (restart:
+    whether one comes for it) or what to change."""
     plan = Plan(**failure["plan"])
     adapted = adapted_plan(plan, failure, cfg)
     if adapted is None and cfg.train.on_oom is OnOom.adapt and failure["where"] != "evaluation":
@@ -253,11 +268,15 @@ def failure_line(failure: dict, cfg: Config, restarts_left: bool) -> str:
     else:
         change = " ".join(f"{key}={value(after)}" for key, _, after in changes(plan.applied(cfg), adapted.applied(cfg)))
     if cfg.train.on_oom is OnOom.fail:
-        return f"{what_failed(failure)}; try {change} (the same global batch and losses), or train.on_oom=adapt"
-    if restarts_left:
+        same = "" if adapted is None else " (the same global batch and losses)"
+        return f"{what_failed(failure)}; try {change}{same}, or train.on_oom=adapt"
+    if not adaptation_left(failure, cfg):
+        return (f"{what_failed(failure)}; train.max_adaptations={cfg.train.max_adaptations} are used up: python -m "
+                "trainer.plan for a strategy that fits")
+    if restart:
         return f"{what_failed(failure)}; recorded in the run dir's {RECORDS}: the restart adapts ({change})"
-    return (f"{what_failed(failure)}; no restart left to adapt ({change}): give max_restarts=N (nproc) or torchrun "
-            "--max-restarts, or change it yourself")
+    return (f"{what_failed(failure)}; no restart left to adapt ({change}): give the launcher restarts (torchrun "
+            "--max-restarts N), or start the ranks with nproc=N, which restarts them to adapt, or change it yourself")
 
 
 def read_records(run_dir: Path) -> list[dict]:

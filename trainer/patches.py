@@ -52,7 +52,7 @@ JIT_COMPILE = Internal("torch.utils.cpp_extension", "_jit_compile",
                        "extra_include_paths, build_directory: str, verbose: bool, with_cuda: bool | None, "
                        "with_sycl: bool | None, is_python_module, is_standalone, keep_intermediates=True) "
                        "-> module | str", "torch 2.13.0")
-# also relies on agent._remaining_restarts, group.spec.max_restarts and RunResult.failures
+# also relies on agent._remaining_restarts (a restart is taken while it is above 0) and RunResult.failures
 MONITOR_WORKERS = Internal("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent",
                            "_monitor_workers", "(self, worker_group: 'WorkerGroup') -> 'RunResult'", "torch 2.13.0")
 # DeepSpeed's ZeRO optimizers decide an overflow inside step() (0.19.8: stage_1_and_2.step asks
@@ -211,21 +211,21 @@ def _opened_by(path: str) -> int | None:
 
 
 @contextmanager
-def reported_restarts(report: Callable | None) -> Iterator[None]:
-    """Around a launch: `report(global rank, ProcessFailure, restart number)` for each failed rank
-    the agent is about to restart the group for, read from the result of its monitoring (torch's
-    agent only logs "Worker group FAILED")."""
-    def reporting(monitor: Callable) -> Callable:
+def decided_restarts(decide: Callable[[dict], bool] | None) -> Iterator[None]:
+    """Around a launch: `decide(failures)` ({global rank: ProcessFailure}, read from the result of the
+    agent's monitoring) for each failed round the agent has a restart left for; where it says no, the
+    agent stops the group as it does once its restarts are used up. torch's agent restarts whatever
+    failed while its one budget lasts, and only logs "Worker group FAILED"."""
+    def deciding(monitor: Callable) -> Callable:
         def monitored(agent, group):
             result = monitor(agent, group)
-            if report is not None and result.is_failed() and agent._remaining_restarts > 0:
-                restart = group.spec.max_restarts - agent._remaining_restarts + 1
-                for rank, failure in sorted(result.failures.items()):
-                    report(rank, failure, restart)
+            if decide is not None and result.is_failed() and agent._remaining_restarts > 0 and \
+                    not decide(result.failures):
+                agent._remaining_restarts = 0
             return result
         return monitored
 
-    with replaced(MONITOR_WORKERS, reporting):
+    with replaced(MONITOR_WORKERS, deciding):
         yield
 
 

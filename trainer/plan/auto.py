@@ -80,6 +80,9 @@ def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tu
             candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
     candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
                    for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing and o.ep == s.ep]
+    # the run's own strategy with activation checkpointing (a set-up out of memory comes before that
+    # rung) is no change of strategy
+    candidates = [(rung, option) for rung, option in candidates if rung != settings]
     return [(rung, f"the planner counts {size(option.per_gpu_bytes['total'])} per device there against "
                    f"{size(own.per_gpu_bytes['total'])} at {own.name}, which was {size(missing)} short")
             for rung, option in candidates if option.per_gpu_bytes["total"] <= limit]

@@ -13,7 +13,7 @@ from pathlib import Path
 from trainer.checks import check_settings
 from trainer.config import Config
 from trainer.errors import RunError
-from trainer.oom import Plan, adapted_plan, append, changes, read_records, value, what_failed
+from trainer.oom import Plan, adapted_plan, append, changes, read_records, value, what_failed, when
 from trainer.plan.auto import strategy_rungs
 
 
@@ -67,8 +67,7 @@ def adapt(cfg: Config, run_dir: Path, kept: dict | None, world_size: int) -> tup
                          for key, before, after in changes(plan.applied(cfg), adapted.applied(cfg)))
         plan = adapted
         events.append({"event": "adapted", "step": failure["step"], "what": what,
-                       "why": f"rank {failure['rank']} ran out of memory in the {failure['where']} of step "
-                              f"{failure['step']}" + (f"; {fits}" if fits else ""),
+                       "why": f"rank {failure['rank']} ran out of memory {when(failure)}" + (f"; {fits}" if fits else ""),
                        "asked": failure["asked"], "free": failure["free"], "skipped": skipped, "plan": asdict(plan)})
     for event in events:
         append(run_dir, event)

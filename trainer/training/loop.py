@@ -29,7 +29,7 @@ from trainer.models.active_params import short_count
 from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.checks import build_as_trained
 from trainer.models.weights import WeightSource
-from trainer.oom import Plan, Watch, size
+from trainer.oom import Watch, size
 from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.adapt import adapt
@@ -198,7 +198,7 @@ class Run:
 
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, strategy: Strategy, guard: StepGuard,
                  stream: BatchStream, val_set, total_steps: int, resume_from: Path | None, records: RunLog,
-                 plan: Plan):
+                 watch: Watch):
         t = cfg.train
         if val_set is not None:
             check_validation_rows(cfg, len(val_set))
@@ -213,7 +213,7 @@ class Run:
         self.objective = with_router_loss(self.objective, routers, strategy.layout.sequence)  # where the config asks
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
-        self.plan, self.watch = plan, Watch(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom
+        self.plan, self.watch = watch.plan, watch  # train.on_oom
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                              description(cfg.model, cfg.data.tokenizer, strategy.module,
                                                          cfg.data.chat_template),
@@ -433,7 +433,9 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
             log.info(f"adapted after out of memory: {event['what']} ({event['why']}, asking for "
                      f"{size(event['asked'])} with {size(event['free'])} free)"
                      + "".join(f"; skipped {line}" for line in event["skipped"]))
-        run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records, plan)
+        watch = Watch(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom, from set-up on
+        with watch.during("setup"):  # the model built and sharded, its weights, the optimizer, the checkpoint
+            run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records, watch)
         cleanup.push(run.leave)
         profiler, first_step = StepProfiler(t.profile, run_dir, env.rank, env.device), run.step + 1
         # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named

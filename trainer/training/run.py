@@ -12,13 +12,17 @@ from trainer import distributed
 from trainer.checkpoint.resume import resolve_resume
 from trainer.config import Config, OnOom, to_config
 from trainer.errors import ERROR_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, ConfigError, RunError
-from trainer.oom import OutOfMemory, append, failure_line
+from trainer.oom import OutOfMemory, adaptation_left, append, failure_line
 from trainer.training.faults import Stopped
 
 PEER_FIRST_S = 1.0  # > the elastic launcher's monitor_interval (0.1 s, distributed.launch_local)
 
 
-def worker(cfg_dict: dict, run_dir: str) -> dict:
+def worker(cfg_dict: dict, run_dir: str, adapting_launcher: bool = False, in_process: bool = False) -> dict | None:
+    """One rank's life; its summary. adapting_launcher: started by the trainer's own launcher, which
+    restarts the ranks to adapt to an out-of-memory within train.max_adaptations (trainer/__main__.py).
+    in_process: the one rank of a process that no launcher started, which restarts it so too: None
+    where it ran out of memory with an adaptation left (said, recorded, out of its group)."""
     from trainer.training.loop import train
 
     env = distributed.init(cfg_dict["collective_timeout_s"])
@@ -31,7 +35,8 @@ def worker(cfg_dict: dict, run_dir: str) -> dict:
     except Stopped as stopped:  # saved and recorded: leave with the signal's exit code, quietly
         leave(stopped.exit_code)
     except OutOfMemory as oom:  # this rank alone: its peers fail in their next collective
-        leave_out_of_memory(oom.failure, cfg, run_dir)
+        leave_out_of_memory(oom.failure, cfg, run_dir, adapting_launcher or in_process, in_process)
+        return None
     except RunError as e:  # the same on every rank: said once, in one line
         if env.is_main:
             print(f"trainer: error: {e}", file=sys.stderr)
@@ -52,7 +57,7 @@ def launched_worker(cfg_dict: dict, run_dir: str) -> dict:
     """`worker` in a rank process of the local launcher (nproc=N). Its summary returned (the
     launcher reads it before the process exits), the rank leaves without the interpreter's
     teardown: 0.9 s of every run's end here, and where gloo can abort (FACTS.md)."""
-    summary = worker(cfg_dict, run_dir)
+    summary = worker(cfg_dict, run_dir, adapting_launcher=True)
     atexit.register(exit_now, 0)  # registered last, run first: the other exit handlers are skipped
     return summary
 
@@ -72,14 +77,18 @@ def check_run_dir(run_dir: Path, resume_from: Path | None) -> None:
                           "hydra.run.dir (a run that resumes from a checkpoint appends to its own)")
 
 
-def leave_out_of_memory(failure: dict, cfg: Config, run_dir: Path) -> None:
+def leave_out_of_memory(failure: dict, cfg: Config, run_dir: Path, adapting_launcher: bool,
+                        in_process: bool = False) -> None:
     """Recorded in the run dir (for the restart, and the planner), said by this rank in one line,
-    gone without a barrier: its peers are waiting for it in a collective."""
+    gone without a barrier: its peers are waiting for it in a collective. The trainer's own launcher
+    restarts the ranks for every adaptation the line says; another launcher, while it has restarts left.
+    in_process: the process stays where an adaptation is left, for the restart it makes."""
     append(run_dir, failure)
-    restarts_left = distributed.restart_count() < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
-    print(f"trainer: error: {failure_line(failure, cfg, restarts_left)}", file=sys.stderr)
+    restart = adapting_launcher or distributed.restart_count() < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    print(f"trainer: error: {failure_line(failure, cfg, restart)}", file=sys.stderr)
     distributed.shutdown(peers_alive=False)
-    exit_now(ERROR_EXIT_CODE if cfg.train.on_oom is OnOom.fail else OUT_OF_MEMORY_EXIT_CODE)
+    if not (in_process and adaptation_left(failure, cfg)):
+        exit_now(ERROR_EXIT_CODE if cfg.train.on_oom is OnOom.fail else OUT_OF_MEMORY_EXIT_CODE)
 
 
 def leave(exit_code: int) -> None:
