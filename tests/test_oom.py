@@ -17,8 +17,8 @@ from trainer.errors import RunError
 from trainer.metrics import read_records
 from trainer.oom import (
     TEST_SWITCH,
+    Adaptation,
     OutOfMemory,
-    Plan,
     Watch,
     append,
     asked_bytes,
@@ -31,26 +31,26 @@ from trainer.oom import (
 from trainer.training.adapt import adapt
 
 
-def failure(plan: Plan, where: str = "forward", rank: int = 1, step: int = 3) -> dict:
+def failure(plan: Adaptation, where: str = "forward", rank: int = 1, step: int = 3) -> dict:
     return {"event": "out_of_memory", "step": step, "where": where, "rank": rank, "rows": plan.micro_batch_size,
             "asked": 2 ** 20, "free": 0, "plan": asdict(plan), "error": "CUDA out of memory."}
 
 
 def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointing():
-    plan, ladder = Plan(8, 1, False, 8), []
+    plan, ladder = Adaptation(8, 1, False, 8), []
     while plan := next_plan(plan, failure(plan), can_fuse=False):
         ladder.append((plan.micro_batch_size, plan.grad_accum_steps, plan.activation_checkpointing, plan.adaptations))
     assert ladder == [(4, 2, False, 1), (2, 4, False, 2), (1, 8, False, 3), (1, 8, True, 4)]
-    assert plan is None and next_plan(Plan(1, 8, True, 8), failure(Plan(1, 8, True, 8)), can_fuse=True) == \
-        Plan(1, 8, True, 8, adaptations=1, fused_loss=True)  # then the fused loss, where the model takes it
-    fused = Plan(1, 8, True, 8, fused_loss=True)
+    assert plan is None and next_plan(Adaptation(1, 8, True, 8), failure(Adaptation(1, 8, True, 8)), can_fuse=True) == \
+        Adaptation(1, 8, True, 8, adaptations=1, fused_loss=True)  # then the fused loss, where the model takes it
+    fused = Adaptation(1, 8, True, 8, fused_loss=True)
     assert next_plan(fused, failure(fused), can_fuse=True) is None
-    assert fused.applied(to_config({})).train.fused_loss and fused.past(Plan(1, 8, True, 8), 1)
-    odd = next_plan(Plan(6, 1, False, 6), failure(Plan(6, 1, False, 6)))  # a divisor: the global batch stays whole
+    assert fused.applied(to_config({})).train.fused_loss and fused.past(Adaptation(1, 8, True, 8), 1)
+    odd = next_plan(Adaptation(6, 1, False, 6), failure(Adaptation(6, 1, False, 6)))  # a divisor: the global batch stays whole
     assert (odd.micro_batch_size, odd.grad_accum_steps) == (3, 2)
     assert (next_plan(odd, failure(odd)).micro_batch_size, next_plan(odd, failure(odd)).grad_accum_steps) == (1, 6)
-    evaluation = next_plan(Plan(8, 1, False, 8), failure(Plan(8, 1, False, 8), "evaluation"))
-    assert evaluation == Plan(8, 1, False, 4, adaptations=1)  # the evaluation's micro-batch only
+    evaluation = next_plan(Adaptation(8, 1, False, 8), failure(Adaptation(8, 1, False, 8), "evaluation"))
+    assert evaluation == Adaptation(8, 1, False, 4, adaptations=1)  # the evaluation's micro-batch only
 
 
 def test_the_fused_loss_rung_is_taken_only_where_the_model_takes_it():
@@ -62,17 +62,17 @@ def test_the_fused_loss_rung_is_taken_only_where_the_model_takes_it():
 
 def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_plan(tmp_path):
     cfg = to_config({"train": {"micro_batch_size": 8, "max_adaptations": 2}, "eval": {"max_batches": 2}})
-    first = Plan.of(cfg)
+    first = Adaptation.of(cfg)
     append(tmp_path, failure(first, rank=0))
     append(tmp_path, failure(first, rank=1))  # two ranks out of memory in the same step: one adaptation
     plan, events = adapt(cfg, tmp_path, kept=None, world_size=1)
-    assert plan == Plan(4, 2, False, 8, adaptations=1)
+    assert plan == Adaptation(4, 2, False, 8, adaptations=1)
     assert [(e["event"], e["step"], e["what"], e["asked"]) for e in events] == [
         ("adapted", 3, "train.micro_batch_size 8 -> 4, train.grad_accum_steps 1 -> 2", 2 ** 20)]
     assert adapt(cfg, tmp_path, kept=None, world_size=1) == (plan, [])  # a restart for another cause: the same plan, said once
     append(tmp_path, failure(plan, "evaluation"))
     plan, events = adapt(cfg, tmp_path, kept=None, world_size=1)
-    assert plan == Plan(4, 2, False, 4, adaptations=2) and events[0]["what"] == "eval.micro_batch_size 8 -> 4"
+    assert plan == Adaptation(4, 2, False, 4, adaptations=2) and events[0]["what"] == "eval.micro_batch_size 8 -> 4"
     applied = plan.applied(cfg)
     assert (applied.train.micro_batch_size, applied.train.grad_accum_steps, applied.eval.micro_batch_size,
             applied.eval.max_batches) == (4, 2, 4, 4)  # the same validation rows: twice the batches of half the rows
@@ -83,12 +83,12 @@ def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_
     # a resume in another run dir keeps the checkpoint's plan; one of another global batch is not this run's
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    assert adapt(cfg, fresh, kept=asdict(Plan(2, 4, False, 8, 2)), world_size=1)[0] == Plan(2, 4, False, 8, 2)
-    assert adapt(cfg, fresh, kept=asdict(Plan(2, 2, False, 8, 2)), world_size=1)[0] == first
+    assert adapt(cfg, fresh, kept=asdict(Adaptation(2, 4, False, 8, 2)), world_size=1)[0] == Adaptation(2, 4, False, 8, 2)
+    assert adapt(cfg, fresh, kept=asdict(Adaptation(2, 2, False, 8, 2)), world_size=1)[0] == first
 
 
 def test_an_out_of_memory_of_either_allocator_is_recorded_with_the_bytes_asked(monkeypatch):
-    watch = Watch(Plan(8, 1, False, 8), rank=1, device=torch.device("cpu"), step=5)
+    watch = Watch(Adaptation(8, 1, False, 8), rank=1, device=torch.device("cpu"), step=5)
     with pytest.raises(OutOfMemory) as caught:  # the host allocator's, for real: a RuntimeError in torch
         with watch.during("backward", 8):
             torch.empty(1 << 62, dtype=torch.uint8)
@@ -190,7 +190,7 @@ def test_a_run_out_of_memory_adapts_8_4_2_1_and_has_the_losses_of_the_run_planne
     assert all(abs(a - e) <= 1e-6 * abs(e) for a, e in zip(losses, expected)), (losses, expected)
     if every:  # the adapted plan is kept in the checkpoint: a resume from it starts at micro-batch 1
         manifest = json.loads((ckpt / f"step_{STEPS:08d}" / "manifest.json").read_text())
-        assert manifest["trainer"]["plan"] == asdict(Plan(1, 8, False, 8, adaptations=3))
+        assert manifest["trainer"]["plan"] == asdict(Adaptation(1, 8, False, 8, adaptations=3))
 
 
 @pytest.mark.slow
@@ -246,7 +246,7 @@ def test_the_planner_reads_a_runs_records_and_plans_at_the_plan_it_adapted_to(tm
     from trainer import plan
 
     cfg = to_config({"train": {"micro_batch_size": 8}})
-    append(tmp_path, failure(Plan.of(cfg)))
+    append(tmp_path, failure(Adaptation.of(cfg)))
     adapt(cfg, tmp_path, kept=None, world_size=1)
     plan.main(["train.micro_batch_size=8", "plan.gpu_memory_gb=1", "plan.json=true", f"plan.run_dir={tmp_path}"])
     adapted = json.loads(capsys.readouterr().out)

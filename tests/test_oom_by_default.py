@@ -16,7 +16,7 @@ from tests.harness import records, run_cli
 from trainer.__main__ import Restarts
 from trainer.config import to_config
 from trainer.errors import OUT_OF_MEMORY_EXIT_CODE
-from trainer.oom import TEST_SWITCH, Plan, append
+from trainer.oom import TEST_SWITCH, Adaptation, append
 from trainer.oom import read_records as oom_records
 
 
@@ -31,11 +31,11 @@ def test_the_launcher_restarts_to_adapt_within_max_adaptations_and_for_faults_wi
     killed, out_of_memory = SimpleNamespace(exitcode=-9, pid=7, signal_name=lambda: "SIGKILL"), \
         SimpleNamespace(exitcode=OUT_OF_MEMORY_EXIT_CODE, pid=8)
     for adaptations in (0, 1):  # two adaptations, whatever max_restarts says
-        append(tmp_path, {"event": "out_of_memory", "plan": asdict(Plan(8, 1, False, 8, adaptations=adaptations))})
+        append(tmp_path, {"event": "out_of_memory", "plan": asdict(Adaptation(8, 1, False, 8, adaptations=adaptations))})
         assert restarts({0: out_of_memory})
     assert restarts({1: killed})  # the one fault restart, untouched by the adaptations
     assert not restarts({1: killed})
-    append(tmp_path, {"event": "out_of_memory", "plan": asdict(Plan(2, 4, False, 8, adaptations=2))})
+    append(tmp_path, {"event": "out_of_memory", "plan": asdict(Adaptation(2, 4, False, 8, adaptations=2))})
     assert not restarts({0: out_of_memory})  # max_adaptations used up: the rank's line said so
     assert said(capsys.readouterr().err) == [
         "trainer: rank 0 (pid 8) ran out of memory (its line is above); restarting to adapt (adaptation 1 of "

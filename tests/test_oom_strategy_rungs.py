@@ -12,14 +12,14 @@ import torch
 
 from tests.harness import records, run_cli
 from trainer.config import to_config
-from trainer.oom import TEST_SWITCH, OutOfMemory, Plan, Watch, append
+from trainer.oom import TEST_SWITCH, Adaptation, OutOfMemory, Watch, append
 from trainer.oom import read_records as oom_records
 from trainer.training.adapt import adapt
 
 AT_THE_BOTTOM = {"micro_batch_size": 1, "grad_accum_steps": 8, "activation_checkpointing": True, "fused_loss": True}
 
 
-def failure(plan: Plan, asked: int) -> dict:
+def failure(plan: Adaptation, asked: int) -> dict:
     return {"event": "out_of_memory", "step": 3, "where": "forward", "rank": 1, "rows": 1, "asked": asked,
             "free": 0, "plan": asdict(plan), "error": "CUDA out of memory."}
 
@@ -29,7 +29,7 @@ def test_the_rung_is_the_first_option_that_holds_the_missing_bytes_less_and_pass
     device in fp16, zero1 and zero2 0.27 MiB less, fsdp 0.8 MiB less). fp16: DeepSpeed on CPU
     refuses it, so zero1 and zero2 are skipped, each with the check's reason."""
     cfg = to_config({"train": {**AT_THE_BOTTOM, "precision": "fp16"}})
-    append(tmp_path, failure(Plan.of(cfg), asked=100_000))
+    append(tmp_path, failure(Adaptation.of(cfg), asked=100_000))
     plan, [event] = adapt(cfg, tmp_path, kept=None, world_size=2)
     assert plan.strategy == {"name": "fsdp", "sp": 1, "offload_optimizer": False, "offload_params": False}
     assert plan.applied(cfg).strategy.name.value == "fsdp" and plan.adaptations == 1
@@ -52,7 +52,7 @@ def test_a_sequence_parallel_rung_keeps_the_global_batch_with_more_accumulation(
     """A few bytes short: sp=2 (half the activations a rank) comes first; its sp group of the 2 ranks
     reads the same rows, so the accumulation doubles, and the next start keeps that plan."""
     cfg = to_config({"train": AT_THE_BOTTOM})
-    append(tmp_path, failure(Plan.of(cfg), asked=100_000))
+    append(tmp_path, failure(Adaptation.of(cfg), asked=100_000))
     plan, [event] = adapt(cfg, tmp_path, kept=None, world_size=2)
     assert plan.strategy == {"name": "ddp", "sp": 2, "offload_optimizer": False, "offload_params": False}
     assert event["what"] == "train.grad_accum_steps 8 -> 16, strategy.sp 1 -> 2"
@@ -64,7 +64,7 @@ def test_a_sequence_parallel_rung_whose_accumulation_would_not_be_whole_is_skipp
     change): skipped, saying so; sp=6 (3 micro-steps) is the rung."""
     model = {"name": "tiny", "n_heads": 6, "d_model": 96, "seq_len": 96}
     cfg = to_config({"model": model, "strategy": {"sp": 2}, "train": {**AT_THE_BOTTOM, "grad_accum_steps": 1}})
-    append(tmp_path, failure(Plan.of(cfg), asked=1_000))
+    append(tmp_path, failure(Adaptation.of(cfg), asked=1_000))
     plan, [event] = adapt(cfg, tmp_path, kept=None, world_size=6)
     assert (plan.strategy["sp"], plan.grad_accum_steps) == (6, 3), (plan, event)
     assert event["skipped"][0] == ("strategy.sp=3 refused: train.grad_accum_steps=1 x 3 / 2 is not whole "
@@ -83,7 +83,7 @@ def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_b
         return installed(name)
     monkeypatch.setattr(importlib.metadata, "version", version)
     cfg = to_config({"train": AT_THE_BOTTOM})
-    append(tmp_path, failure(Plan.of(cfg), asked=200_000))
+    append(tmp_path, failure(Adaptation.of(cfg), asked=200_000))
     plan, [event] = adapt(cfg, tmp_path, kept=None, world_size=2)
     assert plan.strategy["name"] == "fsdp" and event["skipped"] == [
         f"strategy={name} refused: strategy: strategy={name} needs DeepSpeed, which is not installed: "
@@ -92,7 +92,7 @@ def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_b
 
 def test_the_switchs_bytes_make_a_full_device_that_asks_for_what_the_rank_keeps_above_them(monkeypatch):
     held = {"params": 600, "grads": 10 ** 6, "optim": 1200, "peak": None}  # gradients come and go: not counted
-    watch = Watch(Plan(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)
+    watch = Watch(Adaptation(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)
     monkeypatch.setenv(TEST_SWITCH, "rank=1,bytes=1500,from_step=3")
     with pytest.raises(OutOfMemory) as caught:
         with watch.during("forward", 1):

@@ -84,8 +84,9 @@ def size(n: int | None) -> str:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What the restarts adapt, and how often they did."""
+class Adaptation:
+    """The adaptation record: the settings out-of-memory restarts adapt (kept in oom.jsonl and in the
+    checkpoint's trainer state), and how often they did. The planner's plan is trainer.plan's Plan."""
     micro_batch_size: int
     grad_accum_steps: int
     activation_checkpointing: bool
@@ -96,7 +97,7 @@ class Plan:
     strategy: dict | None = None
 
     @classmethod
-    def of(cls, cfg: Config) -> Plan:
+    def of(cls, cfg: Config) -> Adaptation:
         t = cfg.train
         return cls(t.micro_batch_size, t.grad_accum_steps, t.activation_checkpointing,
                    cfg.eval.micro_batch_size or t.micro_batch_size, fused_loss=t.fused_loss)
@@ -106,7 +107,7 @@ class Plan:
         strategy.sp, where no strategy rung says another) reads the same rows."""
         return self.micro_batch_size * self.grad_accum_steps / (self.strategy or {}).get("sp", sp)
 
-    def past(self, other: Plan, sp: int) -> bool:
+    def past(self, other: Adaptation, sp: int) -> bool:
         """Whether this plan has taken, from `other` of the same global batch, at least its steps (sp:
         the settings' strategy.sp)."""
         return self.rows(sp) == other.rows(sp) and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
@@ -137,7 +138,7 @@ def smaller(rows: int) -> int:
     return max(d for d in range(1, rows // 2 + 1) if rows % d == 0)
 
 
-def next_plan(plan: Plan, failure: dict, can_fuse: bool = False) -> Plan | None:
+def next_plan(plan: Adaptation, failure: dict, can_fuse: bool = False) -> Adaptation | None:
     """The plan after `plan` ran out of memory as `failure` says; None where nothing is left to adapt.
     can_fuse: whether the model takes the fused loss (logits that are its output layer's own)."""
     step = {"adaptations": plan.adaptations + 1}
@@ -189,7 +190,7 @@ class OutOfMemory(Exception):
 @dataclass
 class Watch:
     """Where this rank is, for the record of an out-of-memory there: the step, the plan, what runs."""
-    plan: Plan
+    plan: Adaptation
     rank: int
     device: torch.device
     step: int = 0
@@ -235,14 +236,14 @@ def when(failure: dict) -> str:
 
 def what_failed(failure: dict) -> str:
     """Which rank ran out of memory, where, at which micro-batch, asking for how much."""
-    plan, where = Plan(**failure["plan"]), failure["where"]
+    plan, where = Adaptation(**failure["plan"]), failure["where"]
     rows = f"eval.micro_batch_size={plan.eval_micro_batch_size}" if where == "evaluation" else \
         f"train.micro_batch_size={plan.micro_batch_size}"
     return (f"rank {failure['rank']} ran out of memory {when(failure)} at {rows}: it asked "
             f"for {size(failure['asked'])} with {size(failure['free'])} free")
 
 
-def adapted_plan(plan: Plan, failure: dict, cfg: Config) -> Plan | None:
+def adapted_plan(plan: Adaptation, failure: dict, cfg: Config) -> Adaptation | None:
     """next_plan for this run: whether it takes the fused loss is asked only where the ladder reaches it."""
     at_fused_rung = (failure["where"] != "evaluation" and plan.micro_batch_size == 1
                      and plan.activation_checkpointing and not plan.fused_loss)
@@ -253,13 +254,13 @@ def adaptation_left(failure: dict, cfg: Config) -> bool:
     """Whether a restart may adapt after `failure`: train.on_oom=adapt, and train.max_adaptations not
     used up by the plan that failed. The rank's line, the trainer's own launcher (which restarts the
     ranks for it) and the restart (training/adapt.py) all go by it."""
-    return cfg.train.on_oom is OnOom.adapt and Plan(**failure["plan"]).adaptations < cfg.train.max_adaptations
+    return cfg.train.on_oom is OnOom.adapt and Adaptation(**failure["plan"]).adaptations < cfg.train.max_adaptations
 
 
 def failure_line(failure: dict, cfg: Config, restart: bool) -> str:
     """The one line of a rank out of memory: what failed, and what the restart changes (restart:
     whether one comes for it) or what to change."""
-    plan = Plan(**failure["plan"])
+    plan = Adaptation(**failure["plan"])
     adapted = adapted_plan(plan, failure, cfg)
     if adapted is None and cfg.train.on_oom is OnOom.adapt and failure["where"] != "evaluation":
         change = "the next strategy that the planner says fits"

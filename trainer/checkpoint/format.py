@@ -89,7 +89,7 @@ class TrainerState:
     early_stop: dict | None = None  # steps.EarlyStop.state_dict()
     optim: dict | None = None  # lr, betas, eps, weight_decay: other formats' param groups (convert)
     val_loss: float | None = None  # at this step's evaluation, for checkpoint.keep_best
-    plan: dict | None = None  # train.on_oom=adapt: the plan in force (oom.Plan), None: the settings'
+    plan: dict | None = None  # train.on_oom=adapt: the plan in force (oom.Adaptation), None: the settings'
 
     @classmethod
     def from_dict(cls, saved: dict) -> TrainerState:

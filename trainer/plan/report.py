@@ -10,8 +10,7 @@ from pathlib import Path
 
 from trainer.config import Config
 from trainer.errors import ConfigError
-from trainer.oom import RECORDS, read_records, what_failed
-from trainer.oom import Plan as RunPlan
+from trainer.oom import RECORDS, Adaptation, read_records, what_failed
 from trainer.plan.cost import GB, Plan, make_plan, memory_budget
 
 
@@ -82,7 +81,7 @@ def after_out_of_memory(cfg: Config, run_dir: Path) -> tuple[Config, list[str]]:
         raise ConfigError(f"plan.run_dir: {run_dir} has no {RECORDS}: that run never ran out of memory")
     lines = [f"{run_dir}: {what_failed(r)}" for r in records if r["event"] == "out_of_memory"]
     if adapted := [r for r in records if r["event"] == "adapted"]:
-        plan = RunPlan(**adapted[-1]["plan"])
+        plan = Adaptation(**adapted[-1]["plan"])
         cfg = plan.applied(cfg)
         t, s = cfg.train, cfg.strategy
         strategy = (f" strategy={s.name.value} strategy.sp={s.sp} strategy.offload_optimizer="

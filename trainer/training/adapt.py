@@ -13,11 +13,11 @@ from pathlib import Path
 from trainer.checks import check_settings
 from trainer.config import Config
 from trainer.errors import RunError
-from trainer.oom import Plan, adapted_plan, append, changes, read_records, value, what_failed, when
+from trainer.oom import Adaptation, adapted_plan, append, changes, read_records, value, what_failed, when
 from trainer.plan.auto import strategy_rungs
 
 
-def strategy_rung(plan: Plan, failure: dict, cfg: Config, world_size: int) -> tuple[Plan | None, str, list[str]]:
+def strategy_rung(plan: Adaptation, failure: dict, cfg: Config, world_size: int) -> tuple[Adaptation | None, str, list[str]]:
     """The plan at the first strategy rung after `plan` that fits and passes the checks, and why it
     fits (None where none does); each rung refused by the checks, with the check's reason."""
     missing = None if failure["asked"] is None else failure["asked"] - (failure["free"] or 0)
@@ -40,21 +40,21 @@ def strategy_rung(plan: Plan, failure: dict, cfg: Config, world_size: int) -> tu
     return None, "", skipped
 
 
-def adapt(cfg: Config, run_dir: Path, kept: dict | None, world_size: int) -> tuple[Plan, list[dict]]:
+def adapt(cfg: Config, run_dir: Path, kept: dict | None, world_size: int) -> tuple[Adaptation, list[dict]]:
     """The plan this start runs: the settings', or the one kept in the checkpoint it resumes from,
     or the latest adapted in this run dir, whichever is furthest; then one step down the ladder for
     each failure since. The `adapted` events of the steps taken now (each appended to oom.jsonl
     too). Run on one rank (it reads and writes the run dir); a failure with nothing left to adapt,
     or past train.max_adaptations, is a RunError."""
     records = read_records(run_dir)
-    plan = Plan.of(cfg)
+    plan = Adaptation.of(cfg)
     last_adapted = max((i for i, r in enumerate(records) if r["event"] == "adapted"), default=-1)
     for candidate in [kept, records[last_adapted]["plan"] if last_adapted >= 0 else None]:
-        if candidate and Plan(**candidate).past(plan, cfg.strategy.sp):
-            plan = Plan(**candidate)
+        if candidate and Adaptation(**candidate).past(plan, cfg.strategy.sp):
+            plan = Adaptation(**candidate)
     events = []
     for failure in records[last_adapted + 1:]:
-        if Plan(**failure["plan"]) != plan:  # another rank's record of the same failure, or an older plan's
+        if Adaptation(**failure["plan"]) != plan:  # another rank's record of the same failure, or an older plan's
             continue
         adapted, fits, skipped = adapted_plan(plan, failure, cfg), "", []
         if adapted is None and failure["where"] != "evaluation":
