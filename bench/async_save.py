@@ -65,9 +65,10 @@ def measure(env, model: dict, strategy: str, root: str, saves: int, variants: li
 
     from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config
+    from trainer.losses.objectives import token_loss_sum
     from trainer.strategies import build_strategy
     from trainer.strategies.base import optimizer_step
-    from trainer.training.loop import setup_model, token_loss_sum
+    from trainer.training.setup import setup_model
 
     cfg = to_config({"strategy": {"name": strategy}, "model": model})
     s = build_strategy(cfg, env)

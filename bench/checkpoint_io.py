@@ -58,7 +58,7 @@ def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict
     from trainer.losses.objectives import token_loss_sum
     from trainer.strategies import build_strategy
     from trainer.strategies.base import optimizer_step
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     cfg = to_config({"strategy": {"name": strategy}, "model": model,
                      "checkpoint": {"dir": f"{root}/{strategy}", "keep_last": 0}})

@@ -84,7 +84,7 @@ def loading_memory(env, cfg_dict: dict) -> dict:
     from trainer.config import to_config
     from trainer.models import build_model
     from trainer.strategies import build_strategy
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     cfg = to_config(cfg_dict)
     strategy = build_strategy(cfg, env)

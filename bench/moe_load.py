@@ -51,7 +51,7 @@ def write_checkpoint(out: Path, layers: int) -> int:
 def trainer_rank(env, strategy_name: str, path: str, ep: int = 1) -> dict:
     from trainer.config import to_config
     from trainer.strategies import build_strategy
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     cfg = to_config({"strategy": {"name": strategy_name, "ep": ep}, "data": {"name": "synthetic"},
                      "model": {"name": "hf", "kind": "hf", "path": path, "seq_len": 256, "vocab_size": 32000}})

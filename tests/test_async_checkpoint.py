@@ -163,7 +163,7 @@ def test_the_host_copy_is_counted_by_the_planner_and_said_on_the_start_line():
     from trainer.memory import async_save_bytes
     from trainer.models import model_facts
     from trainer.plan import make_plan
-    from trainer.training.loop import save_words
+    from trainer.training.report import save_words
 
     def plan(**checkpoint):
         return make_plan(to_config({"model": {"name": "small"}, "checkpoint": checkpoint}), 4, 80 * 10 ** 9)

@@ -17,7 +17,7 @@ GRADIENT_COLLECTIVES = ("allreduce", "reduce_scatter", "reduce_")
 def build(env, overrides: dict):
     from trainer.distributed import seed_everything
     from trainer.strategies import build_strategy
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     cfg = to_config(overrides)
     seed_everything(0)

@@ -389,7 +389,7 @@ def frozen_reference_facts(env) -> dict:
     from trainer.losses.objectives import Reference, sequence_logps
     from trainer.strategies import build_strategy
     from trainer.training.dpo_reference import frozen_copy
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     model = {"name": "custom", "kind": "custom", "_target_": "tests.test_dpo.dropping_lm", "seq_len": 16,
              "vocab_size": 64}

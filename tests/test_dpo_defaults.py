@@ -9,7 +9,7 @@ import torch
 
 import trainer.__main__  # noqa: F401  (registers the schema Hydra composes against)
 from trainer.config import CONFIG_MODULE, to_config
-from trainer.training.loop import describe
+from trainer.training.report import describe
 
 
 def composed(*overrides: str):

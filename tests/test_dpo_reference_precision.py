@@ -15,7 +15,7 @@ def start_logps(env, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     from trainer.losses.objectives import Reference, sequence_logps
     from trainer.strategies import build_strategy
     from trainer.training.dpo_reference import frozen_copy
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     cfg = to_config(with_overrides(case("ddp"), train__precision=precision))
     seed_everything(0)

@@ -31,7 +31,7 @@ def optimizer_groups(*overrides: str) -> list[dict]:
     from contextlib import nullcontext
 
     from trainer.models import build_model
-    from trainer.training.loop import adamw_factory
+    from trainer.training.setup import adamw_factory
 
     cfg = compose(*overrides)
     model = build_model(cfg.model, nullcontext(), cfg.peft)

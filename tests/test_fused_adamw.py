@@ -3,7 +3,7 @@ of ~12 DTensor ops per parameter cost ~7x its step (docs/benchmarks.md, against 
 import torch
 
 from trainer.config import to_config
-from trainer.training.loop import adamw_factory
+from trainer.training.setup import adamw_factory
 
 
 def test_adamw_is_fused_and_steps_as_the_loop_does():

@@ -151,7 +151,7 @@ def output_weight_after_forward(env, cfg: dict) -> dict:
     from trainer.config import to_config
     from trainer.models.fused_loss import the_output_layer
     from trainer.strategies import build_strategy
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     config = to_config(cfg)
     strategy = build_strategy(config, env)
@@ -315,7 +315,7 @@ def test_the_start_line_says_when_the_fused_loss_is_on():
     from types import SimpleNamespace
 
     from trainer.config import to_config
-    from trainer.training.loop import describe
+    from trainer.training.report import describe
 
     strategy = SimpleNamespace(layout=SimpleNamespace(dp_size=1), start_words=lambda: [], offloaded=lambda: [])
     env, facts = SimpleNamespace(world_size=1, device="cpu"), SimpleNamespace(params=1, active=1)

@@ -172,7 +172,7 @@ def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
     from trainer.layout import Degrees, Layout
     from trainer.models import model_facts
     from trainer.models.active_params import short_count
-    from trainer.training.loop import describe
+    from trainer.training.report import describe
 
     class Env:
         world_size, device = 1, torch.device("cpu")

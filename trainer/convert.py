@@ -42,7 +42,7 @@ def zero1_holding(step_dir: Path, model: dict) -> Iterator[Strategy]:
     from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config
     from trainer.strategies import build_strategy
-    from trainer.training.loop import setup_model
+    from trainer.training.setup import setup_model
 
     cfg = to_config({"strategy": {"name": "zero1"}, "model": model, "train": {"micro_batch_size": 1}})
     env = distributed.init()

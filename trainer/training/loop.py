@@ -16,18 +16,14 @@ from trainer.checkpoint.format import TrainerState, read_manifest
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
 from trainer.checks import check_validation_rows
-from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftName, Precision
+from trainer.config import Config
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.errors import RunError
 from trainer.log import log, setup_logging
 from trainer.losses.objectives import NextToken, Objective, record, target_count
 from trainer.losses.router_loss import AUX, language_loss, router_logits, start_words, with_router_loss
-from trainer.memory import async_save_bytes
-from trainer.models import ModelFacts, description, initial_weights, model_facts
-from trainer.models.active_params import short_count
-from trainer.models.blocks import apply_checkpointing, find_blocks
-from trainer.models.checks import build_as_trained
+from trainer.models import description, model_facts
 from trainer.models.weights import WeightSource
 from trainer.oom import Watch, size
 from trainer.saved_bytes import SavedBytes
@@ -36,44 +32,12 @@ from trainer.training.adapt import adapt
 from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
+from trainer.training.report import describe, export_hint
 from trainer.training.resume_notes import resume_notes
 from trainer.training.schedule import lr_at
 from trainer.training.sequence_shares import share
+from trainer.training.setup import setup_model
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
-
-
-def adamw_factory(o: OptimConfig, fused: bool = True):
-    """AdamW with weight decay on matrices only (nanoGPT's split), over the trainable parameters
-    and their full shapes, as the strategy gives them (frozen ones, LoRA's base, get no state).
-    `fused`: one kernel for every parameter in place of ~12 ops each; under FSDP2 each op on a
-    DTensor also pays its dispatch (30M Llama, 2 CPU ranks: 1.10 s a step -> 0.15 s). HF Trainer's
-    default optim since torch 2.8 too. DeepSpeed steps its flat partitions with it."""
-    def build(params: list[tuple[nn.Parameter, tuple[int, ...]]]) -> torch.optim.Optimizer:
-        groups = [{"params": [p for p, shape in params if len(shape) >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p, shape in params if len(shape) < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
-    return build
-
-
-def setup_model(cfg: Config, strategy: Strategy) -> tuple[nn.Module, torch.optim.Optimizer, list[nn.Module],
-                                                         WeightSource]:
-    """Build the model where the strategy wants it (with LoRA adapters for peft=lora), find its
-    blocks, wrap them for activation checkpointing, compile them, then let the strategy shard it
-    and give each rank its part of the first weights (AC -> compile -> setup, as torchtitan).
-    Returns (model, optimizer, blocks, where the weights came from)."""
-    model = build_as_trained(cfg, strategy.model_init_context(), cfg.peft)
-    blocks = find_blocks(model, cfg.strategy.wrap)
-    weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft, strategy.full_shape)
-    if cfg.train.activation_checkpointing:
-        apply_checkpointing(model, blocks)
-    if cfg.train.compile:  # regional: each block compiled in place (names unchanged), before sharding
-        for block in blocks:
-            block.compile()
-    # fp16: FSDP2's sharded grad scaler hands the fused step a found_inf of shape [1] against its
-    # step count's [] (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]")
-    fused = cfg.train.precision is not Precision.fp16
-    model, optimizer = strategy.setup(model, adamw_factory(cfg.optim, fused), weights)
-    return model, optimizer, blocks, weights
 
 
 def input_count(targets: torch.Tensor) -> torch.Tensor:
@@ -100,43 +64,6 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
     model.train()
     strategy.all_reduce(totals)
     return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
-
-
-def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, facts: ModelFacts) -> str:
-    """What will run, resolved: the start line; `facts`: the model's (`model_facts`)."""
-    s, t = cfg.strategy, cfg.train
-    dp = strategy.layout.dp_size
-    global_batch = t.micro_batch_size * t.grad_accum_steps * dp
-    ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
-    sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
-    ep = [f"ep={s.ep}: 1/{s.ep} of each MoE layer's experts per rank, tokens sent to them"] if s.ep > 1 else []
-    attention = [f"attn_implementation={cfg.model.attn_implementation}"] if cfg.model.kind == ModelKind.hf else []
-    o = cfg.objective
-    dpo = [f"objective=dpo beta={o.beta:g} loss={o.loss.value}" + ("" if o.disable_dropout else " dropout=kept")] \
-        if o.name is ObjectiveName.dpo else []
-    # a mixture of experts: all its parameters, and those a token uses
-    active = f" ({short_count(facts.params)} parameters, {short_count(facts.active)} active)" \
-        if facts.active < facts.params else ""
-    return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}{active}",
-                     *attention,
-                     f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(), *dpo,
-                     # peft=lora and objective=dpo bring their own (conf/peft/lora.yaml, conf/objective/dpo.yaml):
-                     # said, so nobody trains at a rate they did not expect
-                     f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
-                     f"offload={'+'.join(strategy.offloaded()) or 'none'}", *save_words(cfg, facts, env.world_size),
-                     f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
-                     *(["fused_loss=on"] if t.fused_loss else []),
-                     f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
-                     f"{ranks}) seq_len={cfg.model.seq_len}", *sp, *ep])
-
-
-def save_words(cfg: Config, facts: ModelFacts, world_size: int) -> list[str]:
-    """checkpoint.async, with the host memory its copy of the state holds on each rank."""
-    if not (cfg.checkpoint.async_ and cfg.checkpoint.dir):
-        return []
-    held = async_save_bytes(facts.trainable, facts.params - facts.trainable, world_size,
-                            frozen_saved=cfg.model.path is None)
-    return [f"checkpoint.async=on (+{size(held)} host memory a rank)"]
 
 
 def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
@@ -388,17 +315,6 @@ class Run:
                  + (f"; saved {self.saved} ({export_hint(self.cfg)})" if self.saved else "")
                  + f"; run dir: {self.run_dir}")
         return summary
-
-
-def export_hint(cfg: Config) -> str:
-    """The command that turns the run's checkpoint into weights for inference, and what it writes."""
-    command = f"python -m trainer.export {cfg.checkpoint.dir}"
-    if PeftName(cfg.peft.name) is PeftName.lora:
-        merged = "; with --merge, the merged model" if ModelKind(cfg.model.kind) is ModelKind.hf else ""
-        return f"{command} OUT_DIR writes the LoRA adapters as a PEFT folder{merged}"
-    if ModelKind(cfg.model.kind) is ModelKind.hf:
-        return f"{command} OUT_DIR writes a Hugging Face folder"
-    return f"{command} OUT.safetensors writes the weights"
 
 
 def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
