@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import Config, DataName, ModelKind, SourceConfig, SourceKind, TokenDtype, TrainOn
+from trainer.config import Config, DataConfig, DataName, ModelKind, SourceConfig, SourceKind, TokenDtype, TrainOn
 from trainer.data.chat import Conversations
 from trainer.data.preference import PreferencePairs
 from trainer.data.sources import Tokens, synthetic_tokens, text_tokens, token_file
@@ -29,10 +29,10 @@ class SourceSpec:
     at: str
     path: str | None
     val_path: str | None
-    dtype: TokenDtype = TokenDtype.uint16
-    text_field: str = "text"
-    train_on: TrainOn = TrainOn.assistant
-    chat_template: str | None = None
+    dtype: TokenDtype
+    text_field: str
+    train_on: TrainOn
+    chat_template: str | None
     in_mixture: bool = False  # its messages name its kind (kind=text)
 
     @property
@@ -47,15 +47,16 @@ class SourceSpec:
 def the_source(cfg: Config) -> SourceSpec:
     """data=<kind>'s one source (not data=mixture's)."""
     d = cfg.data
-    return SourceSpec(DataName(d.name), "data", d.path, d.val_path, TokenDtype(d.dtype), d.text_field, TrainOn(d.train_on),
-                  d.chat_template)
+    return SourceSpec(DataName(d.name), "data", d.path, d.val_path, TokenDtype(d.dtype), d.text_field,
+                      TrainOn(d.train_on), d.chat_template)
 
 
 def mixture_source(s: SourceConfig, i: int) -> SourceSpec:
-    """Source i of data=mixture: its own keys, else its kind's defaults."""
+    """Source i of data=mixture: its own keys, else its kind's defaults (data=<kind>'s)."""
+    defaults = DataConfig()
     return SourceSpec(DataName(SourceKind(s.kind).value), f"data.sources[{i}]", s.path, s.val_path,
-                  TokenDtype(s.dtype or TokenDtype.uint16), s.text_field or "text", TrainOn(s.train_on or TrainOn.assistant),
-                  s.chat_template, in_mixture=True)
+                      TokenDtype(s.dtype or defaults.dtype), s.text_field or defaults.text_field,
+                      TrainOn(s.train_on or defaults.train_on), s.chat_template, in_mixture=True)
 
 
 def run_tokenizer(cfg: Config) -> str | None:
