@@ -1,6 +1,7 @@
-"""The data layer: token sources (`data=text|synthetic|tokens|hf|chat`), rows cut from them
-(packed windows, padded documents, or whole documents packed with position ids), the held-out
-split, and the stream that owns `set_epoch`."""
+"""The data layer: every `data=` kind is a source, read the one way (trainer/data/read.py); the
+rows cut from data=text|synthetic|tokens|hf|chat|preference's one source (packed windows, padded
+documents, whole documents or pairs packed with position ids) and its held-out split, here; those
+drawn from data=mixture's several, in trainer/data/mixture.py; and the stream that owns `set_epoch`."""
 from __future__ import annotations
 
 from dataclasses import asdict
