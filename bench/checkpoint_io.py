@@ -55,9 +55,10 @@ def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict
     from trainer.checkpoint.format import read_manifest, verify_step_dir
     from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config
+    from trainer.losses.objectives import token_loss_sum
     from trainer.strategies import build_strategy
     from trainer.strategies.base import optimizer_step
-    from trainer.training.loop import setup_model, token_loss_sum
+    from trainer.training.loop import setup_model
 
     cfg = to_config({"strategy": {"name": strategy}, "model": model,
                      "checkpoint": {"dir": f"{root}/{strategy}", "keep_last": 0}})

@@ -24,7 +24,7 @@ def test_default_run_learns_and_says_where_metrics_went(tmp_path):
 
 
 # DDP; fsdp, zero1 and zero3 run with nproc=2 from the CLI in test_faults.py, test_first_hour.py
-# and test_see_and_speed.py (the console of a zero3 run).
+# and test_console_lines.py (the console of a zero3 run).
 def test_nproc_2_spawns_two_ranks(tmp_path):
     result = run_cli("strategy=ddp", "nproc=2", "train.max_steps=4", "train.log_every=2", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -283,7 +283,7 @@ def test_a_lora_step_dir_converted_to_hf_is_what_export_writes(lora_run, tmp_pat
 def test_buffers_come_through_conversion_to_trainer(tmp_path):
     """The toy model's running statistics (a float mean, an int64 count) are in the converted step
     dir with their values and dtypes."""
-    from tests.test_every_weight import buffers_at, toy_case
+    from tests.test_resume_state import buffers_at, toy_case
     from trainer.checkpoint.convert import convert as convert_in_process
 
     on_ranks(1, train_cases, {"toy": saving(toy_case("ddp", 1), tmp_path / "ckpt", 6)}, str(tmp_path))

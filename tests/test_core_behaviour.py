@@ -28,8 +28,8 @@ def build(env, overrides: dict):
 
 def loss_of(model, x):
     """The trainer's loss of next-token targets x[1:] (the loop's normalisation, one micro-batch)."""
+    from trainer.losses.objectives import token_loss_sum
     from trainer.models import logits_of
-    from trainer.training.loop import token_loss_sum
 
     return token_loss_sum(logits_of(model(x[:, :-1])), x[:, 1:]) / x[:, 1:].numel()
 
@@ -191,7 +191,7 @@ def set_up(env, cases: dict[str, dict]) -> dict[str, dict]:
         strategy, model, blocks = build(env, cfg)
         seen = {"compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
                 "loss_scale": strategy.loss_scale_state() is not None}
-        if not to_config(cfg).train.compile:  # compiling takes a minute here: test_see_and_speed's runs do
+        if not to_config(cfg).train.compile:  # compiling takes a minute here: test_compile.py's runs do
             linears, dtypes = [m for m in strategy.module.modules() if isinstance(m, torch.nn.Linear)], set()
             hooks = [m.register_forward_hook(lambda m, args, y, dtypes=dtypes: dtypes.add((args[0].dtype, m.weight.dtype, y.dtype)))
                      for m in linears]

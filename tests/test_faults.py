@@ -1,5 +1,7 @@
 """Faults injected into real runs (a signal, a NaN, a save that fails, a
-damaged manifest), the outcome checked on disk and in metrics.jsonl."""
+damaged manifest), the outcome checked on disk and in metrics.jsonl. A stop signal saves and exits
+with its code (ctrl-c as SIGTERM does), at any point of a step: at the last step the run ends as
+planned, during an evaluation and save it stops right after them."""
 from __future__ import annotations
 
 import json
@@ -506,3 +508,39 @@ def test_a_rank_killed_after_keep_last_pruned_the_named_checkpoint_restarts_from
     assert not named.exists() and not list(ckpt.glob("superseded-*"))  # no newer work set aside
     assert_resumes(records(run_dir)[-(STEPS - resumed_at):], reference, at=resumed_at)  # bitwise
     assert events(run_dir)[-1]["event"] == "end"
+
+
+TOY_CLI = ("model=custom", "model._target_=tests.toys.build", "strategy.wrap=[ToyBlock]", "data=synthetic",
+           "data.num_samples=256", "model.seq_len=32", "data.num_workers=0", "train.log_every=1")
+
+
+def event_lines(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" in r]
+
+
+def test_ctrl_c_saves_and_exits_130_like_sigterm(tmp_path):
+    result = run_cli(*TOY_CLI, "+model.signal=SIGINT", "+model.signal_at_step=3", "train.max_steps=8",
+                     f"checkpoint.dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr[-3000:]
+    assert event_lines(tmp_path / "run")[-1] == {"event": "preempted", "step": 3, "signal": "SIGINT",
+                                                 "checkpoint": str(tmp_path / "ckpt" / "step_00000003")}
+
+
+@pytest.mark.slow
+def test_a_signal_at_the_last_step_ends_the_run_as_planned(tmp_path):
+    result = run_cli(*TOY_CLI, "+model.signal_at_step=4", "train.max_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [e["event"] for e in event_lines(tmp_path / "run")] == ["end"]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_evaluation_and_save_stops_right_after_them(tmp_path):
+    result = run_cli(*TOY_CLI, "+model.signal_in_eval=true", "data.val_fraction=0.25", "eval.every_steps=2",
+                     "eval.max_batches=1", "train.max_steps=8", "checkpoint.every_steps=2",
+                     f"checkpoint.dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert event_lines(tmp_path / "run")[-1]["step"] == 2  # no extra step ...
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".writer.lock", "latest", "step_00000002"]  # ... nor save

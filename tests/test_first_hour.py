@@ -144,28 +144,6 @@ def test_the_launch_script_uses_the_active_environments_torchrun(tmp_path):
     assert [r["step"] for r in records(tmp_path)] == [2, 4]
 
 
-@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
-def test_every_schedule_warms_up_then_ends_where_it_should(schedule):
-    from trainer.config import OptimConfig
-    from trainer.training.schedule import lr_at
-
-    o = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule=schedule, decay_fraction=0.25)
-    lrs = [lr_at(step, 20, o) for step in range(24)]
-    assert lrs[:2] == [0.5, 1.0]
-    if schedule == "constant":
-        assert set(lrs[2:]) == {1.0}
-        return
-    assert lrs[19] == pytest.approx(0.1) and lrs[23] == pytest.approx(0.1)  # the end, then held
-    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))  # never rises after the warmup
-    if schedule == "wsd":  # stable until the last quarter (5 steps) of the 20, then linear
-        assert lrs[:15] == [0.5] + [1.0] * 14 and lrs[15] < 1.0
-        assert lrs[17] - lrs[18] == pytest.approx(lrs[18] - lrs[19])
-    if schedule == "linear":
-        assert lrs[10] - lrs[11] == pytest.approx(lrs[11] - lrs[12])
-    shorter = OptimConfig(**{**vars(o), "schedule_steps": 10})  # optim.schedule_steps: its own end
-    assert lr_at(9, 20, shorter) == pytest.approx(0.1) and lr_at(15, 20, shorter) == pytest.approx(0.1)
-
-
 def test_a_resume_says_what_it_changes(checkpointed, tmp_path):
     """From step 3 of a 6-step, batch-8 run saved with checkpoint.dir: batch 16, 8 steps, no
     checkpoint.dir, a new run dir."""

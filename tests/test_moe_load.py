@@ -54,7 +54,7 @@ def transformers_start(cfg: dict, path: Path, ranks: int) -> tuple[dict, float]:
     from transformers import AutoModelForCausalLM
 
     from trainer.data import BatchStream, load_data
-    from trainer.training.loop import token_loss_sum
+    from trainer.losses.objectives import token_loss_sum
 
     typed = to_config(cfg)
     train_set, _ = load_data(typed, local_rank=0)

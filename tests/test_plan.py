@@ -1,15 +1,18 @@
-"""The memory planner against the textbook, the real model, the runtime, and strategy=auto."""
+"""The memory planner against the textbook, the real model, the runtime, and strategy=auto; the
+planner's traffic (the bytes each collective carries per step) against what the collectives carry."""
 from __future__ import annotations
 
 import json
 import sys
 
 import pytest
+import torch
 
-from tests.harness import case, on_ranks, records, run_cli, train_cases
-from trainer.config import to_config
+from tests.harness import CollectiveBytes, case, on_ranks, records, run_cli, train_cases
+from trainer.config import GradReduce, Precision, StrategyName, to_config
 from trainer.demo import VOCAB, make_model_dir
 from trainer.plan import count_params, make_plan
+from trainer.strategies.base import optimizer_step
 
 GB = 1e9
 
@@ -256,3 +259,52 @@ def test_strategy_auto_chooses_expert_parallelism_where_it_is_the_fastest_fit(tm
     without = next(o for o in plan.options if (o.name, o.ep, o.activation_checkpointing) == ("fsdp", 1, False))
     assert ep4.comm_bytes["expert_all_to_all"] > 0 == without.comm_bytes["expert_all_to_all"]
     assert ep4.comm_bytes["all_gather"] < without.comm_bytes["all_gather"] and ep4.step_s < without.step_s
+
+
+TRAFFIC_CASES = [(s, 1, "step") for s in STRATEGIES] + [
+    (s, 4, mode) for s in ("ddp", "fsdp", "zero2", "zero3") for mode in ("step", "micro_step")]
+
+
+def traffic_case(strategy: str, accum: int, mode: str) -> dict:
+    return case(strategy, train__grad_accum_steps=accum, strategy__grad_reduce=mode)
+
+
+def traffic_per_step(env) -> dict:
+    """For each case, the collectives' payload in its second step (the first sets things up)."""
+    from tests.test_core_behaviour import build, loss_of
+
+    out = {}
+    for strategy_name, accum, mode in TRAFFIC_CASES:
+        strategy, model, _ = build(env, traffic_case(strategy_name, accum, mode))
+        x = torch.randint(0, 256, (2 * accum, 65), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            counter = CollectiveBytes()
+            with counter:
+                for i, part in enumerate(x.chunk(accum)):
+                    with strategy.micro_step(final=i == accum - 1):
+                        strategy.backward(loss_of(model, part) / accum)
+                optimizer_step(strategy, 1.0)
+        strategy.teardown()
+        out[(strategy_name, accum, mode)] = counter.bytes
+    return out
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    return on_ranks(2, traffic_per_step)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,accum,mode", TRAFFIC_CASES)
+def test_the_planned_traffic_is_what_the_collectives_carry(traffic, strategy, accum, mode):
+    from trainer.models import model_facts
+    from trainer.plan import step_traffic
+    from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
+
+    measured = traffic[(strategy, accum, mode)]
+    facts = model_facts(to_config(traffic_case(strategy, accum, mode)).model, None)
+    planned = step_traffic(StrategyName(strategy), facts.params, facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), 2, Precision.fp32, accum,
+                           GradReduce(mode), offload=False)
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        # a few bytes more: DeepSpeed's overflow and norm scalars
+        assert measured[kind] == pytest.approx(planned[kind], rel=0.02, abs=64), (kind, measured, planned)

@@ -1,8 +1,11 @@
 """The step in explicit parts (docs/design.md: The Strategy, Faults): the norm, every rank's verdict, then the update or the
-skip, on every backend; an fp16 loss scaler's overflows are its own skips, counted apart."""
+skip, on every backend; an fp16 loss scaler's overflows are its own skips, counted apart. A step skipped for an infinite
+loss, or for NaN gradients under bf16 (DeepSpeed's own overflow check off), is skipped alike on every backend: the
+steps after it agree."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -83,3 +86,43 @@ def test_fp16_scale_overflows_are_skipped_apart_and_never_count_as_bad_steps(tmp
         manifest = json.loads((tmp_path / name / "ckpt" / "step_00000006" / "manifest.json").read_text())
         assert manifest["trainer"]["loss_scale"]["scale"] == scales[5] and manifest["trainer"]["scale_skips"] == 3
         assert saved_step(tmp_path / name / "ckpt", 6) == 2, name  # steps 1 and 6 updated
+
+
+def skip_case(strategy: str, **overrides) -> dict:
+    """The toy model with a fault on rank 1 at step 3, 5 steps, synthetic data."""
+    cfg = with_overrides(case(strategy, steps=5), data__name="synthetic", data__num_samples=256,
+                         strategy__wrap=["ToyBlock"], **overrides)
+    cfg["model"] = {"name": "faulty", "kind": "custom", "_target_": "tests.faulty.build", "vocab": 64, "dim": 16,
+                    "layers": 2, "rank": 1, "vocab_size": 64, "seq_len": 32}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def skipped_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("skips")
+    no_check = root / "ds_no_overflow_check.json"
+    no_check.write_text(json.dumps({"bf16": {"check_grad_overflow": False}}))
+    configs = {f"inf:{s}": skip_case(s) for s in ("ddp", "fsdp", "zero2", "zero3")}
+    for name in configs:  # an infinite loss with finite gradients
+        configs[name]["model"]["inf_steps"] = [3]
+    configs.update({f"nan-bf16:{s}": skip_case(s, train__precision="bf16", **(
+        {"strategy__deepspeed_config": str(no_check)} if s.startswith("zero") else {}))
+        for s in ("ddp", "fsdp", "zero2", "zero3")})
+    for name in configs:
+        if name.startswith("nan"):  # NaN gradients, and a ds_config whose own check is off
+            configs[name]["model"]["nan_steps"] = [3]
+    on_ranks(2, train_cases, configs, str(root))
+    return {name: records(root / name) for name in configs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["inf", "nan-bf16"])
+def test_a_skipped_step_is_skipped_on_every_backend(skipped_runs, fault):
+    runs = {name.split(":")[1]: rows for name, rows in skipped_runs.items() if name.startswith(fault)}
+    for strategy, rows in runs.items():
+        assert [r["skipped"] for r in rows] == [0, 0, 1, 1, 1], strategy
+        assert all(math.isfinite(r["loss"]) for r in rows[3:]), strategy
+    # Skipped alike: the steps after it agree across backends (bf16: as closely as bf16 runs agree).
+    rel = 2e-6 if fault == "inf" else 2e-2
+    for strategy, rows in runs.items():
+        assert [r["loss"] for r in rows[3:]] == pytest.approx([r["loss"] for r in runs["ddp"][3:]], rel=rel), strategy

@@ -168,9 +168,9 @@ def test_a_mean_per_micro_batch_would_be_measurably_different(normalisation):
     """On the same first step, the 2024 accumulation bug (mean per micro-batch, then averaged)
     gives another loss than the trainer logs; the parity above can therefore fail."""
     from trainer.data import BatchStream, load_data
+    from trainer.losses.objectives import token_loss_sum
     from trainer.models.builtin import Transformer, shape_of
     from trainer.models.weights import InitWeights, fill
-    from trainer.training.loop import token_loss_sum
 
     out, cfgs = normalisation
     cfg = to_config(cfgs["4x2"])

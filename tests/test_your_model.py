@@ -230,7 +230,7 @@ def first_batch_loss_of_the_hf_model(cfg: dict, model_dir: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     from trainer.data import BatchStream, load_data
-    from trainer.training.loop import token_loss_sum
+    from trainer.losses.objectives import token_loss_sum
 
     typed = to_config(cfg)
     train_set, _ = load_data(typed, local_rank=0)

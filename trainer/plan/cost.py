@@ -85,7 +85,7 @@ def step_traffic(strategy: StrategyName, n_params: int, small_params: int, world
                  reduce_dtype: ReduceDtype = ReduceDtype.fp32, frozen_params: int = 0) -> dict[str, int]:
     """Payload bytes of the collectives one rank joins per optimizer step (a tensor's full size per
     all-reduce, reduce-scatter or all-gather), and bytes copied between host and device for
-    offload, as our backends do it (measured on gloo in tests/test_see_and_speed.py):
+    offload, as our backends do it (measured on gloo in tests/test_plan.py):
     - DDP all-reduces gradients; FSDP2 all-gathers parameters in the training dtype for
       forward and backward of every micro-step and reduce-scatters gradients;
     - DeepSpeed ZeRO-1/2 all-reduce gradients and all-gather updated parameters once a step;

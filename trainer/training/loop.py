@@ -20,7 +20,7 @@ from trainer.config import Config, ModelKind, ObjectiveName, OptimConfig, PeftNa
 from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.log import log, setup_logging
-from trainer.losses.objectives import NextToken, Objective, forward, record, target_count, token_loss_sum  # noqa: F401
+from trainer.losses.objectives import NextToken, Objective, record, target_count
 from trainer.losses.router_loss import AUX, language_loss, router_logits, start_words, with_router_loss
 from trainer.models import ModelFacts, description, initial_weights, model_facts
 from trainer.models.active_params import short_count
