@@ -14,7 +14,7 @@ from trainer.data.mixture import load_mixture
 from trainer.data.mixture_checks import check_mixture_data
 from trainer.data.mixture_sources import fingerprint as sources_fingerprint
 from trainer.data.preference import PairRows, split_pairs
-from trainer.data.read import check_tokenized, prepare, read, run_tokenizer, the_source, tokenized
+from trainer.data.read import check_tokenized, prepare, read_tokens, run_tokenizer, the_source, token_cache
 from trainer.data.sources import IGNORE_INDEX, DocumentRows, Documents, PackedDocuments, Tokens, TokenWindows
 from trainer.data.stream import BatchStream, eval_batches
 from trainer.log import log
@@ -46,7 +46,7 @@ def token_keys(cfg: Config) -> dict[str, str]:
     source = the_source(cfg)
     if not source.tokenized:  # data=mixture's sources are in data.sources
         return {}
-    return {key: tokenized(cfg, source, path, key).dir.name for path, key in source.files()}
+    return {key: token_cache(cfg, source, path, key).dir.name for path, key in source.files()}
 
 
 def check_data(cfg: Config, world_size: int) -> None:
@@ -77,8 +77,8 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
         return load_mixture(cfg, local_rank)
     source = the_source(cfg)
     prepare(cfg, [source], local_rank)
-    train, pad_id = read(cfg, source, d.path, "data.path")
-    val = read(cfg, source, d.val_path, "data.val_path")[0] if d.val_path else None
+    train, pad_id = read_tokens(cfg, source, d.path, "data.path")
+    val = read_tokens(cfg, source, d.val_path, "data.val_path")[0] if d.val_path else None
     preference = DataName(d.name) is DataName.preference
     if d.val_fraction:
         train, val = split_pairs(train, d.val_fraction) if preference else train.split(d.val_fraction)

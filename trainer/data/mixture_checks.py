@@ -20,7 +20,7 @@ from trainer.config import (
     WeightsBy,
 )
 from trainer.data.mixture_sources import source_names, sources_on, windows
-from trainer.data.read import check_tokenized, read, run_tokenizer
+from trainer.data.read import check_tokenized, read_tokens, run_tokenizer
 from trainer.data.tokenized import open_dataset
 from trainer.errors import ConfigError
 from trainer.models.checks import check_packing
@@ -156,7 +156,7 @@ def check_mixture_data(cfg: Config) -> None:
                 entry = check_tokenized(cfg, source, path, key)
                 if not entry.ready and len(open_dataset(entry.path, key, entry.cache_root)) == 0:
                     raise ConfigError(f"{key}: {path} has no rows: a source with no documents")
-            elif not len(windows(len(read(cfg, source, path, key)[0].ids), cfg.model.seq_len)):
+            elif not len(windows(len(read_tokens(cfg, source, path, key)[0].ids), cfg.model.seq_len)):
                 raise ConfigError(f"{key}: {path or 'the bundled text'} holds fewer than model.seq_len + 1 = "
                                   f"{cfg.model.seq_len + 1} tokens: a source with no documents")
     if cfg.data.packing and ModelKind(cfg.model.kind) is not ModelKind.reference:

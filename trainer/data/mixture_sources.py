@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.config import Config, LongDocuments, SourceConfig, SourceKind
-from trainer.data.read import SourceSpec, mixture_source, prepare, read
+from trainer.data.read import SourceSpec, mixture_source, prepare, read_tokens
 from trainer.data.sources import (
     Documents,
     PackedDocuments,
@@ -104,8 +104,8 @@ def load_sources(cfg: Config, local_rank: int) -> list[Source]:
             log.info(f"data source {name} ({kind.value}): weight 0, off (not read)")
             continue
         spec = mixture_source(s, i)
-        tokens, pad_id = read(cfg, spec, s.path, f"{key}.path")
-        val = read(cfg, spec, s.val_path, f"{key}.val_path")[0] if s.val_path else None
+        tokens, pad_id = read_tokens(cfg, spec, s.path, f"{key}.path")
+        val = read_tokens(cfg, spec, s.val_path, f"{key}.val_path")[0] if s.val_path else None
         if d.val_fraction:
             tokens, val = tokens.split(d.val_fraction)
         rule = long_documents(s, d.drop_long) if spec.tokenized else None

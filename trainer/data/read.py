@@ -65,7 +65,7 @@ def run_tokenizer(cfg: Config) -> str | None:
     return d.tokenizer or (m.path if ModelKind(m.kind) is ModelKind.hf else None)
 
 
-def tokenized(cfg: Config, source: SourceSpec, path: str | None, key: str) -> TokenizedText:
+def token_cache(cfg: Config, source: SourceSpec, path: str | None, key: str) -> TokenizedText:
     """The token cache entry of one file of a source read with `datasets`."""
     d, tokenizer = cfg.data, run_tokenizer(cfg)
     encoding = Conversations(source.train_on, source.chat_template) if source.kind is DataName.chat \
@@ -81,16 +81,16 @@ def prepare(cfg: Config, sources: list[SourceSpec], local_rank: int) -> None:
     for source in sources:
         if source.tokenized:
             for path, key in source.files():
-                entry = tokenized(cfg, source, path, key)
+                entry = token_cache(cfg, source, path, key)
                 entry.prepare() if local_rank == 0 else entry.wait()
 
 
-def read(cfg: Config, source: SourceSpec, path: str | None, key: str) -> tuple[Tokens, int]:
+def read_tokens(cfg: Config, source: SourceSpec, path: str | None, key: str) -> tuple[Tokens, int]:
     """The tokens of one file of a source (tokenised ones from the cache, which `prepare` filled)
     and the id that pads its unpacked rows."""
     m = cfg.model
     if source.tokenized:
-        return tokenized(cfg, source, path, key).tokens()
+        return token_cache(cfg, source, path, key).tokens()
     if source.kind is DataName.tokens:
         return token_file(path, source.dtype.value, key), 0
     if source.kind is DataName.synthetic:
@@ -106,6 +106,6 @@ def read(cfg: Config, source: SourceSpec, path: str | None, key: str) -> tuple[T
 def check_tokenized(cfg: Config, source: SourceSpec, path: str | None, key: str) -> TokenizedText:
     """Before any rank starts, one file of a tokenised source: the tokenizer fits the model's
     vocabulary, the encoding reads the columns and the first rows. Its entry, checked."""
-    entry = tokenized(cfg, source, path, key)
+    entry = token_cache(cfg, source, path, key)
     entry.check(cfg.model.vocab_size)
     return entry
