@@ -67,10 +67,11 @@ def rows_and_lengths(cfg: dict) -> tuple[int, list[int]]:
     import numpy as np
 
     from trainer.config import to_config
-    from trainer.data import _tokenized, load_data
+    from trainer.data import load_data
+    from trainer.data.read import the_source, token_cache
 
     c = to_config(cfg)
-    tokens, _ = _tokenized(c, c.data.path, "data.path").tokens()
+    tokens, _ = token_cache(c, the_source(c), c.data.path, "data.path").tokens()
     return len(load_data(c, local_rank=0)[0]), np.diff(np.append(tokens.doc_starts, len(tokens.ids))).tolist()
 
 

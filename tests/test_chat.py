@@ -176,7 +176,8 @@ def skipping_case(chat, tmp_path, rows: list[dict], **data) -> dict:
 def test_a_bad_row_past_the_checked_ones_stops_the_run_or_is_skipped_and_counted(chat, tmp_path, caplog):
     import logging
 
-    from trainer.data import _tokenized, check_data, load_data
+    from trainer.data import check_data, load_data
+    from trainer.data.read import the_source, token_cache
     from trainer.data.tokenized import CHECKED_ROWS
     from trainer.errors import ConfigError
 
@@ -186,12 +187,12 @@ def test_a_bad_row_past_the_checked_ones_stops_the_run_or_is_skipped_and_counted
     stops = to_config(skipping_case(chat, tmp_path, rows))
     check_data(stops, world_size=1)  # the first rows read
     with pytest.raises(ConfigError, match=f"row {CHECKED_ROWS + 4}: message 1 is not .*data.bad_rows=skip leaves"):
-        _tokenized(stops, stops.data.path, "data.path").prepare()
+        token_cache(stops, the_source(stops), stops.data.path, "data.path").prepare()
     skips = to_config(skipping_case(chat, tmp_path, rows, bad_rows="skip"))
     check_data(skips, world_size=1)
     with caplog.at_level(logging.INFO, logger="trainer"):
         train, _ = load_data(skips, local_rank=0)
-    tokens = _tokenized(skips, skips.data.path, "data.path").tokens()[0]
+    tokens = token_cache(skips, the_source(skips), skips.data.path, "data.path").tokens()[0]
     assert tokens.bad_rows == 2 and len(tokens.doc_starts) == len(rows) - 2
     assert "2 bad rows skipped (data.bad_rows=skip)" in caplog.text  # the start line
     assert f"row {CHECKED_ROWS + 9}: message 0 is not" in caplog.text  # each named as it is skipped
@@ -203,13 +204,13 @@ def test_a_bad_row_past_the_checked_ones_stops_the_run_or_is_skipped_and_counted
 
 
 def test_the_cache_keeps_a_target_mask_and_is_keyed_by_template_and_train_on(chat, tmp_path):
-    from trainer.data import _tokenized
+    from trainer.data.read import the_source, token_cache
 
     def source(**data):
         cfg = to_config({"data": {"name": "chat", "path": str(chat.data), "tokenizer": str(chat.no_template),
                                   "chat_template": str(tmp_path / "t.jinja"), "cache_dir": str(tmp_path / "cache"),
                                   **data}, "model": {"vocab_size": VOCAB}})
-        return _tokenized(cfg, cfg.data.path, "data.path")
+        return token_cache(cfg, the_source(cfg), cfg.data.path, "data.path")
 
     (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE)
     first = source()

@@ -24,7 +24,9 @@ from tests.harness import (
 )
 from trainer.config import Exhausted, SourceKind
 from trainer.data import BatchStream
-from trainer.data.mixture import MixtureRows, Source, allocate, target_counts
+from trainer.data.mixture import MixtureRows
+from trainer.data.mixture_sources import Source, target_counts
+from trainer.data.sampling import allocate
 from trainer.data.sources import Tokens
 
 SEQ_LEN = 128

@@ -25,10 +25,10 @@ def hf_data_config(hf_assets, cache) -> dict:
 
 def source_of(cfg: dict):
     from trainer.config import to_config
-    from trainer.data import _tokenized
+    from trainer.data.read import the_source, token_cache
 
     c = to_config(cfg)
-    return _tokenized(c, c.data.path, "data.path")
+    return token_cache(c, the_source(c), c.data.path, "data.path")
 
 
 def slow_tokenising_rank_0_under_a_1_s_collective_timeout(env, cfg):

@@ -29,7 +29,7 @@ from trainer.config import (
     unknown_key_message,
 )
 from trainer.data import check_data
-from trainer.data.mixture import EXAMPLE, check_mixture, check_source_nodes
+from trainer.data.mixture_checks import EXAMPLE, check_mixture, check_source_nodes
 from trainer.errors import ConfigError
 from trainer.extras import require_hf, require_hydra_plugin
 from trainer.layout import Degrees

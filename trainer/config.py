@@ -222,7 +222,8 @@ class ObjectiveConfig:
 @dataclass
 class SourceConfig:
     """One source of data=mixture. Keys of another kind than its own stay null (checked by
-    trainer/data/mixture.py, which also fills in each kind's defaults)."""
+    trainer/data/mixture_checks.py); a null key of its kind reads as data=<kind>'s default
+    (trainer/data/read.py, which reads every kind's source the one way)."""
     kind: Optional[SourceKind] = None  # required
     path: Optional[str] = None  # as data.path of data=<kind> (text: null reads the bundled corpus)
     name: Optional[str] = None  # in metrics.jsonl; null: the file's stem

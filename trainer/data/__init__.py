@@ -1,46 +1,29 @@
-"""The data layer: token sources (`data=text|synthetic|tokens|hf|chat`), rows cut from them
-(packed windows, padded documents, or whole documents packed with position ids), the held-out
-split, and the stream that owns `set_epoch`."""
+"""The data layer: every `data=` kind is a source, read the one way (trainer/data/read.py); the
+rows cut from data=text|synthetic|tokens|hf|chat|preference's one source (packed windows, padded
+documents, whole documents or pairs packed with position ids) and its held-out split, here; those
+drawn from data=mixture's several, in trainer/data/mixture.py; and the stream that owns `set_epoch`."""
 from __future__ import annotations
 
 from dataclasses import asdict
 from enum import Enum
-from pathlib import Path
 
 from torch.utils.data import Dataset
 
 from trainer.config import Config, DataName, ModelKind
-from trainer.data.chat import Conversations
-from trainer.data.mixture import check_mixture_data, load_mixture
-from trainer.data.mixture import fingerprint as sources_fingerprint
-from trainer.data.preference import PairRows, PreferencePairs, split_pairs
-from trainer.data.sources import (
-    IGNORE_INDEX,
-    DocumentRows,
-    Documents,
-    PackedDocuments,
-    Tokens,
-    TokenWindows,
-    synthetic_tokens,
-    text_tokens,
-    token_file,
-)
+from trainer.data.mixture import load_mixture
+from trainer.data.mixture_checks import check_mixture_data
+from trainer.data.mixture_sources import fingerprint as sources_fingerprint
+from trainer.data.preference import PairRows, split_pairs
+from trainer.data.read import check_tokenized, prepare, read_tokens, run_tokenizer, the_source, token_cache
+from trainer.data.sources import IGNORE_INDEX, DocumentRows, Documents, PackedDocuments, Tokens, TokenWindows
 from trainer.data.stream import BatchStream, eval_batches
-from trainer.data.tokenized import TextDocuments, TokenizedText, default_cache_dir
-from trainer.errors import ConfigError
 from trainer.log import log
 from trainer.models.checks import check_packing
 
 __all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data", "token_keys"]
 
-TOKENIZED = (DataName.hf, DataName.chat, DataName.preference)
 # How the training samples are read or held out for validation, not which they are
 NOT_THE_SAMPLES = {"num_workers", "cache_dir", "val_path"}
-
-
-def _tokenizer(cfg: Config) -> str | None:
-    d, m = cfg.data, cfg.model
-    return d.tokenizer or (m.path if ModelKind(m.kind) is ModelKind.hf else None)
 
 
 def data_fingerprint(cfg: Config) -> dict:
@@ -50,7 +33,7 @@ def data_fingerprint(cfg: Config) -> dict:
     d, m = cfg.data, cfg.model
     settings = {f"data.{key}": value.value if isinstance(value, Enum) else value
                 for key, value in asdict(d).items() if key not in NOT_THE_SAMPLES}
-    settings.update({"data.tokenizer": _tokenizer(cfg), "model.seq_len": m.seq_len,
+    settings.update({"data.tokenizer": run_tokenizer(cfg), "model.seq_len": m.seq_len,
                      "data.sources": sources_fingerprint(d.sources)})
     if DataName(d.name) is DataName.synthetic:
         settings.update({"train.seed": cfg.train.seed, "model.vocab_size": m.vocab_size})
@@ -60,40 +43,10 @@ def data_fingerprint(cfg: Config) -> dict:
 def token_keys(cfg: Config) -> dict[str, str]:
     """The token cache's key of every split that is tokenised (data.path, data.val_path): what its
     tokens follow from (the files by size and mtime, the tokenizer's files, the template)."""
-    if DataName(cfg.data.name) not in TOKENIZED:
+    source = the_source(cfg)
+    if not source.tokenized:  # data=mixture's sources are in data.sources
         return {}
-    return {key: _tokenized(cfg, path, key).dir.name for key, path in _paths(cfg)}
-
-
-def _tokenized(cfg: Config, path: str | None, key: str) -> TokenizedText:
-    d, tokenizer = cfg.data, _tokenizer(cfg)
-    name = DataName(d.name)
-    encoding = Conversations(d.train_on, d.chat_template) if name is DataName.chat \
-        else PreferencePairs(d.chat_template) if name is DataName.preference else TextDocuments(d.text_field)
-    return TokenizedText(path, key, encoding, Path(tokenizer) if tokenizer else None,
-                         Path(d.cache_dir) if d.cache_dir else default_cache_dir(), d.bad_rows)
-
-
-def _paths(cfg: Config) -> list[tuple[str, str | None]]:
-    d = cfg.data
-    return [("data.path", d.path)] + ([("data.val_path", d.val_path)] if d.val_path else [])
-
-
-def _tokens(cfg: Config, path: str | None, key: str) -> tuple[Tokens, int]:
-    """The tokens of one source and the id that pads its unpacked rows."""
-    d, m = cfg.data, cfg.model
-    name = DataName(d.name)
-    if name in TOKENIZED:
-        return _tokenized(cfg, path, key).tokens()
-    if name is DataName.tokens:
-        return token_file(path, d.dtype.value, key), 0
-    if name is DataName.synthetic:
-        if key != "data.path":
-            raise ConfigError(f"{key}: data=synthetic reads no file; hold out with data.val_fraction")
-        return synthetic_tokens(d.num_samples, m.seq_len, m.vocab_size, cfg.train.seed), 0
-    if m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size: byte-level text needs >= 256, got {m.vocab_size}")
-    return text_tokens(path, key), 0
+    return {key: token_cache(cfg, source, path, key).dir.name for path, key in source.files()}
 
 
 def check_data(cfg: Config, world_size: int) -> None:
@@ -106,9 +59,10 @@ def check_data(cfg: Config, world_size: int) -> None:
     packed = (name is DataName.chat and cfg.data.packing) or name is DataName.preference
     if packed and ModelKind(cfg.model.kind) is not ModelKind.reference:
         check_packing(cfg.model)  # the reference model keeps packed documents apart (tests/test_chat.py)
-    if name in TOKENIZED:
-        for key, path in _paths(cfg):
-            _tokenized(cfg, path, key).check(cfg.model.vocab_size)
+    source = the_source(cfg)
+    if source.tokenized:
+        for path, key in source.files():
+            check_tokenized(cfg, source, path, key)
         return
     train, _ = load_data(cfg, local_rank=0)  # memory maps: reads nothing
     t = cfg.train
@@ -121,12 +75,10 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
     d = cfg.data
     if DataName(d.name) is DataName.mixture:
         return load_mixture(cfg, local_rank)
-    if DataName(d.name) in TOKENIZED:
-        for key, path in _paths(cfg):
-            source = _tokenized(cfg, path, key)
-            source.prepare() if local_rank == 0 else source.wait()
-    train, pad_id = _tokens(cfg, d.path, "data.path")
-    val = _tokens(cfg, d.val_path, "data.val_path")[0] if d.val_path else None
+    source = the_source(cfg)
+    prepare(cfg, [source], local_rank)
+    train, pad_id = read_tokens(cfg, source, d.path, "data.path")
+    val = read_tokens(cfg, source, d.val_path, "data.val_path")[0] if d.val_path else None
     preference = DataName(d.name) is DataName.preference
     if d.val_fraction:
         train, val = split_pairs(train, d.val_fraction) if preference else train.split(d.val_fraction)
