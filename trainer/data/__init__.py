@@ -10,7 +10,7 @@ from enum import Enum
 from torch.utils.data import Dataset
 
 from trainer.config import Config, DataName, ModelKind
-from trainer.data.mixture import load_mixture
+from trainer.data.mixture import load_mixture, sources_of, validation_by_source
 from trainer.data.mixture_checks import check_mixture_data
 from trainer.data.mixture_sources import fingerprint as sources_fingerprint
 from trainer.data.preference import PairRows, split_pairs
@@ -20,7 +20,8 @@ from trainer.data.stream import BatchStream, eval_batches
 from trainer.log import log
 from trainer.models.checks import check_packing
 
-__all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data", "token_keys"]
+__all__ = ["IGNORE_INDEX", "BatchStream", "eval_batches", "check_data", "data_fingerprint", "load_data", "sources_of", "token_keys",
+           "validation_by_source"]
 
 # How the training samples are read or held out for validation, not which they are
 NOT_THE_SAMPLES = {"num_workers", "cache_dir", "val_path"}

@@ -99,3 +99,14 @@ def load_mixture(cfg: Config, local_rank: int) -> tuple[MixtureRows, SourcesVali
     held_out = {s.name: s.val for s in sources if s.val is not None}
     fractions = {s["name"]: s["fraction"] for s in rows.describe()}
     return rows, SourcesValidation(held_out, fractions) if held_out else None
+
+
+def sources_of(rows: Dataset) -> list[dict]:
+    """The sources training rows draw from, each's name, kind, documents, tokens, weight and documents
+    per epoch (the `sources` record); [] for rows of one data= kind, which are no mixture."""
+    return rows.describe() if isinstance(rows, MixtureRows) else []
+
+
+def validation_by_source(rows: Dataset | None) -> dict[str, Dataset]:
+    """Each source's held-out rows apart, by name; {} for validation rows of one data= kind."""
+    return rows.by_source if isinstance(rows, SourcesValidation) else {}

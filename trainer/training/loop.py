@@ -17,7 +17,15 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import data_position, resolve_resume, resumed_line
 from trainer.checks import check_validation_rows
 from trainer.config import Config
-from trainer.data import IGNORE_INDEX, BatchStream, data_fingerprint, eval_batches, load_data
+from trainer.data import (
+    IGNORE_INDEX,
+    BatchStream,
+    data_fingerprint,
+    eval_batches,
+    load_data,
+    sources_of,
+    validation_by_source,
+)
 from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
 from trainer.errors import RunError
 from trainer.log import log, setup_logging
@@ -167,8 +175,8 @@ class Run:
     def announce(self, resume_from: Path | None, state: TrainerState, weights: WeightSource) -> None:
         log.info(f"{describe(self.cfg, self.env, self.strategy, self.total_steps, self.facts)}{start_words(self.objective)}; "
                  f"run dir: {self.run_dir}")
-        if describe_sources := getattr(self.stream.dataset, "describe", None):  # data=mixture: each source
-            self.records.log({"event": "sources", "step": self.step, "sources": describe_sources()})
+        if sources := sources_of(self.stream.dataset):  # data=mixture: each source
+            self.records.log({"event": "sources", "step": self.step, "sources": sources})
         if restart_count():
             self.records.log({"event": "restarted", "restart": restart_count(), "step": self.step})
             log.info(f"restart {restart_count()}: " + (f"resumed from {resume_from} at step {self.step}"
@@ -242,7 +250,7 @@ class Run:
         losses = {name: evaluate(self.model, self.strategy, self.objective.evaluation("val"),
                                  eval_batches(rows, micro_batch_size, self.strategy.layout.dp_rank, self.strategy.layout.dp_size,
                                               self.cfg.eval.max_batches), self.env.device)[0]
-                  for name, rows in getattr(self.val_set, "by_source", {}).items()}
+                  for name, rows in validation_by_source(self.val_set).items()}
         if not losses:
             return {}
         return {**{f"loss/{name}": loss for name, loss in losses.items()}, "blended_loss": self.val_set.blended(losses)}
