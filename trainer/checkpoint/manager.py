@@ -148,7 +148,7 @@ class CheckpointManager:
             if self.strategy.device.type == "cuda":
                 tensors["rng.cuda"] = torch.cuda.get_rng_state()
             checksum = write_tensors(tensors, tmp / rank_file(s.rank))
-            return {"pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}, "checksum": checksum}
+            return {"pieces": {key: p.entry() for key, p in pieces.items()}, "checksum": checksum}
         except Exception as e:  # reported to all ranks, so that none waits forever
             return {"error": f"{type(e).__name__}: {e}"}
 
@@ -156,8 +156,8 @@ class CheckpointManager:
         shapes = param_shapes(self.strategy.module, self.strategy.full_shape)
         tensors: dict[str, dict] = {}
         for rank, outcome in enumerate(outcomes):
-            for key, (start, numel) in outcome["pieces"].items():
-                tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), start, numel])
+            for key, entry in outcome["pieces"].items():
+                tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), *entry])
         key_shapes = {key: shape for name, shape in shapes.items() for key in state_keys(name).values()}
         key_shapes[STEP_KEY] = (1,)
         buffers = persistent_buffers(self.strategy.module)
@@ -235,7 +235,7 @@ class CheckpointManager:
 
         def read() -> None:  # this rank's ranges and RNG, from any rank's files
             reader = PieceReader(path, manifest)
-            values.update({key: reader.read(key, start, numel) for key, (start, numel) in layout.items()})
+            values.update({key: reader.read(key, *where) for key, where in layout.items()})
             saved_rank = s.rank if s.rank < manifest["world_size"] else 0
             f = reader.open(rank_file(saved_rank))
             rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})

@@ -70,8 +70,8 @@ class ZeroPartitions:
                     start, local = z3_local(p, self.rank)
                 else:
                     ep = self.experts.group.size if p in self.experts else 1
-                    start, local = replica_slice(self.experts.start(p), p.detach().view(-1), self.world_size // ep,
-                                                 self.rank // ep)
+                    start, local, _ = replica_slice(self.experts.start(p), p.detach().view(-1), self.world_size // ep,
+                                                    self.rank // ep)
                 yield name, start, local.numel(), {"param": local}
             elif self.stage == 3:
                 start, numel = z3_range(p, self.rank)
