@@ -19,7 +19,7 @@ STEPS = 4
 CLIP = 0.5  # below the tiny models' gradient norms (0.8-1.0): clipping is active, so the norm must be right
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # qwen3_moe: every other case
 RTOL = 1e-6
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # LoRA beside split experts (on them: refused, below)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # LoRA beside split experts (on them: test_expert_lora.py)
 BF16_RTOL = 2e-3  # bf16 ep=2 against one rank in bf16: each expert's matmul over other rows, rounded
 
 
@@ -231,15 +231,31 @@ def test_a_dense_model_is_refused_naming_its_family(tmp_path):
     check_expert_parallel(1, 2, dense, "ddp")  # ep=1: nothing to check
 
 
-def test_lora_on_the_experts_is_refused_and_lora_elsewhere_is_not(folders):
+def test_lora_on_the_experts_splits_each_adapter_with_its_experts(folders):
+    """At ep=2, rank 1 of its expert group: each experts module keeps experts 2 and 3, and its LoRA
+    wrappers (outermost: the unit a backend shards) keep their rows of lora_A and their columns of
+    lora_B, which the checkpoint records as a block of columns; tests/test_expert_lora.py trains them."""
     from trainer.config import ModelConfig, PeftConfig
     from trainer.models import meta_model as built
-    from trainer.models.experts import check_expert_parallel
+    from trainer.models.experts import ExpertGroup, ExpertRows, adapters_of, check_expert_parallel, shard_experts
+    from trainer.models.weights import Block
 
-    model = ModelConfig(name="hf", kind="hf", path=str(folders["qwen3_moe"]))
-    with pytest.raises(ConfigError, match=r"^strategy\.ep: peft=lora adapts the routed experts"):
-        check_expert_parallel(2, 2, built(model, PeftConfig(name="lora")), "fsdp")
-    check_expert_parallel(2, 2, built(model, PeftConfig(name="lora", target_modules=["q_proj", "v_proj"])), "fsdp")
+    model = built(ModelConfig(name="hf", kind="hf", path=str(folders["qwen3_moe"])), PeftConfig(name="lora", r=4))
+    check_expert_parallel(2, 2, model, "fsdp")
+    whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    group = ExpertGroup(None, 2, 1)
+    units = shard_experts(model, group)
+    rows = ExpertRows(group)
+    rows.add(units)
+    assert all(unit is adapters_of(model, unit.base_layer.base_layer)[-1] for unit in units)
+    for unit in units:
+        assert unit.num_experts == unit.base_layer.num_experts == unit.base_layer.base_layer.num_experts == 2
+        for name, p in unit.named_parameters():
+            full = whole[next(n for n, q in model.named_parameters() if q is p)]
+            assert rows.full_shape(p, tuple(p.shape)) == full, name
+            lora_b = "lora_B" in name.split(".")
+            assert rows.block(p) == (Block(2, 2, 4) if lora_b else None), name
+            assert rows.start(p) == (0 if lora_b else p.numel()), name
 
 
 def test_fsdp_sharding_across_nodes_with_experts_is_refused_in_one_line():

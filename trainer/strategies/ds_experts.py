@@ -49,10 +49,10 @@ def group_name(ep: int) -> str:
 def tell_deepspeed(model: nn.Module, modules: list[nn.Module], ep: int) -> None:
     """Before `deepspeed.initialize`: the groups made, the experts' parameters marked, the marker added."""
     groups._create_expert_and_data_parallel(ep)  # what DeepSpeed's own MoE layer calls; every rank, in order
-    for module in modules:
-        for p in module.parameters(recurse=False):
+    for module in modules:  # with their LoRA adapters, which live with them
+        for p in module.parameters():
             p.allreduce, p.group_name = False, group_name(ep)
-    local = modules[0].num_experts  # shard_experts left each module its own
+    local = modules[0].num_experts  # shard_experts left each module (and its adapters' wrappers) its own
     model.add_module("expert_parallel", ExpertParallelMarker(local * ep, ep))
 
 
