@@ -95,3 +95,26 @@ def test_export_of_split_adapters_is_one_ranks_adapter_folder_and_merges(runs, t
             assert torch.allclose(split[key], value, rtol=0, atol=1e-5), (folder, key)
     assert any("experts" in key and "lora_B" in key for key in load_file(str(tmp_path / "ep2" /
                                                                           "adapter_model.safetensors")))
+
+
+def test_a_block_of_columns_is_read_back_in_place_and_in_its_own_order(tmp_path):
+    """The format's block pieces: two ranks' columns of a [6, 8] tensor (peft's lora_B of 4 experts at
+    r=2: expert e's columns e and 4 + e; rank 1 holds experts 2 and 3), each part cut into two pieces
+    anywhere (FSDP's rows, a DeepSpeed fragment). Read whole, read as a run that cuts the pieces, and
+    read as a block in its own order: the tensor's values, each in its place."""
+    from trainer.checkpoint.format import Piece, PieceReader, write_tensors
+    from trainer.models.weights import Block
+
+    full = torch.arange(48.0).view(6, 8)
+    pieces, checksums, parts = [], {}, {}
+    for rank, block in enumerate([Block(0, 2, 4), Block(2, 2, 4)]):
+        parts[block] = part = full.view(-1, 4)[:, block.column:block.column + block.width].reshape(-1)
+        for piece in (Piece(0, part[:5 + rank], block), Piece(5 + rank, part[5 + rank:], block)):
+            name = f"rank_{rank}_{piece.start}.safetensors"
+            checksums[name] = write_tensors({f"w@{piece.start}": piece.tensor}, tmp_path / name)
+            pieces.append([name, *piece.entry()])
+    reader = PieceReader(tmp_path, {"tensors": {"w": {"pieces": pieces, "shape": [6, 8]}}, "checksums": checksums})
+    assert torch.equal(reader.read_full("w"), full)
+    assert torch.equal(reader.read("w", 13, 20), full.view(-1)[13:33])
+    for block, part in parts.items():
+        assert torch.equal(reader.read("w", 3, 7, block), part[3:10])

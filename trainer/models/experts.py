@@ -21,8 +21,8 @@ columns e, E + e, ..., the expert its fastest index), and reads them with the wr
 a rank keeps its experts' rows of lora_A and their columns of lora_B, and the wrapper counts its own
 experts. The lora_B part is no run of the whole tensor's values: the checkpoint pieces record it as
 a `Block` of columns (models/weights.py), so that the whole tensor on disk stays peft's, the same at
-every ep (a layout with each expert's block as rows would instead cut FSDP's row shards of lora_B at
-ep=1, and every adapter folder, into runs of r values).
+every ep (a layout with each expert's block as rows would not be: export, merge and every ep=1 run
+would permute it, and FSDP's row shards of lora_B at ep=1 would be E runs each).
 """
 from __future__ import annotations
 
