@@ -140,7 +140,8 @@ def full_state(strategy, model_only: bool = True) -> dict | None:
     from trainer.checkpoint.format import STEP_KEY, state_keys
     from trainer.models import param_shapes
 
-    pieces = {k: (p.start, p.tensor.detach().float().cpu().clone()) for k, p in strategy.state_dict(model_only).items()}
+    pieces = {k: (p.start, p.tensor.detach().float().cpu().clone(), p.block)
+              for k, p in strategy.state_dict(model_only).items()}
     gathered = [None] * strategy.world_size if strategy.is_main else None
     dist.gather_object(pieces, gathered, dst=0)
     if not strategy.is_main:
@@ -150,8 +151,9 @@ def full_state(strategy, model_only: bool = True) -> dict | None:
     shapes[STEP_KEY] = (1,)
     full: dict[str, torch.Tensor] = {}
     for rank_pieces in gathered:
-        for key, (start, values) in rank_pieces.items():
-            full.setdefault(key, torch.empty(math.prod(shapes[key])))[start:start + values.numel()] = values
+        for key, (start, values, block) in rank_pieces.items():  # a block: columns, at their places
+            at = block.positions(start, values.numel()) if block else slice(start, start + values.numel())
+            full.setdefault(key, torch.empty(math.prod(shapes[key])))[at] = values
     return {(key.removeprefix("model.") if model_only else key): flat.view(shapes[key]) for key, flat in full.items()}
 
 

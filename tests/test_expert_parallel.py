@@ -3,8 +3,9 @@ holds 1 / N of every MoE layer's experts and tokens travel to them; the losses e
 same global batch within 1e-6 (fp32, the router's loss on, clipping active), at ep=2 on 2 and 4 ranks
 and ep=4 on 4, crossed with accumulation and activation checkpointing, compile, packed chat rows,
 dpo, LoRA beside the experts, strategy.sp=2 and bf16, on every routed family, on fsdp, zero1, zero2
-and zero3; a batch routed to one expert gives the same numbers and no hang; checkpoints move between
-expert degrees, strategies and world sizes; refusals come before any work, in one line."""
+and zero3; a batch routed to one expert gives the same numbers and no hang, with LoRA on the experts
+too (whose adapters split with them: here, and trained in tests/test_expert_lora.py); checkpoints
+move between expert degrees, strategies and world sizes; refusals come before any work, in one line."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ STEPS = 4
 CLIP = 0.5  # below the tiny models' gradient norms (0.8-1.0): clipping is active, so the norm must be right
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # qwen3_moe: every other case
 RTOL = 1e-6
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # LoRA beside split experts (on them: refused, below)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # LoRA beside split experts (on them: test_expert_lora.py)
 BF16_RTOL = 2e-3  # bf16 ep=2 against one rank in bf16: each expert's matmul over other rows, rounded
 
 
@@ -199,14 +200,71 @@ def one_expert_for_all(env) -> dict:
             **{name: (p.grad, getattr(whole, name).grad[rows]) for name, p in split.named_parameters()}}
 
 
-def test_every_token_to_one_expert_gives_the_whole_modules_numbers_and_no_hang():
-    results = on_ranks(2, one_expert_for_all)
+def one_expert_for_all_with_lora(env) -> dict:
+    """The same, with LoRA on both stacked matrices (peft's nested ParamWrappers, lora_B not zero):
+    rank 1's experts and their adapters receive nothing."""
+    import torch.distributed as dist
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from trainer.layout import Degrees, Layout
+    from trainer.models.experts import shard_experts
+
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=8, moe_intermediate_size=4, num_experts=4)
+    config._experts_implementation = "eager"
+    lora = LoraConfig(r=2, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    torch.manual_seed(0)
+    whole = inject_adapter_in_model(lora, torch.nn.ModuleDict({"experts": Qwen3MoeExperts(config)}))
+    for p in whole.parameters():
+        torch.nn.init.normal_(p)
+    layout = Layout(Degrees(env.world_size, ep=2), env.rank)
+    with torch.device("meta"):
+        split = inject_adapter_in_model(lora, torch.nn.ModuleDict({"experts": Qwen3MoeExperts(config)}))
+    shard_experts(split, layout.experts)
+    experts = slice(2 * env.rank, 2 * env.rank + 2)
+
+    def mine(name: str, full: torch.Tensor) -> torch.Tensor:  # this rank's experts' part of a whole tensor
+        if ".lora_A." in name:
+            return full.view(4, 2, -1)[experts].reshape(-1, full.shape[1])
+        if ".lora_B." in name:
+            return full.view(full.shape[0], 2, 4)[:, :, experts].reshape(full.shape[0], -1)
+        return full[experts]
+
+    wholes = dict(whole.named_parameters())
+    for name, p in list(split.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        setattr(split.get_submodule(owner), attr, torch.nn.Parameter(mine(name, wholes[name].detach()).clone(),
+                                                                     requires_grad=p.requires_grad))
+    hidden = torch.randn(6, 8, generator=torch.Generator().manual_seed(env.rank), requires_grad=True)
+    index = torch.zeros(6, 2, dtype=torch.long)
+    index[:, 1] = 1
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(10 + env.rank))
+    out = split["experts"](hidden, index, weights)
+    out.square().sum().backward()
+    expected_hidden = hidden.detach().clone().requires_grad_()
+    expected = whole["experts"](expected_hidden, index, weights)
+    expected.square().sum().backward()
+    for p in whole.parameters():
+        if p.requires_grad:  # the adapters; the experts' own matrices are frozen
+            dist.all_reduce(p.grad)
+    return {"out": (out.detach(), expected.detach()), "input_grad": (hidden.grad, expected_hidden.grad),
+            **{name: (p.grad, mine(name, wholes[name].grad)) for name, p in split.named_parameters()
+               if p.requires_grad}}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_every_token_to_one_expert_gives_the_whole_modules_numbers_and_no_hang(lora):
+    results = on_ranks(2, one_expert_for_all_with_lora if lora else one_expert_for_all)
     for rank, result in results.items():
         for what, (got, expected) in result.items():
+            assert got is not None, (rank, what)  # present, also where no token came
             assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (rank, what)
     # rank 1's experts got no token: zero gradients, present (the reduction over its ranks waits for them)
-    assert all(results[1][name][0].abs().max() == 0 for name in ("gate_up_proj", "down_proj"))
-    assert all(results[0][name][0].abs().max() > 0 for name in ("gate_up_proj", "down_proj"))
+    grads = [name for name in results[0] if name not in ("out", "input_grad")]
+    assert len(grads) == (4 if lora else 2), grads  # the adapters (lora_A, lora_B of both), or the matrices
+    assert all(results[1][name][0].abs().max() == 0 for name in grads)
+    assert all(results[0][name][0].abs().max() > 0 for name in grads)
 
 
 # -- refusals, before any work -------------------------------------------------------------------------
@@ -241,15 +299,31 @@ def test_a_dense_model_is_refused_naming_its_family(tmp_path):
     check_expert_parallel(1, 2, dense, "ddp")  # ep=1: nothing to check
 
 
-def test_lora_on_the_experts_is_refused_and_lora_elsewhere_is_not(folders):
+def test_lora_on_the_experts_splits_each_adapter_with_its_experts(folders):
+    """At ep=2, rank 1 of its expert group: each experts module keeps experts 2 and 3, and its LoRA
+    wrappers (outermost: the unit a backend shards) keep their rows of lora_A and their columns of
+    lora_B, which the checkpoint records as a block of columns; tests/test_expert_lora.py trains them."""
     from trainer.config import ModelConfig, PeftConfig
     from trainer.models import meta_model as built
-    from trainer.models.experts import check_expert_parallel
+    from trainer.models.experts import ExpertGroup, ExpertRows, adapters_of, check_expert_parallel, shard_experts
+    from trainer.models.weights import Block
 
-    model = ModelConfig(name="hf", kind="hf", path=str(folders["qwen3_moe"]))
-    with pytest.raises(ConfigError, match=r"^strategy\.ep: peft=lora adapts the routed experts"):
-        check_expert_parallel(2, 2, built(model, PeftConfig(name="lora")), "fsdp")
-    check_expert_parallel(2, 2, built(model, PeftConfig(name="lora", target_modules=["q_proj", "v_proj"])), "fsdp")
+    model = built(ModelConfig(name="hf", kind="hf", path=str(folders["qwen3_moe"])), PeftConfig(name="lora", r=4))
+    check_expert_parallel(2, 2, model, "fsdp")
+    whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    group = ExpertGroup(None, 2, 1)
+    units = shard_experts(model, group)
+    rows = ExpertRows(group)
+    rows.add(units)
+    assert all(unit is adapters_of(model, unit.base_layer.base_layer)[-1] for unit in units)
+    for unit in units:
+        assert unit.num_experts == unit.base_layer.num_experts == unit.base_layer.base_layer.num_experts == 2
+        for name, p in unit.named_parameters():
+            full = whole[next(n for n, q in model.named_parameters() if q is p)]
+            assert rows.full_shape(p, tuple(p.shape)) == full, name
+            lora_b = "lora_B" in name.split(".")
+            assert rows.block(p) == (Block(2, 2, 4) if lora_b else None), name
+            assert rows.start(p) == (0 if lora_b else p.numel()), name
 
 
 def test_fsdp_sharding_across_nodes_with_experts_is_refused_in_one_line():

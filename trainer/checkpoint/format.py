@@ -9,7 +9,10 @@
 
 Keys are `model.<param>`, `optim.<param>.exp_avg|exp_avg_sq` (fp32) and `optim.step`. Each
 rank writes only the ranges it owns; a loading rank reads, from any files, only the ranges it
-needs, so any strategy at any world size resumes any checkpoint. (torch.distributed.checkpoint
+needs, so any strategy at any world size resumes any checkpoint. A piece is a run [start, start +
+numel) of the flat tensor, `[file, start, numel]` in the manifest; or, where a rank holds columns of
+a tensor (strategy.ep: LoRA's lora_B of the experts), a run of such a `Block` in its own order,
+`[file, start, numel, column, width, columns]`. (torch.distributed.checkpoint
 would need DTensor's even chunks; DeepSpeed's flat partitions cut parameters anywhere.)
 
 Every file is hashed as it is written (`write_tensors`) and verified where it is read
@@ -37,6 +40,7 @@ from safetensors import safe_open
 
 from trainer.errors import CheckpointError
 from trainer.log import log
+from trainer.models.weights import Block, read_block
 
 # The format's vocabulary: every strategy states its pieces in these keys.
 
@@ -44,9 +48,15 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class Piece(NamedTuple):
-    """A contiguous range [start, start + numel) of a flattened tensor, as a 1-D tensor."""
+    """A contiguous range [start, start + numel) of a flattened tensor, as a 1-D tensor; with a
+    `block`, of the columns of it that the block names, in their own order."""
     start: int
     tensor: torch.Tensor
+    block: Block | None = None
+
+    def entry(self) -> list[int]:
+        """[start, numel] (+ the block's column, width, columns): the piece in the manifest, less its file."""
+        return [self.start, self.tensor.numel(), *(self.block or ())]
 
 
 def state_keys(name: str) -> dict[str, str]:
@@ -321,12 +331,22 @@ class PieceReader:
             self.files[name] = safe_open(str(self.path / name), framework="pt")
         return self.files[name]
 
-    def read(self, key: str, start: int, numel: int) -> torch.Tensor:
+    def read(self, key: str, start: int, numel: int, block: Block | None = None) -> torch.Tensor:
+        """Values [start, start + numel) of `key`'s flat tensor (of a `block` of it, in its order)."""
+        if block is not None:
+            return read_block(lambda first, count: self.read(key, first, count), start, numel, block)
         if key not in self.tensors:
             raise CheckpointError(f"checkpoint: {self.path} has no {key}")
         out = torch.empty(numel, dtype=torch.float32)
         covered = 0
-        for file, piece_start, piece_numel in self.tensors[key]["pieces"]:
+        for file, piece_start, piece_numel, *columns in self.tensors[key]["pieces"]:
+            if columns:  # a block's run: its values, in order, lie at increasing places of the flat tensor
+                at = Block(*columns).positions(piece_start, piece_numel)
+                lo, hi = (int(i) for i in torch.searchsorted(at, torch.tensor([start, start + numel])))
+                if lo < hi:
+                    out[at[lo:hi] - start] = self.open(file).get_slice(f"{key}@{piece_start}")[lo:hi]
+                    covered += hi - lo
+                continue
             lo, hi = max(start, piece_start), min(start + numel, piece_start + piece_numel)
             if lo < hi:
                 part = self.open(file).get_slice(f"{key}@{piece_start}")[lo - piece_start:hi - piece_start]

@@ -150,7 +150,7 @@ class CheckpointManager:
             tensors["rng.torch"] = torch.get_rng_state()
             if s.device.type == "cuda":
                 tensors["rng.cuda"] = torch.cuda.get_rng_state()
-            return {"tensors": tensors, "pieces": {key: [p.start, p.tensor.numel()] for key, p in pieces.items()}}
+            return {"tensors": tensors, "pieces": {key: p.entry() for key, p in pieces.items()}}
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
 
@@ -231,8 +231,8 @@ class CheckpointManager:
                 buffers: dict) -> None:
         tensors: dict[str, dict] = {}
         for rank, outcome in enumerate(outcomes):
-            for key, (start, numel) in outcome["pieces"].items():
-                tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), start, numel])
+            for key, entry in outcome["pieces"].items():
+                tensors.setdefault(key, {"pieces": []})["pieces"].append([rank_file(rank), *entry])
         key_shapes = {key: shape for name, shape in shapes.items() for key in state_keys(name).values()}
         key_shapes[STEP_KEY] = (1,)
         key_shapes.update({buffer_key(name): tuple(b.shape) for name, b in buffers.items()})
@@ -309,7 +309,7 @@ class CheckpointManager:
 
         def read() -> None:  # this rank's ranges and RNG, from any rank's files
             reader = PieceReader(path, manifest)
-            values.update({key: reader.read(key, start, numel) for key, (start, numel) in layout.items()})
+            values.update({key: reader.read(key, *where) for key, where in layout.items()})
             saved_rank = s.rank if s.rank < manifest["world_size"] else 0
             f = reader.open(rank_file(saved_rank))
             rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})

@@ -8,7 +8,8 @@ the strategy allocates what the rank holds and asks a WeightSource for exactly t
 - `SafetensorsWeights`: pretrained weights, read row range by row range from the safetensors
   files, so no rank ever holds more than its shard plus one row.
 Both answer `read(name, start, numel)`: the fp32 values [start, start + numel) of a flattened
-parameter, named as in the plain model (`canonical_name`).
+parameter, named as in the plain model (`canonical_name`). A rank's part that is no run of those
+values (a `Block` of columns) is read through the run that covers it (`read_block`).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import math
 import os
 import zlib
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -91,6 +93,34 @@ def params_on_meta() -> Iterator[None]:
         hook.remove()
 
 
+class Block(NamedTuple):
+    """A rank's part of a tensor that is no run of its flat values: the columns [column, column +
+    width) of the tensor seen as rows of `columns` values (strategy.ep: peft's lora_B of a module of
+    experts, [out, r x E], whose fastest index is the expert). Ranges of such a part count in its own
+    flat order, its rows one after another, as the rank holds it."""
+    column: int
+    width: int
+    columns: int
+
+    def positions(self, start: int, numel: int) -> torch.Tensor:
+        """Where the part's values [start, start + numel) lie in the whole flat tensor (increasing)."""
+        k = torch.arange(start, start + numel)
+        return k // self.width * self.columns + self.column + k % self.width
+
+
+def read_block(read: Callable[[int, int], torch.Tensor], start: int, numel: int,
+               block: Block | None = None) -> torch.Tensor:
+    """Values [start, start + numel) of a part (of a `block`, in its own order; None: a run of the
+    whole tensor), from `read(start, numel)` of the whole flat tensor: the run that covers them, once."""
+    if block is None:
+        return read(start, numel)
+    if not numel:
+        return torch.empty(0)
+    at = block.positions(start, numel)
+    first = int(at[0])
+    return read(first, int(at[-1]) - first + 1)[at - first]
+
+
 def whole(p: torch.Tensor) -> tuple[int, torch.Tensor]:
     """The local range of a parameter every rank holds whole."""
     return 0, p.detach().view(-1)
@@ -117,14 +147,14 @@ def allocate(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def fill(model: nn.Module, weights: WeightSource,
-         local_range: Callable[[torch.Tensor], tuple[int, torch.Tensor]] = whole) -> None:
-    """Copy into every parameter's local range (start, flat view) its values from `weights`, and
-    into every persistent buffer (whole on every rank) its value where `weights` has one."""
+def fill(model: nn.Module, weights: WeightSource, local_range: Callable[[torch.Tensor], tuple] = whole) -> None:
+    """Copy into every parameter's local range (start, flat view[, its `Block`]) its values from
+    `weights`, and into every persistent buffer (whole on every rank) its value where `weights` has one."""
     for name, p in model.named_parameters():  # a tied parameter once
-        start, local = local_range(p)
+        start, local, *block = local_range(p)
         if local.numel():
-            local.copy_(weights.read(canonical_name(name), start, local.numel()))
+            read = partial(weights.read, canonical_name(name))
+            local.copy_(read_block(read, start, local.numel(), *block))
     for name, buffer in persistent_buffers(model).items():
         value = weights.read_buffer(name)
         if value is not None:

@@ -185,8 +185,9 @@ class Strategy(ABC):
         `model_only`: the parameters alone (export; also before the optimizer's first step)."""
 
     @abstractmethod
-    def state_layout(self) -> dict[str, tuple[int, int]]:
-        """key -> (start, numel): the ranges this rank needs to resume."""
+    def state_layout(self) -> dict[str, tuple]:
+        """key -> (start, numel[, block]): the ranges this rank needs to resume (a `Block`: of its
+        columns, in their order; None or absent: of the flat tensor)."""
 
     @abstractmethod
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:

@@ -15,7 +15,7 @@ import torch
 from trainer.config import Precision
 from trainer.log import chatter
 from trainer.models.experts import shard_experts
-from trainer.models.weights import WeightSource, allocate, fill
+from trainer.models.weights import WeightSource, allocate, fill, read_block
 from trainer.patches import watch_op_builds, zero3_start_build, zero3_start_hooks
 from trainer.strategies.base import (
     DTYPES,
@@ -76,7 +76,7 @@ class DeepSpeedStrategy(Strategy):
             hold_in(model, DTYPES[self.precision], frozen_only=False)
             allocate(model, self.device)
             self.experts.add(experts)
-            fill(model, weights, lambda p: (self.experts.start(p), p.detach().view(-1)))
+            fill(model, weights, lambda p: (self.experts.start(p), p.detach().view(-1), self.experts.block(p)))
         optimizer = optimizer_factory(trainable(model, self.full_shape))
         if ep > 1:
             from trainer.strategies.ds_experts import expert_param_groups, tell_deepspeed
@@ -130,7 +130,8 @@ class DeepSpeedStrategy(Strategy):
             elif getattr(p, "_hp_mapping", None) is not None:
                 fragment = p._hp_mapping.lp_fragment_address
                 start = self.experts.start(p) + fragment.start
-                p._hp_mapping.get_hp_fragment().copy_(weights.read(name, start, fragment.numel))
+                read = partial(weights.read, name)
+                p._hp_mapping.get_hp_fragment().copy_(read_block(read, start, fragment.numel, self.experts.block(p)))
 
     @contextmanager
     def micro_step(self, final):

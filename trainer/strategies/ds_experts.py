@@ -82,13 +82,13 @@ def partition_experts(model: nn.Module, group: ExpertGroup, device: torch.device
 
 def tell_deepspeed(model: nn.Module, modules: list[nn.Module], ep: int) -> None:
     """Before `deepspeed.initialize`, after `make_groups`: the experts' parameters marked, the marker added."""
-    for module in modules:
-        for p in module.parameters(recurse=False):
+    for module in modules:  # with their LoRA adapters, which live with them
+        for p in module.parameters():
             p.allreduce, p.group_name = False, group_name(ep)
             # ZeRO-3 (stage 1/2 do not read these): partitioned over the expert-data-parallel group, and
             # the gradient norm summed over the expert group as well
             p.ds_zero_placement_family, p.ds_zero_partition_group_name = "autoep_expert", group_name(ep)
-    local = modules[0].num_experts  # shard_experts left each module its own
+    local = modules[0].num_experts  # shard_experts left each module (and its adapters' wrappers) its own
     model.add_module("expert_parallel", ExpertParallelMarker(local * ep, ep))
 
 

@@ -8,7 +8,7 @@ import torch
 
 from trainer.checkpoint.format import ADAM_KEYS, STEP_KEY, Piece, replica_slice, state_keys
 from trainer.models.experts import ExpertRows
-from trainer.models.weights import canonical_name
+from trainer.models.weights import Block, canonical_name
 from trainer.strategies.adam_state import AdamState
 
 
@@ -75,8 +75,8 @@ class ZeroPartitions:
                     start, local = z3_local(p, self.rank, self.experts)
                 else:
                     ep = self.experts.group.size if p in self.experts else 1
-                    start, local = replica_slice(self.experts.start(p), p.detach().view(-1), self.world_size // ep,
-                                                 self.rank // ep)
+                    start, local, _ = replica_slice(self.experts.start(p), p.detach().view(-1), self.world_size // ep,
+                                                    self.rank // ep)
                 yield name, start, local.numel(), {"param": local}
             elif self.stage == 3:
                 start, numel = z3_range(p, self.rank, self.experts)
@@ -88,21 +88,27 @@ class ZeroPartitions:
                 local = {"param": m.get_hp_fragment(), **{k: m.get_hp_fragment(k) for k in moments}}
                 yield name, self.experts.start(p) + m.lp_fragment_address.start, m.lp_fragment_address.numel, local
 
+    def blocks(self) -> dict[str, Block]:
+        """strategy.ep: the parameters this rank holds columns of (LoRA's lora_B of its experts), by name."""
+        return {name: block for name, p in named_params(self.engine.module) if (block := self.experts.block(p))}
+
     def state_dict(self, model_only: bool, with_step: bool) -> dict[str, Piece]:
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
             self.adam.create()
-        pieces = {state_keys(name)[what]: Piece(start, t) for name, start, numel, local in self._fragments(model_only)
-                  for what, t in local.items() if numel}
+        blocks = self.blocks()
+        pieces = {state_keys(name)[what]: Piece(start, t, blocks.get(name))
+                  for name, start, numel, local in self._fragments(model_only) for what, t in local.items() if numel}
         if with_step and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self.adam.step_count()]))
         return pieces
 
-    def state_layout(self) -> dict[str, tuple[int, int]]:
+    def state_layout(self) -> dict[str, tuple]:
         self.adam.create()
-        layout = {state_keys(name)[what]: (start, numel) for name, start, numel, local in self._fragments()
-                  for what in local if numel}
+        blocks = self.blocks()
+        layout = {state_keys(name)[what]: (start, numel, blocks.get(name)) for name, start, numel, local
+                  in self._fragments() for what in local if numel}
         if self.stage < 3:  # the full (low-precision) parameters live on every rank: load them whole
-            layout.update({state_keys(name)["param"]: (self.experts.start(p), p.numel())
+            layout.update({state_keys(name)["param"]: (self.experts.start(p), p.numel(), blocks.get(name))
                            for name, p in named_params(self.engine.module)})
         return {**layout, STEP_KEY: (0, 1)}
 

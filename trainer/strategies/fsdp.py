@@ -46,15 +46,16 @@ class FSDPStrategy(TorchStrategy):
         model = fully_shard(model, **kwargs)
         # Built on the meta device: each rank allocates and fills only its own shards.
         allocate(model, torch.device("cpu") if self.offloaded() else self.device)
-        fill(model, weights, lambda p: self.flat_range(p, p)[:2])
+        fill(model, weights, lambda p: (*self.flat_range(p, p)[:2], self.experts.block(p)))
         follow_rank0_buffers(model, self.device, self.world_size)
         return model
 
     def shard_experts(self, model, kwargs) -> None:
         """strategy.ep: each experts module keeps this rank's experts (models/experts.py), sharded over
-        the ranks that hold the same ones (world / ep), its own FSDP unit, so the block's all-gather
-        leaves it out. Its gradients come from the tokens of the whole expert group: summed over those
-        ranks and divided by the world, they are the mean over all ranks, as every other gradient."""
+        the ranks that hold the same ones (world / ep), its own FSDP unit with their LoRA adapters
+        (the outermost of peft's wrappers), so the block's all-gather leaves it out. Its gradients
+        come from the tokens of the whole expert group: summed over those ranks and divided by the
+        world, they are the mean over all ranks, as every other gradient."""
         world, ep = self.world_size, self.layout.experts.size
         mesh = self.layout.expert_data_mesh(self.device.type)
         modules = shard_experts(model, self.layout.experts)

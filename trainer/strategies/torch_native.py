@@ -110,21 +110,22 @@ class TorchStrategy(Strategy):
 
     def flat_range(self, tensor: torch.Tensor, param: nn.Parameter) -> tuple[int, torch.Tensor, int, int]:
         """`local_range` of `tensor` (a parameter, or one of its moments) in the full tensor of `param`:
-        strategy.ep's experts begin at this rank's first expert."""
+        strategy.ep's experts begin at this rank's first expert (lora_B's: in its `block`)."""
         start, flat, replicas, index = self.local_range(tensor)
         return start + self.experts.start(param), flat, replicas, index
 
     def state_dict(self, model_only=False):
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
             self.adam.create()
-        pieces = {key: replica_slice(*self.flat_range(t, p)) for key, t, p in self._tensors(model_only)}
+        pieces = {key: replica_slice(*self.flat_range(t, p))._replace(block=self.experts.block(p))
+                  for key, t, p in self._tensors(model_only)}
         if self.is_main and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self.adam.step_count()]))
         return pieces
 
     def state_layout(self):
         self.adam.create()
-        layout = {key: (start, flat.numel()) for key, t, p in self._tensors()
+        layout = {key: (start, flat.numel(), self.experts.block(p)) for key, t, p in self._tensors()
                   for start, flat, _, _ in [self.flat_range(t, p)]}
         return {**layout, STEP_KEY: (0, 1)}
 
