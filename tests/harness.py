@@ -142,9 +142,9 @@ def full_state(strategy, model_only: bool = True) -> dict | None:
 
     pieces = {k: (p.start, p.tensor.detach().float().cpu().clone(), p.block)
               for k, p in strategy.state_dict(model_only).items()}
-    gathered = [None] * strategy.world_size if strategy.is_main else None
+    gathered = [None] * strategy.env.world_size if strategy.env.is_main else None
     dist.gather_object(pieces, gathered, dst=0)
-    if not strategy.is_main:
+    if not strategy.env.is_main:
         return None
     shapes = {key: shape for name, shape in param_shapes(strategy.module, strategy.full_shape).items()
               for key in state_keys(name).values()}

@@ -10,13 +10,11 @@ import torch
 from torch import nn
 
 from trainer.checkpoint.format import Piece
+from trainer.distributed import DistEnv
 
 
 class StateHolder(Protocol):
-    rank: int
-    world_size: int
-    is_main: bool
-    device: torch.device
+    env: DistEnv  # this rank: rank, world size, device, is_main
 
     @property
     def module(self) -> nn.Module:

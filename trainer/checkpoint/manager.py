@@ -83,7 +83,7 @@ class CheckpointManager:
         self.outcome: Path | None = None  # the newest save's step dir once published
         # checkpoint.async (with somewhere to save): the writer's thread and group, made here on every rank
         self.writer = Writer(collective_timeout_s) if cfg.async_ and self.root and strategy is not None else None
-        self.host = HostCopy(pinned=strategy is not None and strategy.device.type == "cuda")
+        self.host = HostCopy(pinned=strategy is not None and strategy.env.device.type == "cuda")
 
     def due(self, step: int, total_steps: int) -> bool:
         """Every `every_steps` steps, and always the last step, whenever checkpoint.dir is set."""
@@ -141,14 +141,14 @@ class CheckpointManager:
         s = self.strategy
         try:
             pieces = {key: piece for key, piece in s.state_dict().items() if key not in self.unsaved}
-            if s.is_main:
+            if s.env.is_main:
                 pieces.update({buffer_key(name): Piece(0, b.view(-1))
                                for name, b in persistent_buffers(s.module).items()})
             tensors = {f"{key}@{p.start}": p.tensor for key, p in pieces.items()}
             tensors = self.host.take(tensors) if self.writer else {
                 key: t.detach().float().cpu() for key, t in tensors.items()}
             tensors["rng.torch"] = torch.get_rng_state()
-            if s.device.type == "cuda":
+            if s.env.device.type == "cuda":
                 tensors["rng.cuda"] = torch.cuda.get_rng_state()
             return {"tensors": tensors, "pieces": {key: p.entry() for key, p in pieces.items()}}
         except Exception as e:
@@ -161,17 +161,17 @@ class CheckpointManager:
         s = self.strategy
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        failed = attempt(lambda: self._prepare(tmp), "rank 0") if s.is_main else []
+        failed = attempt(lambda: self._prepare(tmp), "rank 0") if s.env.is_main else []
         if not broadcast_object(failed, group=group):
             outcome = self._write_rank_file(tmp, snapshot)
-            outcomes = [None] * s.world_size
+            outcomes = [None] * s.env.world_size
             dist.all_gather_object(outcomes, outcome, group=group)
             failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if "error" in o]
-            if not failed and s.is_main:
+            if not failed and s.env.is_main:
                 failed = attempt(lambda: self._commit(tmp, final, step, trainer_state, outcomes, shapes, buffers),
                                  "rank 0")
         failed = broadcast_object(failed, group=group)
-        if s.is_main:
+        if s.env.is_main:
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
@@ -196,7 +196,7 @@ class CheckpointManager:
             newest = latest_checkpoint(self.root)
             raise CheckpointError(f"{message}. It was the last step: the run is not saved"
                                   + (f"; the newest checkpoint is {newest}" if newest else ""))
-        if s.is_main:
+        if s.env.is_main:
             log.error(f"{message}. Training goes on")
         return None
 
@@ -222,7 +222,7 @@ class CheckpointManager:
                    if t.is_floating_point() and not torch.isfinite(t).all()]
             if bad:  # never saved: a checkpoint must be one to go back to
                 raise ValueError(f"non-finite values in {', '.join(bad[:3])}")
-            checksum = write_tensors(tensors, tmp / rank_file(s.rank))
+            checksum = write_tensors(tensors, tmp / rank_file(s.env.rank))
             return {"pieces": snapshot["pieces"], "checksum": checksum}
         except Exception as e:  # reported to all ranks, so that none waits forever
             return {"error": f"{type(e).__name__}: {e}"}
@@ -241,7 +241,7 @@ class CheckpointManager:
         base = {"path": self.source.get("path"), "fingerprint": self.base_fingerprint,
                 "params": len(self.unsaved)} if self.unsaved else None
         checksums = {rank_file(rank): outcome["checksum"] for rank, outcome in enumerate(outcomes)}
-        write_manifest(tmp, manifest_of(step, trainer_state, self.strategy_name, self.strategy.world_size, shapes,
+        write_manifest(tmp, manifest_of(step, trainer_state, self.strategy_name, self.strategy.env.world_size, shapes,
                                         buffers, self.source, base, tensors, checksums))
         self._set_aside_newer(step)
         publish(tmp, final)
@@ -301,7 +301,7 @@ class CheckpointManager:
         values, rng = {}, {}
         buffers = persistent_buffers(s.module)
         saved_buffers = {name for name in buffers if buffer_key(name) in manifest["tensors"]}
-        if s.is_main and len(saved_buffers) < len(buffers):  # a checkpoint from before buffers were saved
+        if s.env.is_main and len(saved_buffers) < len(buffers):  # a checkpoint from before buffers were saved
             log.warning(f"checkpoint: {path} holds no value for {len(buffers) - len(saved_buffers)} persistent "
                         f"buffers of the model (e.g. {sorted(set(buffers) - saved_buffers)[0]}); they keep their "
                         "start values")
@@ -310,15 +310,15 @@ class CheckpointManager:
         def read() -> None:  # this rank's ranges and RNG, from any rank's files
             reader = PieceReader(path, manifest)
             values.update({key: reader.read(key, *where) for key, where in layout.items()})
-            saved_rank = s.rank if s.rank < manifest["world_size"] else 0
+            saved_rank = s.env.rank if s.env.rank < manifest["world_size"] else 0
             f = reader.open(rank_file(saved_rank))
             rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})
-            if saved_rank != s.rank:  # a rank the saving run did not have: a stream of its own
-                rng.update({key: rng_state_of_new_rank(state, s.rank, "cuda" if key == "rng.cuda" else "cpu")
+            if saved_rank != s.env.rank:  # a rank the saving run did not have: a stream of its own
+                rng.update({key: rng_state_of_new_rank(state, s.env.rank, "cuda" if key == "rng.cuda" else "cpu")
                             for key, state in rng.items()})
 
-        failed = [None] * s.world_size  # a rank that cannot read stops every rank, none is left waiting
-        dist.all_gather_object(failed, attempt(read, f"rank {s.rank}"))
+        failed = [None] * s.env.world_size  # a rank that cannot read stops every rank, none is left waiting
+        dist.all_gather_object(failed, attempt(read, f"rank {s.env.rank}"))
         failed = [message for messages in failed for message in messages]
         if failed:
             raise CheckpointError(f"checkpoint: cannot read {path}: " + "; ".join(failed))
@@ -328,7 +328,7 @@ class CheckpointManager:
         s.load_state_dict(values)
         if "rng.torch" in rng:  # not in a checkpoint converted from another format
             torch.set_rng_state(rng["rng.torch"])
-        if s.device.type == "cuda" and "rng.cuda" in rng:
+        if s.env.device.type == "cuda" and "rng.cuda" in rng:
             torch.cuda.set_rng_state(rng["rng.cuda"])
         s.barrier()
         return manifest["trainer"]

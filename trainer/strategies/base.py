@@ -75,12 +75,6 @@ class Strategy(ABC):
         self.layout = Layout(Degrees(env.world_size, cfg.strategy.sp, cfg.strategy.ep), env.rank)
         self.experts = ExpertRows(self.layout.experts)  # the parameters holding this rank's experts only (ep > 1)
 
-    rank = property(lambda self: self.env.rank)
-    world_size = property(lambda self: self.env.world_size)
-    local_rank = property(lambda self: self.env.local_rank)
-    device = property(lambda self: self.env.device)
-    is_main = property(lambda self: self.env.is_main)
-
     def model_init_context(self) -> AbstractContextManager:
         """Where the model is built: parameters on the meta device, materialised by `setup`."""
         return params_on_meta()
@@ -103,9 +97,9 @@ class Strategy(ABC):
         in eval mode, in no optimizer. Here replicated on every rank (ddp, zero1/2)."""
         model.requires_grad_(False)
         hold_in(model, self.frozen_dtype(), frozen_only=True)
-        allocate(model, self.device)
+        allocate(model, self.env.device)
         fill(model, weights)
-        return model.to(self.device).eval()  # .to: the buffers
+        return model.to(self.env.device).eval()  # .to: the buffers
 
     def frozen_dtype(self) -> torch.dtype:
         """The dtype of a frozen copy's parameters: the one the policy's training parameters are

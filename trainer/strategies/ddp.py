@@ -15,10 +15,10 @@ from trainer.strategies.torch_native import TorchStrategy
 
 class DDPStrategy(TorchStrategy):
     def wrap(self, model, weights):
-        allocate(model, self.device)
+        allocate(model, self.env.device)
         fill(model, weights)
-        model = model.to(self.device)  # the buffers
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        model = model.to(self.env.device)  # the buffers
+        device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         reduce_dtype = ReduceDtype(self.cfg.strategy.reduce_dtype)
         if reduce_dtype is not ReduceDtype.fp32:  # fp32 gradients, sent in the training dtype
@@ -29,7 +29,7 @@ class DDPStrategy(TorchStrategy):
         # DDP keeps fp32 parameters; bf16/fp16 compute comes from autocast.
         if self.precision is Precision.fp32:
             return nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+        return torch.autocast(self.env.device.type, dtype=DTYPES[self.precision])
 
     def frozen_dtype(self):
         # the policy computes from fp32 parameters under autocast: norms and embeddings in fp32; a
@@ -42,7 +42,7 @@ class DDPStrategy(TorchStrategy):
 
     def local_range(self, tensor):
         # Every rank holds everything: each saves 1/N of it and loads all of it.
-        return 0, tensor.detach().view(-1), self.world_size, self.rank
+        return 0, tensor.detach().view(-1), self.env.world_size, self.env.rank
 
     def micro_step(self, final):
         return self.model.no_sync() if not final and not self.reduce_every_micro_step else nullcontext()

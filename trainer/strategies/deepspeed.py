@@ -63,18 +63,18 @@ class DeepSpeedStrategy(Strategy):
             from trainer.strategies.ds_experts import make_groups, partition_experts
 
             make_groups(ep)
-            experts = (partition_experts(model, self.layout.experts, self.device) if self.stage == 3
+            experts = (partition_experts(model, self.layout.experts, self.env.device) if self.stage == 3
                        else shard_experts(model, self.layout.experts))
         else:
             experts = []
         if self.stage == 3:  # each rank fills its own partition of every parameter
             self.experts.add(experts)
-            fill(model, weights, partial(z3_local, rank=self.rank, experts=self.experts))
+            fill(model, weights, partial(z3_local, rank=self.env.rank, experts=self.experts))
         else:  # every rank holds the whole model, in the training dtype (the fp32 masters are DeepSpeed's
             # partitions, set below): allocated so where it trains and filled a tensor at a time, so that
             # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
             hold_in(model, DTYPES[self.precision], frozen_only=False)
-            allocate(model, self.device)
+            allocate(model, self.env.device)
             self.experts.add(experts)
             fill(model, weights, lambda p: (self.experts.start(p), p.detach().view(-1), self.experts.block(p)))
         optimizer = optimizer_factory(trainable(model, self.full_shape))
@@ -92,10 +92,10 @@ class DeepSpeedStrategy(Strategy):
         with zero3_start_hooks():  # ZeRO-3's optimizer: its gradient hooks on the partitioned parameters
             self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                    config=self.ds_config)
-        self.zero = ZeroPartitions(self.engine, self.stage, self.rank, self.world_size, self.experts)
+        self.zero = ZeroPartitions(self.engine, self.stage, self.env.rank, self.env.world_size, self.experts)
         if self.precision is not Precision.fp32:
             self._set_masters(weights)
-        follow_rank0_buffers(self.engine.module, self.device, self.world_size)
+        follow_rank0_buffers(self.engine.module, self.env.device, self.env.world_size)
         return self.engine, ds_optimizer
 
     def setup_frozen(self, model, weights):
@@ -106,7 +106,7 @@ class DeepSpeedStrategy(Strategy):
         # holds a ZeRO-3 model in DeepSpeedZeRoOffload, the hooks that do that (engine.py's
         # _configure_zero_optimizer(None), DeepSpeed 0.19.8; TRL's reference under ZeRO-3 too).
         model.requires_grad_(False)
-        fill(model, weights, partial(z3_local, rank=self.rank))
+        fill(model, weights, partial(z3_local, rank=self.env.rank))
         engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
         self.frozen_engines.append(engine)
         engine.eval()  # DeepSpeedEngine.eval returns None
@@ -122,7 +122,7 @@ class DeepSpeedStrategy(Strategy):
             if not p.requires_grad:
                 continue
             if self.stage == 3:
-                start, numel = z3_range(p, self.rank, self.experts)
+                start, numel = z3_range(p, self.env.rank, self.experts)
                 if numel:
                     padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
                     padded[:numel] = weights.read(name, start, numel)
@@ -227,7 +227,7 @@ class DeepSpeedStrategy(Strategy):
         return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.module.parameters()) + self.held_bytes(),
                 "grads": max(self._gradient_bytes(), self._gradient_peak),  # now, or at this step's peak
                 "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(self.engine.optimizer.optimizer)),
-                "peak": peak_device_bytes(self.device)}
+                "peak": peak_device_bytes(self.env.device)}
 
     def held_bytes(self):
         # ZeRO-3's frozen copy holds this rank's partition of each parameter (ds_tensor)
@@ -238,7 +238,7 @@ class DeepSpeedStrategy(Strategy):
         return self.engine.module
 
     def state_dict(self, model_only=False):
-        return self.zero.state_dict(model_only, with_step=self.is_main)
+        return self.zero.state_dict(model_only, with_step=self.env.is_main)
 
     def state_layout(self):
         return self.zero.state_layout()

@@ -19,13 +19,13 @@ from trainer.strategies.torch_native import TorchStrategy
 
 class FSDPStrategy(TorchStrategy):
     def make_grad_scaler(self):
-        return ShardedGradScaler(self.device.type)  # agrees on inf/nan across shards
+        return ShardedGradScaler(self.env.device.type)  # agrees on inf/nan across shards
 
     def mesh(self):
         # HSDP: replicate across nodes, shard inside one. NO_SHARD is HSDP with shards of size 1.
-        shard = {Sharding.FULL_SHARD: self.world_size, Sharding.SHARD_GRAD_OP: self.world_size,
+        shard = {Sharding.FULL_SHARD: self.env.world_size, Sharding.SHARD_GRAD_OP: self.env.world_size,
                  Sharding.HYBRID_SHARD: self.env.local_world_size, Sharding.NO_SHARD: 1}[Sharding(self.cfg.strategy.sharding)]
-        return self.layout.data_mesh(self.device.type, shard)
+        return self.layout.data_mesh(self.env.device.type, shard)
 
     def wrap(self, model, weights):
         s = self.cfg.strategy
@@ -35,7 +35,7 @@ class FSDPStrategy(TorchStrategy):
             # strategy.reduce_dtype (fp32 by default).
             mp_policy=MixedPrecisionPolicy() if self.precision is Precision.fp32 else
             MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=REDUCE_DTYPES[s.reduce_dtype]),
-            offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.offloaded()
+            offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if self.offloaded()
             else OffloadPolicy(),
             reshard_after_forward=Sharding(s.sharding) is not Sharding.SHARD_GRAD_OP,
         )
@@ -45,9 +45,9 @@ class FSDPStrategy(TorchStrategy):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
         # Built on the meta device: each rank allocates and fills only its own shards.
-        allocate(model, torch.device("cpu") if self.offloaded() else self.device)
+        allocate(model, torch.device("cpu") if self.offloaded() else self.env.device)
         fill(model, weights, lambda p: (*self.flat_range(p, p)[:2], self.experts.block(p)))
-        follow_rank0_buffers(model, self.device, self.world_size)
+        follow_rank0_buffers(model, self.env.device, self.env.world_size)
         return model
 
     def shard_experts(self, model, kwargs) -> None:
@@ -56,8 +56,8 @@ class FSDPStrategy(TorchStrategy):
         (the outermost of peft's wrappers), so the block's all-gather leaves it out. Its gradients
         come from the tokens of the whole expert group: summed over those ranks and divided by the
         world, they are the mean over all ranks, as every other gradient."""
-        world, ep = self.world_size, self.layout.experts.size
-        mesh = self.layout.expert_data_mesh(self.device.type)
+        world, ep = self.env.world_size, self.layout.experts.size
+        mesh = self.layout.expert_data_mesh(self.env.device.type)
         modules = shard_experts(model, self.layout.experts)
         for module in modules:
             fully_shard(module, **{**kwargs, "mesh": mesh})

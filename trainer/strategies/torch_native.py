@@ -36,7 +36,7 @@ class TorchStrategy(Strategy):
         self.scaler = self.make_grad_scaler() if self.precision is Precision.fp16 else None
 
     def make_grad_scaler(self):
-        return torch.amp.GradScaler(self.device.type)
+        return torch.amp.GradScaler(self.env.device.type)
 
     @abstractmethod
     def wrap(self, model: nn.Module, weights: WeightSource) -> nn.Module:
@@ -119,7 +119,7 @@ class TorchStrategy(Strategy):
             self.adam.create()
         pieces = {key: replica_slice(*self.flat_range(t, p))._replace(block=self.experts.block(p))
                   for key, t, p in self._tensors(model_only)}
-        if self.is_main and not model_only:
+        if self.env.is_main and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self.adam.step_count()]))
         return pieces
 
@@ -139,4 +139,4 @@ class TorchStrategy(Strategy):
     def memory_bytes(self):
         params = list(self.model.parameters())
         return {"params": tensor_bytes(params) + self.held_bytes(), "grads": tensor_bytes(p.grad for p in params),
-                "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.device)}
+                "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.env.device)}

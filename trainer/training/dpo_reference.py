@@ -60,11 +60,11 @@ def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
 def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size: int, fused: bool) -> torch.Tensor:
     """The log-probability of every sequence of `rows` (PairRows) under the model as it is, by
     sequence number: each rank its share of the rows, summed over ranks (a sequence is in one row)."""
-    table = torch.zeros(2 * rows.n_pairs, dtype=torch.float64, device=strategy.device)
+    table = torch.zeros(2 * rows.n_pairs, dtype=torch.float64, device=strategy.env.device)
     was_training = model.training
     model.eval()
     for batch in eval_batches(rows, micro_batch_size, strategy.layout.dp_rank, strategy.layout.dp_size):
-        batch, sharded = share([t.to(strategy.device) for t in batch], strategy.layout.sequence)
+        batch, sharded = share([t.to(strategy.env.device) for t in batch], strategy.layout.sequence)
         with sharded, strategy.autocast():
             logps, _, numbers, _ = sequence_logps(model, batch, fused, strategy.layout.sequence)
         if strategy.layout.sequence.rank == 0:  # strategy.sp: the group's ranks have the same sums; one writes them
@@ -89,17 +89,17 @@ def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dic
     tables = {}
     for split, rows in splits.items():
         file = entry / f"{split}.pt"
-        on_rank0 = strategy.all_reduce(torch.tensor(int(strategy.is_main and file.is_file()), device=strategy.device))
+        on_rank0 = strategy.all_reduce(torch.tensor(int(strategy.env.is_main and file.is_file()), device=strategy.env.device))
         if on_rank0.item():
             # one tensor: weights_only, said (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD overrides only the default),
             # so that a file put in the cache by anyone else runs nothing
-            table = torch.load(file, weights_only=True) if strategy.is_main else torch.zeros(2 * rows.n_pairs,
+            table = torch.load(file, weights_only=True) if strategy.env.is_main else torch.zeros(2 * rows.n_pairs,
                                                                                            dtype=torch.float64)
-            tables[split] = strategy.all_reduce(table.to(strategy.device)).cpu()  # the others' zeros: rank 0's
+            tables[split] = strategy.all_reduce(table.to(strategy.env.device)).cpu()  # the others' zeros: rank 0's
             continue
         log.info(f"objective.precompute_ref: the reference's log-probs of {rows.n_pairs:,} {split} pairs, once")
         tables[split] = reference_logps(model, strategy, rows, micro_batch_size, fused)
-        if strategy.is_main:
+        if strategy.env.is_main:
             entry.mkdir(parents=True, exist_ok=True)
             tmp = file.with_suffix(f".tmp{os.getpid()}")
             torch.save(tables[split], tmp)
@@ -123,7 +123,7 @@ def starting_adapters(cfg: Config, strategy: Strategy) -> nn.Module:
     whole, in the training dtype, beside the policy's LoRA layers (models.lora.StartingAdapters)."""
     from trainer.models.lora import StartingAdapters
 
-    adapters = StartingAdapters(strategy.module, Path(cfg.peft.init), DTYPES[strategy.precision], strategy.device)
+    adapters = StartingAdapters(strategy.module, Path(cfg.peft.init), DTYPES[strategy.precision], strategy.env.device)
     strategy.holds(adapters)
     return adapters
 
