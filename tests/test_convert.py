@@ -312,3 +312,15 @@ def test_buffers_come_through_conversion_to_hf(tmp_path):
     convert_in_process(tmp_path / "ckpt", tmp_path / "hf", "hf")
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert [layer.layer_scalar.item() for layer in loaded.model.layers] == [0.5, 0.25]
+
+
+def test_convert_to_deepspeed_without_an_engine_refuses_in_one_line(tmp_path):
+    """trainer.checkpoint.convert builds no strategy: --to deepspeed needs the job's (trainer.convert)."""
+    from trainer.checkpoint.convert import write_deepspeed
+    from trainer.checkpoint.format import Portable
+    from trainer.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="python -m trainer.convert") as refused:
+        write_deepspeed(Portable({}, {}, 0, source={"model": {}}), tmp_path / "out", holding=None)
+    assert "\n" not in str(refused.value)
+    assert not Path(tmp_path / "out").exists()

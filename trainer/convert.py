@@ -25,19 +25,21 @@ from __future__ import annotations
 import argparse
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from trainer.checkpoint import convert as formats
 from trainer.checkpoint.convert import TARGETS
 from trainer.errors import CheckpointError
-from trainer.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from trainer.strategies.deepspeed import DeepSpeedStrategy
 
 
 @contextmanager
-def zero1_holding(step_dir: Path, model: dict) -> Iterator[Strategy]:
+def zero1_holding(step_dir: Path, model: dict) -> Iterator[DeepSpeedStrategy]:
     """A ZeRO-1 strategy of one rank, its model built again from `model` (what the checkpoint
     records of it), holding `step_dir`'s weights and moments: what --to deepspeed saves through
-    `Strategy.save_native`. The job composes model and strategy; the checkpoint package does not."""
+    `DeepSpeedStrategy.save_native`. The job composes model and strategy; the checkpoint package does not."""
     from trainer import distributed
     from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import to_config

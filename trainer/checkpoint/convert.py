@@ -15,7 +15,7 @@ import torch
 
 from trainer.checkpoint import untrusted
 from trainer.checkpoint.format import ADAM_KEYS, LATEST, MANIFEST, Portable, read_step_dir, write_step_dir
-from trainer.checkpoint.holder import StateHolder
+from trainer.checkpoint.holder import NativeSaver
 from trainer.checkpoint.resume import latest_checkpoint
 from trainer.errors import ERROR_EXIT_CODE, CheckpointError
 from trainer.models.weights import safetensors_files
@@ -23,7 +23,7 @@ from trainer.models.weights import safetensors_files
 # A strategy of one rank holding a step dir of ours, its model built again from what the checkpoint
 # records of it (the manifest's source["model"]), for as long as the block runs: composed by the
 # job (python -m trainer.convert), which may build models and strategies; this package does neither.
-Holding = Callable[[Path, dict], AbstractContextManager[StateHolder]]
+Holding = Callable[[Path, dict], AbstractContextManager[NativeSaver]]
 
 FORMATS = ("trainer", "dcp", "deepspeed", "universal", "hf", "accelerate")
 # accelerate save_state of a DDP or one-process run: the model's weights, the optimizer by position
@@ -226,7 +226,7 @@ def write_dcp(p: Portable, out: Path) -> Path:
 def write_deepspeed(p: Portable, out: Path, holding: Holding | None) -> Path:
     """A DeepSpeed universal checkpoint (an engine resumes it with "checkpoint": {"load_universal":
     true}), made by DeepSpeed's own code: a ZeRO-1 strategy of one rank (`holding`) takes the weights
-    and moments (the trainer's own resume) and saves its engine's checkpoint (`Strategy.save_native`),
+    and moments (the trainer's own resume) and saves its engine's checkpoint (`DeepSpeedStrategy.save_native`),
     and ds_to_universal converts that."""
     if holding is None:
         raise CheckpointError("--to deepspeed: needs a DeepSpeed engine built with the model; "

@@ -34,5 +34,9 @@ class StateHolder(Protocol):
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Take the fp32 ranges of `state_layout`."""
 
+
+class NativeSaver(Protocol):
+    """A DeepSpeed strategy, as `convert --to deepspeed` holds one: it writes its engine's own checkpoint."""
+
     def save_native(self, directory: Path, tag: str) -> None:
-        """The backend's own checkpoint format, by the backend's own code (convert --to deepspeed)."""
+        """The engine's checkpoint, by DeepSpeed's own code (`save_checkpoint`)."""

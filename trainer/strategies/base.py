@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -14,7 +13,6 @@ from torch import nn
 from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
-from trainer.errors import CheckpointError
 from trainer.layout import Degrees, Layout
 from trainer.models.experts import ExpertRows
 from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
@@ -195,12 +193,6 @@ class Strategy(ABC):
 
     def load_loss_scale_state(self, state: dict) -> None:
         """Take a `loss_scale_state` (from any backend) into this backend's scaler."""
-
-    def save_native(self, directory: Path, tag: str) -> None:
-        """The backend's own checkpoint format, written by the backend's own code (convert --to
-        deepspeed). Only DeepSpeed has one; the others refuse in one line."""
-        raise CheckpointError(f"{self.cfg.strategy.name.value}: has no checkpoint format of its own; "
-                              "its checkpoints are the trainer's (docs/design.md, Checkpoints)")
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         dist.all_reduce(tensor, op=op)

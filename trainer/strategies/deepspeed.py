@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from functools import partial
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -246,7 +247,9 @@ class DeepSpeedStrategy(Strategy):
     def load_state_dict(self, values):
         self.zero.load_state_dict(values)
 
-    def save_native(self, directory, tag):
+    def save_native(self, directory: Path, tag: str) -> None:
+        """DeepSpeed's own checkpoint of the engine (convert --to deepspeed): the only backend with a format
+        of its own, so no member of the common surface."""
         self.engine.save_checkpoint(str(directory), tag=tag)
 
     def full_shape(self, p):
