@@ -212,17 +212,26 @@ def launch(index: int, mode: str, data: dict[str, Path], root: Path, steps: int,
 
 
 def group_alive(pgid: int) -> list[int]:
-    """The processes still in the start's process group (its session: launcher, rank server, ranks)."""
+    """The live processes of the start's process group (its session: launcher, rank server, ranks);
+    zombies, dead and waiting for their parent (init) to reap them, are not counted."""
     import psutil
 
     alive = []
-    for p in psutil.process_iter(["pid"]):
+    for p in psutil.process_iter(["pid", "status"]):
         try:
-            if os.getpgid(p.pid) == pgid:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
                 alive.append(p.pid)
         except (ProcessLookupError, PermissionError):
             continue
     return alive
+
+
+def left_after(start: Start, grace: float = 2.0) -> list[int]:
+    """The start's processes still alive `grace` s after its launcher left."""
+    deadline = time.monotonic() + grace
+    while (left := group_alive(start.process.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def end_group(start: Start) -> list[int]:
@@ -451,9 +460,9 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
                                f"{args.exit_timeout} s after the signal" if fired else "never ended")
         code = start.process.poll()
         exited = time.monotonic()
-        time.sleep(0.2)  # a rank the launcher stopped may still be leaving
-        left = end_group(start)
-        if left and code is not None:
+        left = left_after(start) if code is not None else []
+        end_group(start)
+        if left:
             tally.left_behind.append(f"run {run} start {index}: pids {left} after the launcher left")
         start.process.wait()
         start.poll()
