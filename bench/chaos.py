@@ -27,8 +27,9 @@ then decided from what was seen at the moment of the signal, not from what was a
   - startup: no step recorded yet by this start, outside the precompute;
   - final: after the last step's record (its save, the run's end, the ranks leaving);
   - step: during a training step otherwise.
-`async_write` is kept for checkpoint.async=true's background writes: a kill while the writer
-holds a step in flight (PHASES, `in_flight_async`), counted once that option exists.
+  - async_write: the step dir of a step before the last recorded one was still being written
+    (checkpoint.async=true's background writer; never so while saves block training). Run it
+    with `--override checkpoint.async=true` once the trainer has that option.
 
 After each kill: the job must be gone within --exit-timeout s (else: a hang, counted and
 killed), no process of it left behind, and every step dir of the checkpoint dir intact
@@ -177,10 +178,10 @@ class Start:
         except FileNotFoundError:  # renamed as it was looked at: the save just completed
             return []
 
-    def in_flight_async(self) -> bool:
-        """checkpoint.async=true: a background write in flight. Not in the trainer yet; where it lands,
-        the evidence its writer leaves (its own temporary dir or record) goes here."""
-        return False
+    def in_flight_async(self, saves: list[str]) -> bool:
+        """checkpoint.async=true: a background write in flight, the step dir of a step before the last
+        recorded one still being written (a save in the step blocks training: never so without it)."""
+        return self.last_step is not None and any(int(name.rsplit("_", 1)[1]) < self.last_step for name in saves)
 
     def ranks(self) -> list:
         import psutil
@@ -193,7 +194,7 @@ class Start:
 
 
 def launch(index: int, mode: str, data: dict[str, Path], root: Path, steps: int, every: int, ckpt: Path,
-           threads: int) -> Start:
+           threads: int, extra: list[str] = ()) -> Start:
     strategy, world = CYCLE[index % len(CYCLE)]
     run_dir = root / f"start_{index:04d}_{strategy}@{world}"
     if mode == "dpo":
@@ -203,7 +204,7 @@ def launch(index: int, mode: str, data: dict[str, Path], root: Path, steps: int,
     out = open(run_dir.with_suffix(".out"), "w")
     wall = time.time()
     process = subprocess.Popen([sys.executable, "-m", "trainer", *overrides(mode, data, strategy, world, steps, ckpt,
-                                                                            every), f"hydra.run.dir={run_dir}"],
+                                                                            every), *extra, f"hydra.run.dir={run_dir}"],
                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     out.close()
     start = Start(index, strategy, world, run_dir, ckpt, process, time.monotonic())
@@ -352,10 +353,10 @@ def verify_checkpoints(ckpt: Path) -> str | None:
 # -- the runs -----------------------------------------------------------------------------------------------------
 
 def reference_run(mode: str, data: dict[str, Path], root: Path, steps: int, every: int, threads: int,
-                  timeout: float) -> tuple[dict[int, dict], float]:
+                  timeout: float, extra: list[str] = ()) -> tuple[dict[int, dict], float]:
     """The uninterrupted run (fsdp at 2 ranks): its record per step, and its wall time."""
     ckpt = root / "ckpt"
-    start = launch(0, mode, data, root, steps, every, ckpt, threads)
+    start = launch(0, mode, data, root, steps, every, ckpt, threads, extra)
     try:
         start.process.wait(timeout=timeout)
     finally:
@@ -392,7 +393,8 @@ def kill(start: Start, a: Aim, rng: random.Random) -> str:
 def evidence(start: Start, reference_cache: Path) -> dict:
     """What is seen of the start now: read just before a signal (and the saves again just after)."""
     start.poll()
-    return {"saves": start.saves_in_flight(), "async": start.in_flight_async(), "last_step": start.last_step,
+    saves = start.saves_in_flight()
+    return {"saves": saves, "async": start.in_flight_async(saves), "last_step": start.last_step,
             "precompute": start.precompute_seen is not None and not start.records
             and not list(reference_cache.glob("*/train.pt"))}
 
@@ -427,7 +429,8 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
     all_records: list[dict] = []
     ended = False
     while True:
-        start = CURRENT["start"] = launch(index, mode, data, run_root, args.steps, args.every, ckpt, args.threads)
+        start = CURRENT["start"] = launch(index, mode, data, run_root, args.steps, args.every, ckpt, args.threads,
+                                          args.override)
         tally.starts += 1
         a = aim(rng, mode) if made < kills_left and not ended else None
         fired, deadline = None, time.monotonic() + args.exit_timeout * 4
@@ -531,7 +534,8 @@ def chaos(args) -> dict:
         if ref_root.exists():
             shutil.rmtree(ref_root)
         ref_root.mkdir(parents=True)
-        references[mode] = reference_run(mode, data, ref_root, args.steps, args.every, args.threads, args.exit_timeout * 4)
+        references[mode] = reference_run(mode, data, ref_root, args.steps, args.every, args.threads,
+                                         args.exit_timeout * 4, args.override)
         tally.reference_s[mode] = round(references[mode][1], 1)
         print(f"uninterrupted {mode} run: {args.steps} steps in {references[mode][1]:.1f} s", flush=True)
     made, run = 0, 0
@@ -568,6 +572,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write the report here (also after each run)")
     p.add_argument("--keep", action="store_true", help="keep each run's dirs")
     p.add_argument("--verbose", action="store_true", help="a line per kill")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more trainer override for every start (e.g. checkpoint.async=true)")
     return p.parse_args(argv)
 
 

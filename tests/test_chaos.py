@@ -32,3 +32,23 @@ def test_twenty_kills_lose_nothing(tmp_path):
     assert report["kills"] == 20 and set(report["by_kind"]) == set(chaos.KINDS), report
     assert report["resumes"] > 0 and report["runs"] >= 2 and report["max_rel_loss_diff"] <= 1e-6, report
     assert report["steps_compared"] >= 2 * 10, report
+
+
+def test_where_a_kill_landed_is_read_from_what_was_seen():
+    """The phase of a kill, from what the chaos run saw at the signal (bench/chaos.py: phases_of)."""
+    import chaos
+
+    def seen(last_step=None, saves=(), precompute=False, in_flight_async=False):
+        return {"last_step": last_step, "saves": list(saves), "precompute": precompute, "async": in_flight_async}
+
+    ends = {5, 11}
+    assert chaos.phases_of(seen(), [], ends, 12) == ["startup"]
+    assert chaos.phases_of(seen(precompute=True), [], ends, 12) == ["precompute"]
+    assert chaos.phases_of(seen(3), [], ends, 12) == ["step"]
+    assert chaos.phases_of(seen(4, [".tmp-step_00000004"]), [], ends, 12) == ["save"]
+    assert chaos.phases_of(seen(4), [".tmp-step_00000004"], ends, 12) == ["save"]  # made as the signal went
+    assert chaos.phases_of(seen(5), [], ends, 12) == ["epoch_change"]
+    assert chaos.phases_of(seen(12), [], ends, 12) == ["final"]
+    assert chaos.phases_of(seen(7, [".tmp-step_00000006"], in_flight_async=True), [], ends, 12) == ["save", "async_write"]
+    start = chaos.Start(0, "fsdp", 2, None, None, None, 0.0, records=[(0.0, {"step": 7})])
+    assert start.in_flight_async([".tmp-step_00000006"]) and not start.in_flight_async([".tmp-step_00000007"])
