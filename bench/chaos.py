@@ -433,7 +433,7 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
                                           args.override)
         tally.starts += 1
         a = aim(rng, mode) if made < kills_left and not ended else None
-        fired, deadline = None, time.monotonic() + args.exit_timeout * 4
+        fired, deadline = None, time.monotonic() + args.start_timeout
         while start.process.poll() is None and time.monotonic() < deadline:
             start.poll()
             if pending_restart is not None and start.records:
@@ -535,7 +535,7 @@ def chaos(args) -> dict:
             shutil.rmtree(ref_root)
         ref_root.mkdir(parents=True)
         references[mode] = reference_run(mode, data, ref_root, args.steps, args.every, args.threads,
-                                         args.exit_timeout * 4, args.override)
+                                         args.start_timeout, args.override)
         tally.reference_s[mode] = round(references[mode][1], 1)
         print(f"uninterrupted {mode} run: {args.steps} steps in {references[mode][1]:.1f} s", flush=True)
     made, run = 0, 0
@@ -567,6 +567,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=2, help="checkpoint.every_steps")
     p.add_argument("--rtol", type=float, default=1e-6, help="largest relative loss difference allowed")
     p.add_argument("--exit-timeout", type=float, default=60.0, help="seconds a killed job may take to leave")
+    p.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds a start may run before its kill or its end (a start that never ends: a hang)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each rank")
     p.add_argument("--out", help="work dir (default: a fresh one under /tmp)")
     p.add_argument("--json", help="write the report here (also after each run)")
