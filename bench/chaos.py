@@ -539,16 +539,21 @@ def chaos(args) -> dict:
         tally.reference_s[mode] = round(references[mode][1], 1)
         print(f"uninterrupted {mode} run: {args.steps} steps in {references[mode][1]:.1f} s", flush=True)
     made, run = 0, 0
-    while made < args.kills:
-        mode = modes[run % len(modes)]
-        made += chaos_run(run, mode, data, root, *references[mode], args.kills - made, rng, tally, args)
-        run += 1
-        tally.wall_s = time.monotonic() - began
-        print(f"run {run}: {made} kills so far, {tally.resumes} resumes, max loss diff {tally.max_rel_diff:.2e}, "
-              f"{len(tally.hangs)} hangs, {len(tally.damaged)} damaged, {len(tally.loss_failures)} failures, "
-              f"{tally.wall_s:.0f} s", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(tally.as_dict(), indent=1) + "\n")
+    try:
+        while made < args.kills:
+            mode = modes[run % len(modes)]
+            made += chaos_run(run, mode, data, root, *references[mode], args.kills - made, rng, tally, args)
+            run += 1
+            tally.wall_s = time.monotonic() - began
+            print(f"run {run}: {made} kills so far, {tally.resumes} resumes, max loss diff {tally.max_rel_diff:.2e}, "
+                  f"{len(tally.hangs)} hangs, {len(tally.damaged)} damaged, {len(tally.loss_failures)} failures, "
+                  f"{tally.wall_s:.0f} s", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(tally.as_dict(), indent=1) + "\n")
+    finally:  # stopped on the way (a test's timeout, an error): the start in flight ends with it
+        start = CURRENT["start"]
+        if start is not None and start.process.poll() is None:
+            end_group(start)
     report = tally.as_dict()
     report.update(seed=args.seed, mode=args.mode, steps=args.steps, every=args.every, rtol=args.rtol)
     return report
