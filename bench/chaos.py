@@ -459,8 +459,9 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
                     deadline = fired + args.exit_timeout
             time.sleep(0.004)
         if start.process.poll() is None:
-            tally.hangs.append(f"run {run} start {index} ({start.strategy}@{start.world}): still running "
-                               f"{args.exit_timeout} s after the signal" if fired else "never ended")
+            late = (f"still running {args.exit_timeout:g} s after the signal" if fired else
+                    f"neither killed nor ended {args.start_timeout:g} s after its launch (last step: {start.last_step})")
+            tally.hangs.append(f"run {run} start {index} ({start.strategy}@{start.world}): {late}")
         code = start.process.poll()
         exited = time.monotonic()
         left = left_after(start) if code is not None else []
