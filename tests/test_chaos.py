@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # 20 starts and more, each a new launch: minutes on a loaded machine
+@pytest.mark.timeout(3600)  # 20 starts and more, each a new launch: 397 s here at a load of 5, past 900 s at 35
 def test_twenty_kills_lose_nothing(tmp_path):
     import chaos
 
