@@ -88,7 +88,7 @@ class TrainerState:
     epoch: int = 0
     skipped: int = 0  # bad steps in a row (faults.StepGuard)
     scale_skips: int = 0  # fp16 loss-scaler overflow skips, apart from bad steps
-    loss_scale: dict | None = None  # Strategy.loss_scale_state(); None without an fp16 scaler
+    loss_scale: dict | None = None  # Strategy.precision.scale_state(); None without an fp16 scaler
     tokens: int = 0  # cumulative target tokens, all ranks
     input_tokens: int = 0  # cumulative non-padding tokens (before they were counted: `tokens`)
     # the data position: {"epoch", "samples_consumed", "fingerprint": the data's settings}

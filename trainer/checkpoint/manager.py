@@ -330,5 +330,5 @@ class CheckpointManager:
             torch.set_rng_state(rng["rng.torch"])
         if s.env.device.type == "cuda" and "rng.cuda" in rng:
             torch.cuda.set_rng_state(rng["rng.cuda"])
-        s.barrier()
+        dist.barrier()
         return manifest["trainer"]
