@@ -18,8 +18,8 @@ from trainer.metrics import read_records
 from trainer.oom import (
     TEST_SWITCH,
     Adaptation,
+    OomRecorder,
     OutOfMemory,
-    Watch,
     append,
     asked_bytes,
     fusable,
@@ -88,9 +88,9 @@ def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_
 
 
 def test_an_out_of_memory_of_either_allocator_is_recorded_with_the_bytes_asked(monkeypatch):
-    watch = Watch(Adaptation(8, 1, False, 8), rank=1, device=torch.device("cpu"), step=5)
+    oom_recorder = OomRecorder(Adaptation(8, 1, False, 8), rank=1, device=torch.device("cpu"), step=5)
     with pytest.raises(OutOfMemory) as caught:  # the host allocator's, for real: a RuntimeError in torch
-        with watch.during("backward", 8):
+        with oom_recorder.record_oom_in("backward", 8):
             torch.empty(1 << 62, dtype=torch.uint8)
     record = caught.value.failure
     assert (record["step"], record["where"], record["rank"], record["rows"], record["asked"]) == (
@@ -99,16 +99,16 @@ def test_an_out_of_memory_of_either_allocator_is_recorded_with_the_bytes_asked(m
     assert asked_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
                        "of which 1.50 GiB is free.") == 2 * 2 ** 30
     with pytest.raises(RuntimeError, match="not memory"):  # anything else passes through as it is
-        with watch.during("forward", 8):
+        with oom_recorder.record_oom_in("forward", 8):
             raise RuntimeError("not memory")
     monkeypatch.setenv(TEST_SWITCH, "rank=1,rows=4,from_step=5")
-    with watch.during("forward", 3):  # fewer rows than the switch's
+    with oom_recorder.record_oom_in("forward", 3):  # fewer rows than the switch's
         pass
     with pytest.raises(OutOfMemory, match="Tried to allocate"):
-        with watch.during("forward", 4):
+        with oom_recorder.record_oom_in("forward", 4):
             pass
-    watch.step = 4  # before from_step
-    with watch.during("forward", 8):
+    oom_recorder.step = 4  # before from_step
+    with oom_recorder.record_oom_in("forward", 8):
         pass
 
 

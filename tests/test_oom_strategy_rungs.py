@@ -12,7 +12,7 @@ import torch
 
 from tests.harness import records, run_cli
 from trainer.config import to_config
-from trainer.oom import TEST_SWITCH, Adaptation, OutOfMemory, Watch, append
+from trainer.oom import TEST_SWITCH, Adaptation, OomRecorder, OutOfMemory, append
 from trainer.oom import read_records as oom_records
 from trainer.training.adapt import adapt
 
@@ -92,14 +92,14 @@ def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_b
 
 def test_the_switchs_bytes_make_a_full_device_that_asks_for_what_the_rank_keeps_above_them(monkeypatch):
     held = {"params": 600, "grads": 10 ** 6, "optim": 1200, "peak": None}  # gradients come and go: not counted
-    watch = Watch(Adaptation(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)
+    oom_recorder = OomRecorder(Adaptation(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)
     monkeypatch.setenv(TEST_SWITCH, "rank=1,bytes=1500,from_step=3")
     with pytest.raises(OutOfMemory) as caught:
-        with watch.during("forward", 1):
+        with oom_recorder.record_oom_in("forward", 1):
             pass
     assert (caught.value.failure["asked"], caught.value.failure["free"]) == (300, 0)  # CUDA's words, read back
     held["optim"] = 900  # a strategy that keeps less: no failure
-    with watch.during("forward", 1):
+    with oom_recorder.record_oom_in("forward", 1):
         pass
 
 

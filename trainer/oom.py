@@ -188,8 +188,9 @@ class OutOfMemory(Exception):
 
 
 @dataclass
-class Watch:
-    """Where this rank is, for the record of an out-of-memory there: the step, the plan, what runs."""
+class OomRecorder:
+    """Records this rank's out-of-memory failures: where the rank is (the step, the plan, what runs),
+    and `record_oom_in(where)`, inside which an out-of-memory is raised as OutOfMemory with that record."""
     plan: Adaptation
     rank: int
     device: torch.device
@@ -198,7 +199,7 @@ class Watch:
     held: Callable[[], dict] | None = None  # the strategy's memory_bytes, for the test switch's bytes=B
 
     @contextmanager
-    def during(self, where: str, rows: int = 0):
+    def record_oom_in(self, where: str, rows: int = 0):
         """Inside: an out-of-memory raised as OutOfMemory, with what failed."""
         before, self.where = self.where, where
         try:
