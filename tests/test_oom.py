@@ -53,7 +53,7 @@ def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointin
     assert evaluation == Adaptation(8, 1, False, 4, adaptations=1)  # the evaluation's micro-batch only
 
 
-def test_the_fused_loss_rung_is_taken_only_where_the_model_takes_it():
+def test_the_fused_loss_fallback_is_taken_only_where_the_model_takes_it():
     assert fusable(to_config({}))  # the built-in model, objective=lm
     assert fusable(to_config({"objective": {"name": "dpo"}}))  # DPO's log-probs come from the fused layer too
     scaled = {"name": "custom", "kind": "custom", "_target_": "tests.test_fused_loss.scaled_logits", "seq_len": 64}

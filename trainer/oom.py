@@ -4,7 +4,7 @@ torchrun's, a SLURM requeue) reads the records and adapts the plan before it res
 newest checkpoint. The ladder: the micro-batch halved and the accumulation doubled (the global
 batch, the loss's normalisation and so the losses stay those of the planned run), then, at
 micro-batch 1, activation checkpointing, then the fused loss where the run takes it, then the
-strategy rungs that the planner chooses with the failure's bytes (training/adapt.py). An evaluation
+strategy fallbacks that the planner chooses with the failure's bytes (training/adapt.py). An evaluation
 out of memory halves the evaluation's micro-batch only. The plan in force is kept in each
 checkpoint (TrainerState.plan).
 
@@ -93,7 +93,7 @@ class Adaptation:
     eval_micro_batch_size: int
     adaptations: int = 0
     fused_loss: bool = False
-    # a strategy rung's {"name", "sp", "offload_optimizer", "offload_params"}; None: the settings'
+    # a strategy fallback's {"name", "sp", "offload_optimizer", "offload_params"}; None: the settings'
     strategy: dict | None = None
 
     @classmethod
@@ -104,7 +104,7 @@ class Adaptation:
 
     def rows(self, sp: int) -> float:
         """Rows of a step per rank of the world: a sequence-parallel group of `sp` ranks (the settings'
-        strategy.sp, where no strategy rung says another) reads the same rows."""
+        strategy.sp, where no strategy fallback says another) reads the same rows."""
         return self.micro_batch_size * self.grad_accum_steps / (self.strategy or {}).get("sp", sp)
 
     def past(self, other: Adaptation, sp: int) -> bool:
@@ -112,11 +112,11 @@ class Adaptation:
         the settings' strategy.sp)."""
         return self.rows(sp) == other.rows(sp) and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
             self.micro_batch_size < other.micro_batch_size or (self.micro_batch_size == other.micro_batch_size and
-                                                               self.rung() >= other.rung()))
+                                                               self.fallbacks_taken() >= other.fallbacks_taken()))
 
-    def rung(self) -> tuple[bool, bool, int]:
-        """How far down the ladder past micro-batch 1 (activation checkpointing, the fused loss, then
-        the strategy rungs, counted by the adaptations that took them)."""
+    def fallbacks_taken(self) -> tuple[bool, bool, int]:
+        """Which fallbacks past micro-batch 1 the plan took: how far down the ladder (activation
+        checkpointing, the fused loss, then the strategy fallbacks, counted by the adaptations that took them)."""
         return self.activation_checkpointing, self.fused_loss, self.adaptations if self.strategy else -1
 
     def applied(self, cfg: Config) -> Config:
@@ -246,9 +246,9 @@ def what_failed(failure: dict) -> str:
 
 def adapted_plan(plan: Adaptation, failure: dict, cfg: Config) -> Adaptation | None:
     """next_plan for this run: whether it takes the fused loss is asked only where the ladder reaches it."""
-    at_fused_rung = (failure["where"] != "evaluation" and plan.micro_batch_size == 1
-                     and plan.activation_checkpointing and not plan.fused_loss)
-    return next_plan(plan, failure, can_fuse=at_fused_rung and fusable(cfg))
+    fused_loss_is_next = (failure["where"] != "evaluation" and plan.micro_batch_size == 1
+                          and plan.activation_checkpointing and not plan.fused_loss)
+    return next_plan(plan, failure, can_fuse=fused_loss_is_next and fusable(cfg))
 
 
 def adaptation_left(failure: dict, cfg: Config) -> bool:
