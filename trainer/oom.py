@@ -79,7 +79,8 @@ def free_bytes(device: torch.device) -> int | None:
     return max(0, min(available, limit - int(status["VmSize"].split()[0]) * 1024))
 
 
-def size(n: int | None) -> str:
+def format_bytes(n: int | None) -> str:
+    """Bytes as the console says them: `2.00 GiB` from 1 GiB up, `512.0 MiB` below; None: `unknown bytes`."""
     return "unknown bytes" if n is None else f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
@@ -241,7 +242,7 @@ def what_failed(failure: dict) -> str:
     rows = f"eval.micro_batch_size={plan.eval_micro_batch_size}" if where == "evaluation" else \
         f"train.micro_batch_size={plan.micro_batch_size}"
     return (f"rank {failure['rank']} ran out of memory {when(failure)} at {rows}: it asked "
-            f"for {size(failure['asked'])} with {size(failure['free'])} free")
+            f"for {format_bytes(failure['asked'])} with {format_bytes(failure['free'])} free")
 
 
 def adapted_plan(plan: Adaptation, failure: dict, cfg: Config) -> Adaptation | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainer.config import Config, StrategyName
-from trainer.oom import size
+from trainer.oom import format_bytes
 from trainer.plan.cost import GB, OFFLOADED, Option, Plan, make_plan, memory_budget, sequence_parallel_sizes
 from trainer.plan.report import format_plan
 
@@ -83,8 +83,9 @@ def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> lis
     # the run's own strategy with activation checkpointing (a set-up out of memory comes before that
     # fallback) is no change of strategy
     candidates = [(fallback, option) for fallback, option in candidates if fallback != settings]
-    return [(fallback, f"the planner counts {size(option.per_gpu_bytes['total'])} per device there against "
-                   f"{size(own.per_gpu_bytes['total'])} at {own.name}, which was {size(missing)} short")
+    return [(fallback, f"the planner counts {format_bytes(option.per_gpu_bytes['total'])} per device there "
+                       f"against {format_bytes(own.per_gpu_bytes['total'])} at {own.name}, which was "
+                       f"{format_bytes(missing)} short")
             for fallback, option in candidates if option.per_gpu_bytes["total"] <= limit]
 
 

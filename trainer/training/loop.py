@@ -33,7 +33,7 @@ from trainer.losses.objectives import NextToken, Objective, record, target_count
 from trainer.losses.router_loss import AUX, language_loss, router_logits, start_words, with_router_loss
 from trainer.models import description, model_facts
 from trainer.models.weights import WeightSource
-from trainer.oom import OomRecorder, size
+from trainer.oom import OomRecorder, format_bytes
 from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.adapt import adapt
@@ -358,7 +358,7 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         for event in adapted:
             records.log(event)
             log.info(f"adapted after out of memory: {event['what']} ({event['why']}, asking for "
-                     f"{size(event['asked'])} with {size(event['free'])} free)"
+                     f"{format_bytes(event['asked'])} with {format_bytes(event['free'])} free)"
                      + "".join(f"; skipped {line}" for line in event["skipped"]))
         oom_recorder = OomRecorder(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom, from set-up on
         with oom_recorder.record_oom_in("setup"):  # the model built and sharded, its weights, the optimizer, the checkpoint
