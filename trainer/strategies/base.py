@@ -15,7 +15,7 @@ from trainer.config import Config, GradReduce, Precision, ReduceDtype
 from trainer.distributed import DistEnv
 from trainer.layout import Degrees, Layout
 from trainer.models.experts import ExpertRows
-from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
+from trainer.models.weights import WeightSource, allocate_params, fill, params_on_meta, persistent_buffers, tensor_shape
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
 OptimizerFactory = Callable[[list[tuple[nn.Parameter, tuple[int, ...]]]], torch.optim.Optimizer]
@@ -95,7 +95,7 @@ class Strategy(ABC):
         in eval mode, in no optimizer. Here replicated on every rank (ddp, zero1/2)."""
         model.requires_grad_(False)
         hold_in(model, self.frozen_dtype(), frozen_only=True)
-        allocate(model, self.env.device)
+        allocate_params(model, self.env.device)
         fill(model, weights)
         return model.to(self.env.device).eval()  # .to: the buffers
 
