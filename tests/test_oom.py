@@ -14,7 +14,7 @@ import torch
 from tests.harness import FULL_MATRIX, records, run_cli
 from trainer.config import to_config
 from trainer.errors import RunError
-from trainer.metrics import read_records
+from trainer.metrics import read_metrics
 from trainer.oom import (
     TEST_SWITCH,
     Adaptation,
@@ -24,9 +24,7 @@ from trainer.oom import (
     asked_bytes,
     fusable,
     next_plan,
-)
-from trainer.oom import (
-    read_records as oom_records,
+    read_oom_records,
 )
 from trainer.training.adapt import adapt
 
@@ -124,9 +122,9 @@ def test_on_oom_fail_stops_two_ranks_with_one_line_naming_the_step_the_bytes_and
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and said(result.stderr) == [
         "trainer: error: rank 1 ran out of memory in the forward of step 1 at train.micro_batch_size=8: it asked "
-        f"for 8.0 MiB with {oom_records(run_dir)[0]['free'] / 2 ** 30:.2f} GiB free; try train.micro_batch_size=4 "
+        f"for 8.0 MiB with {read_oom_records(run_dir)[0]['free'] / 2 ** 30:.2f} GiB free; try train.micro_batch_size=4 "
         "train.grad_accum_steps=2 (the same global batch and losses), or train.on_oom=adapt"], result.stderr[-3000:]
-    assert [(r["event"], r["step"], r["rank"], r["asked"]) for r in oom_records(run_dir)] == [
+    assert [(r["event"], r["step"], r["rank"], r["asked"]) for r in read_oom_records(run_dir)] == [
         ("out_of_memory", 1, 1, 8 * 2 ** 20)]
 
 
@@ -184,7 +182,7 @@ def test_a_run_out_of_memory_adapts_8_4_2_1_and_has_the_losses_of_the_run_planne
         (3, "train.micro_batch_size 2 -> 1, train.grad_accum_steps 4 -> 8")]
     assert adapted[-1]["asked"] == 2 * 2 ** 20 and "rank 1 ran out of memory in the forward of step 3" in adapted[-1]["why"]
     assert "[trainer] adapted after out of memory: train.micro_batch_size 2 -> 1" in result.stdout
-    losses = [r["loss"] for r in read_records(run_dir)]  # the steps trained again after a restart, once each
+    losses = [r["loss"] for r in read_metrics(run_dir)]  # the steps trained again after a restart, once each
     expected = planned(strategy)
     assert len(losses) == len(expected) == STEPS
     assert all(abs(a - e) <= 1e-6 * abs(e) for a, e in zip(losses, expected)), (losses, expected)
@@ -228,10 +226,10 @@ def test_a_real_host_out_of_memory_under_an_address_space_limit_adapts_down_from
     limited = run_cli(*BIG_LOGITS, "max_restarts=3", "train.micro_batch_size=8", f"hydra.run.dir={run_dir}",
                       launcher=["prlimit", f"--as={HOST_LIMIT}", sys.executable, "-m", "trainer"])
     assert limited.returncode == 0, limited.stderr[-3000:]
-    adapted = [r for r in oom_records(run_dir) if r["event"] == "adapted"]
+    adapted = [r for r in read_oom_records(run_dir) if r["event"] == "adapted"]
     halvings = [r["plan"]["micro_batch_size"] for r in adapted]
-    assert halvings and halvings == [4, 2, 1][:len(halvings)], oom_records(run_dir)  # where it fits depends on the host
-    failures = [r for r in oom_records(run_dir) if r["event"] == "out_of_memory"]
+    assert halvings and halvings == [4, 2, 1][:len(halvings)], read_oom_records(run_dir)  # where it fits depends on the host
+    failures = [r for r in read_oom_records(run_dir) if r["event"] == "out_of_memory"]
     assert all("DefaultCPUAllocator" in r["error"] and r["asked"] for r in failures), failures
     reference = run_cli(*BIG_LOGITS, "train.micro_batch_size=8", f"hydra.run.dir={planned}")
     assert reference.returncode == 0, reference.stderr[-3000:]

@@ -12,8 +12,7 @@ import torch
 
 from tests.harness import records, run_cli
 from trainer.config import to_config
-from trainer.oom import TEST_SWITCH, Adaptation, OomRecorder, OutOfMemory, append
-from trainer.oom import read_records as oom_records
+from trainer.oom import TEST_SWITCH, Adaptation, OomRecorder, OutOfMemory, append, read_oom_records
 from trainer.training.adapt import adapt
 
 AT_THE_BOTTOM = {"micro_batch_size": 1, "grad_accum_steps": 8, "activation_checkpointing": True, "fused_loss": True}
@@ -119,7 +118,7 @@ def test_a_run_at_the_bottom_of_the_ladder_moves_to_the_strategy_the_planner_say
     result = run_cli(*COMMON, "strategy=ddp", "max_restarts=1", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=2",
                      f"hydra.run.dir={run_dir}", env={TEST_SWITCH: f"rank=1,bytes={DEVICE_BYTES},from_step=3"})
     assert result.returncode == 0, result.stderr[-3000:]
-    [failed] = [r for r in oom_records(run_dir) if r["event"] == "out_of_memory"]
+    [failed] = [r for r in read_oom_records(run_dir) if r["event"] == "out_of_memory"]
     adapted = [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                if e.get("event") == "adapted"]
     assert [(e["step"], e["what"]) for e in adapted] == [(3, "strategy ddp -> fsdp")], adapted

@@ -282,7 +282,7 @@ def failure_line(failure: dict, cfg: Config, restart: bool) -> str:
             "--max-restarts N), or start the ranks with nproc=N, which restarts them to adapt, or change it yourself")
 
 
-def read_records(run_dir: Path) -> list[dict]:
+def read_oom_records(run_dir: Path) -> list[dict]:
     path = run_dir / RECORDS
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from trainer.checks import check_settings
 from trainer.config import Config
 from trainer.errors import RunError
-from trainer.oom import Adaptation, adapted_plan, append, changes, read_records, value, what_failed, when
+from trainer.oom import Adaptation, adapted_plan, append, changes, read_oom_records, value, what_failed, when
 from trainer.plan.auto import strategy_fallbacks
 
 
@@ -47,7 +47,7 @@ def adapt(cfg: Config, run_dir: Path, kept: dict | None, world_size: int) -> tup
     each failure since. The `adapted` events of the steps taken now (each appended to oom.jsonl
     too). Run on one rank (it reads and writes the run dir); a failure with nothing left to adapt,
     or past train.max_adaptations, is a RunError."""
-    records = read_records(run_dir)
+    records = read_oom_records(run_dir)
     plan = Adaptation.of(cfg)
     last_adapted = max((i for i, r in enumerate(records) if r["event"] == "adapted"), default=-1)
     for candidate in [kept, records[last_adapted]["plan"] if last_adapted >= 0 else None]:
