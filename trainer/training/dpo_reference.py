@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.config import Config, ObjectiveName, PeftName
+from trainer.config import Config, PeftName
 from trainer.data import data_fingerprint, eval_batches, token_keys
 from trainer.data.tokenized import default_cache_dir
 from trainer.log import log
-from trainer.losses.objectives import DirectPreference, NextToken, Reference, sequence_logps
-from trainer.models import description, disable_dropout, initial_weights
+from trainer.losses.objectives import sequence_logps
+from trainer.models import description, initial_weights
 from trainer.models.checks import build_as_trained
 from trainer.strategies import Strategy
 from trainer.strategies.base import DTYPES
@@ -126,26 +126,3 @@ def starting_adapters(cfg: Config, strategy: Strategy) -> nn.Module:
     adapters = StartingAdapters(strategy.module, Path(cfg.peft.init), DTYPES[strategy.precision], strategy.env.device)
     strategy.holds(adapters)
     return adapters
-
-
-def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_rows, val_rows,
-                    weights_fingerprint: str | None):
-    """The run's objective; for dpo, with its reference (see the top). Called with the model as it
-    starts, before a checkpoint is loaded into it."""
-    o, fused, sequence = cfg.objective, cfg.train.fused_loss, strategy.layout.sequence
-    if ObjectiveName(o.name) is ObjectiveName.lm:
-        return NextToken(fused=fused)
-    if o.disable_dropout:  # else step 1 is not ln 2 and the rewards are noise (TRL disables it too)
-        disable_dropout(model)
-    if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
-        adapters = starting_adapters(cfg, strategy) if cfg.peft.init else None
-        reference = Reference(autocast=strategy.autocast, adapters=adapters, fused=fused, sequence=sequence)
-        return DirectPreference(o, reference, fused=fused, sequence=sequence)
-    if not o.precompute_ref:
-        reference = Reference(autocast=strategy.autocast, frozen=frozen_copy(cfg, strategy), fused=fused,
-                              sequence=sequence)
-        return DirectPreference(o, reference, fused=fused, sequence=sequence)
-    splits = {"train": train_rows, **({"val": val_rows} if val_rows is not None else {})}
-    tables = precomputed(cfg, model, strategy, splits, weights_fingerprint)
-    return DirectPreference(o, Reference(tables["train"]), {split: Reference(table) for split, table in tables.items()},
-                            fused=fused, sequence=sequence)

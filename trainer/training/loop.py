@@ -37,9 +37,9 @@ from trainer.oom import OomRecorder, format_bytes
 from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.adapt import adapt
-from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
+from trainer.training.objective import build_objective
 from trainer.training.report import describe, export_hint
 from trainer.training.resume_notes import resume_notes
 from trainer.training.schedule import lr_at
