@@ -34,7 +34,7 @@ from trainer.models import description, initial_weights
 from trainer.models.checks import build_as_trained
 from trainer.strategies import Strategy
 from trainer.strategies.base import DTYPES
-from trainer.training.sequence_shares import share
+from trainer.training.sequence_shares import rank_share
 
 
 def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
@@ -64,7 +64,7 @@ def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size
     was_training = model.training
     model.eval()
     for batch in eval_batches(rows, micro_batch_size, strategy.layout.dp_rank, strategy.layout.dp_size):
-        batch, sharded = share([t.to(strategy.env.device) for t in batch], strategy.layout.sequence)
+        batch, sharded = rank_share([t.to(strategy.env.device) for t in batch], strategy.layout.sequence)
         with sharded, strategy.autocast():
             logps, _, numbers, _ = sequence_logps(model, batch, fused, strategy.layout.sequence)
         if strategy.layout.sequence.rank == 0:  # strategy.sp: the group's ranks have the same sums; one writes them

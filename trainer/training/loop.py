@@ -43,7 +43,7 @@ from trainer.training.objective import build_objective
 from trainer.training.report import describe, export_hint
 from trainer.training.resume_notes import resume_notes
 from trainer.training.schedule import lr_at
-from trainer.training.sequence_shares import share
+from trainer.training.sequence_shares import rank_share
 from trainer.training.setup import setup_model
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
@@ -62,13 +62,15 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
     the means of the objective's statistics."""
     model.eval()
     totals = torch.zeros(2 + len(objective.stats), dtype=torch.float64, device=device)  # loss sum, units, stats
-    first = int(strategy.layout.sequence.rank == 0)  # strategy.sp: the units are counted on the whole rows, once a group
+    # strategy.sp: the units are counted on the whole rows, once a group (by its first rank)
+    first_in_group = int(strategy.layout.sequence.rank == 0)
     for whole in batches:
         whole = [t.to(device) for t in whole]
-        batch, sharded = share(whole, strategy.layout.sequence)
+        batch, sharded = rank_share(whole, strategy.layout.sequence)
         with sharded, strategy.autocast():
             loss, stats = objective.loss_sum(model, batch)
-        totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first, stats.double()])
+        totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first_in_group,
+                             stats.double()])
     model.train()
     strategy.all_reduce(totals)
     return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
@@ -89,12 +91,14 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     # strategy.sp: each rank computes the loss of its own share of the rows' tokens; the group's first
     # rank counts the units and inputs on the whole rows (a pair, or a row's inputs up to its last
     # target, spans the shares)
-    whole, (micro_batches, contexts) = micro_batches, zip(*(share(batch, strategy.layout.sequence) for batch in micro_batches))
-    first = int(strategy.layout.sequence.rank == 0)
-    units, targets, inputs = strategy.all_reduce(torch.stack([
-        sum(objective.count(batch) for batch in whole) * first, sum(target_count(batch[1]) for batch in micro_batches),
-        sum(input_count(batch[1]) for batch in whole) * first]))
-    scale = world_size / units
+    whole, (micro_batches, contexts) = micro_batches, zip(*(rank_share(batch, strategy.layout.sequence)
+                                                            for batch in micro_batches))
+    first_in_group = int(strategy.layout.sequence.rank == 0)
+    loss_units, targets, inputs = strategy.all_reduce(torch.stack([
+        sum(objective.count(batch) for batch in whole) * first_in_group,
+        sum(target_count(batch[1]) for batch in micro_batches),
+        sum(input_count(batch[1]) for batch in whole) * first_in_group]))
+    scale = world_size / loss_units
     loss_sum, mem, activations = torch.zeros((), device=targets.device), None, None
     stats = torch.zeros(len(objective.stats), device=targets.device)
     for i, batch in enumerate(micro_batches):
@@ -116,14 +120,14 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
             mem = held if mem is None or held["grads"] > mem["grads"] else mem
     if mem is not None:
         mem = {**mem, "activations": activations}  # the largest of the step's micro-batches
-    return StepSums(loss_sum, stats, units, targets, inputs, mem)
+    return StepSums(loss_sum, stats, loss_units, targets, inputs, mem)
 
 
 @dataclass
 class StepSums:
     loss: torch.Tensor  # this rank's summed loss
     stats: torch.Tensor  # this rank's summed statistics of the objective
-    units: torch.Tensor  # of all ranks: what the loss is the mean over (target tokens, pairs)
+    loss_units: torch.Tensor  # of all ranks: what the loss is the mean over (target tokens, pairs)
     targets: torch.Tensor  # target tokens of all ranks
     inputs: torch.Tensor  # input tokens of all ranks
     mem: dict | None
@@ -219,8 +223,8 @@ class Run:
         if not log_now:
             return None, grad_norm, mem
         totals = self.strategy.all_reduce(torch.cat([loss_sum.view(1), sums.stats]))
-        self.stats = record(self.objective.stats, totals[1:], sums.units)
-        return totals[0] / sums.units, grad_norm, mem
+        self.stats = record(self.objective.stats, totals[1:], sums.loss_units)
+        return totals[0] / sums.loss_units, grad_norm, mem
 
     def compiled(self) -> None:
         """After the first step under train.compile, which compiles: its time, kept out of step times."""
