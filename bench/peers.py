@@ -170,7 +170,7 @@ def peak_rss(pid: int, peaks: dict[int, int]) -> None:
             pass
 
 
-def read_records(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
@@ -192,7 +192,7 @@ def launch(command: list[str], records: Path, ranks: int, latest: Path | None = 
         while process.poll() is None:
             peak_rss(process.pid, peaks)
             now = time.perf_counter() - start
-            for r in filter(is_step, read_records(records)):
+            for r in filter(is_step, read_jsonl(records)):
                 seen.setdefault(r["step"], now)
             if latest is not None and latest_at is None and latest.exists():
                 latest_at = now
@@ -202,10 +202,10 @@ def launch(command: list[str], records: Path, ranks: int, latest: Path | None = 
         errors = [line for line in text.splitlines() if "Error" in line or "error:" in line]
         return {"error": (errors[-1] if errors else text.strip().splitlines()[-1] if text.strip() else
                           f"exit {process.returncode}").strip()[:300]}
-    steps = list(filter(is_step, read_records(records)))
+    steps = list(filter(is_step, read_jsonl(records)))
     return {"records": steps, "first_step_s": min(seen.values()) if seen else None, "seen": seen,
             "peak_rss_per_rank": sorted(peaks.values(), reverse=True)[:ranks], "latest_at": latest_at,
-            "saves": [r for r in read_records(records) if "save_s" in r]}
+            "saves": [r for r in read_jsonl(records) if "save_s" in r]}
 
 
 def dir_bytes(path: Path) -> int:
@@ -250,7 +250,7 @@ def one_side(args, root: Path, side: str, strategy: str, data: str) -> dict:
                         args.ranks)
     row = summarise(result, ours, data == "text")
     if not ours:  # what Accelerate made of the strategy (on CPU: DDP, whatever was asked)
-        setup = [r for r in read_records(run / "records.jsonl") if r.get("event") == "setup"]
+        setup = [r for r in read_jsonl(run / "records.jsonl") if r.get("event") == "setup"]
         row["ran_as"] = setup[0]["distributed_type"] if setup else None
         row["activation_checkpointing"] = setup[0].get("gradient_checkpointing") if setup else None
     if not save or "error" in result:

@@ -25,7 +25,7 @@ class Block(nn.Module):
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor, documents: sequence.Documents | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: sequence.VarlenDocuments | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
         # causal within each packed document; at strategy.sp > 1 over the whole rows

@@ -224,7 +224,7 @@ def test_the_cache_keeps_a_target_mask_and_is_keyed_by_template_and_train_on(cha
 
 
 def test_packed_rows_hold_whole_conversations_whose_positions_restart():
-    from trainer.data.sources import Documents, PackedDocuments, Tokens
+    from trainer.data.sources import PackedDocuments, Tokens, UnpackedDocuments
 
     lengths = [5, 3, 10, 4, 2]  # seq_len 8: the third is longer than seq_len + 1 and is cut to 9
     starts = np.cumsum([0] + lengths[:-1])
@@ -240,7 +240,7 @@ def test_packed_rows_hold_whole_conversations_whose_positions_restart():
     assert position_ids.tolist() == [0, 1, 2, 3, 0, 1, 0, 1]  # the padded tail is no conversation's
     assert packed[1][2].tolist() == list(range(8)) and packed[1][0].tolist() == list(range(9, 17))
     assert packed[2][2].tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
-    padded = Documents(tokens, seq_len=8, vocab_size=64, pad_id=0)
+    padded = UnpackedDocuments(tokens, seq_len=8, vocab_size=64, pad_id=0)
     assert sorted(t for r in packed for t in r[1].tolist() if t != IGNORE_INDEX) == \
         sorted(t for r in padded for t in r[1].tolist() if t != IGNORE_INDEX)
     assert len(PackedDocuments(tokens, 8, 64, 0, drop_long=True).spans) == 4

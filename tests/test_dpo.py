@@ -500,11 +500,11 @@ def test_the_starting_adapter_as_reference_gives_the_policys_logits_at_the_start
     from trainer.config import to_config
     from trainer.models import build_model, initial_weights
     from trainer.models.lora import StartingAdapters, adapters_disabled
-    from trainer.models.weights import allocate, fill, params_on_meta
+    from trainer.models.weights import allocate_params, fill, params_on_meta
 
     cfg = to_config(dpo_case(pairs, "ddp", peft={"name": "lora", "init": str(starting_adapter(pairs))}))
     model = build_model(cfg.model, params_on_meta(), cfg.peft)
-    allocate(model, torch.device("cpu"))
+    allocate_params(model, torch.device("cpu"))
     fill(model, initial_weights(cfg.model, model, 0, cfg.peft))
     model.eval()
     reference = StartingAdapters(model, starting_adapter(pairs), torch.float32, torch.device("cpu"))

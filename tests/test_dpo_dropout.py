@@ -15,7 +15,7 @@ from trainer.config import PeftConfig, to_config
 from trainer.models import disable_dropout
 from trainer.models.lora import from_init
 from trainer.models.sequence import WHOLE_ROWS
-from trainer.training.dpo_reference import build_objective
+from trainer.training.objective import build_objective
 
 
 def test_a_qwen2_with_attention_dropout_and_lora_dropout_computes_as_in_eval_mode():

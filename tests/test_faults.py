@@ -356,9 +356,9 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_group_resumes_with_the_losse
     resumed_at = restarted[-1]["step"]  # the newest checkpoint when the rank died, at step 7 or later
     assert restarted[0]["event"] == "restarted" and resumed_at % 3 == 0 and 6 <= resumed_at < STEPS
     assert f"[trainer] restart 1: resumed from {ckpt}/step_{resumed_at:08d} at step {resumed_at}" in stdout
-    from trainer.metrics import read_records  # the steps trained twice, once each
+    from trainer.metrics import read_metrics  # the steps trained twice, once each
 
-    assert [r["step"] for r in read_records(run_dir)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
     assert_resumes(records(run_dir)[-(STEPS - resumed_at):], reference, at=resumed_at)  # bitwise
     assert events(run_dir)[-1]["event"] == "end"
 

@@ -26,14 +26,14 @@ FRESH_INIT_FAMILIES = {
 def test_fresh_init_has_the_spread_of_transformers_from_config(family):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
+    from trainer.models.weights import InitWeights, allocate_params, fill, params_on_meta
 
     config = AutoConfig.for_model(family, **FRESH_INIT_FAMILIES[family])
     torch.manual_seed(0)
     theirs = dict(AutoModelForCausalLM.from_config(config).named_parameters())
     with params_on_meta():
         ours = AutoModelForCausalLM._model_mapping[type(config)](config)
-    allocate(ours, torch.device("cpu"))
+    allocate_params(ours, torch.device("cpu"))
     fill(ours, InitWeights(ours, seed=0))
     for name, p in ours.named_parameters():
         mine, ref = p.detach(), theirs[name].detach()
@@ -111,13 +111,13 @@ def test_persistent_buffers_are_read_from_a_pretrained_folder(tmp_path):
     from tests.toys import save_gemma4_with_scaled_buffers
     from trainer.config import ModelConfig, ModelKind
     from trainer.models import build_model, initial_weights, logits_of
-    from trainer.models.weights import allocate, fill, params_on_meta
+    from trainer.models.weights import allocate_params, fill, params_on_meta
 
     theirs = save_gemma4_with_scaled_buffers(tmp_path / "gemma4")
     cfg = ModelConfig(name="hf", kind=ModelKind.hf, path=str(tmp_path / "gemma4"), seq_len=16, vocab_size=128)
     ours = build_model(cfg, params_on_meta())
     weights = initial_weights(cfg, ours, seed=0)
-    allocate(ours, torch.device("cpu"))
+    allocate_params(ours, torch.device("cpu"))
     fill(ours, weights)
     assert [layer.layer_scalar.item() for layer in ours.model.layers] == [0.5, 0.25]
     ids = torch.randint(0, 128, (2, 16))
@@ -134,7 +134,7 @@ def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
     # bf16 parameters unless they are set again from the fp32 values.
     from trainer.checkpoint.format import PieceReader, read_manifest
     from trainer.models.builtin import Transformer, shape_of
-    from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
+    from trainer.models.weights import InitWeights, allocate_params, fill, params_on_meta
 
     configs = {s: with_overrides(case(s, steps=1), train__precision="bf16", optim__lr=0.0,
                                  checkpoint__dir=str(tmp_path / s)) for s in STRATEGIES}
@@ -142,7 +142,7 @@ def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
     cfg = to_config(configs["ddp"])
     with params_on_meta():
         model = Transformer(shape_of(cfg.model))
-    allocate(model, torch.device("cpu"))
+    allocate_params(model, torch.device("cpu"))
     fill(model, InitWeights(model, cfg.train.seed))
     start = dict(model.named_parameters())
     for s in STRATEGIES:

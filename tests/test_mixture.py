@@ -26,7 +26,7 @@ from trainer.config import Exhausted, SourceKind
 from trainer.data import BatchStream
 from trainer.data.mixture import MixtureRows
 from trainer.data.mixture_sources import Source, target_counts
-from trainer.data.sampling import allocate
+from trainer.data.sampling import split_in_proportion
 from trainer.data.sources import Tokens
 
 SEQ_LEN = 128
@@ -76,11 +76,11 @@ def epoch_documents(stream: BatchStream) -> list[tuple[int, ...]]:
 
 
 def test_allocation_is_exact():
-    assert allocate(10, np.array([0.6, 0.3, 0.1])).tolist() == [6, 3, 1]
-    assert allocate(7, np.array([1.0, 1.0, 1.0])).tolist() == [3, 2, 2]  # the earlier source takes a tie
-    assert allocate(100, np.array([0.7, 0.2, 0.1])).tolist() == [70, 20, 10]
+    assert split_in_proportion(10, np.array([0.6, 0.3, 0.1])).tolist() == [6, 3, 1]
+    assert split_in_proportion(7, np.array([1.0, 1.0, 1.0])).tolist() == [3, 2, 2]  # the earlier source takes a tie
+    assert split_in_proportion(100, np.array([0.7, 0.2, 0.1])).tolist() == [70, 20, 10]
     for total in range(1, 50):
-        counts = allocate(total, np.array([0.55, 0.3, 0.15]))
+        counts = split_in_proportion(total, np.array([0.55, 0.3, 0.15]))
         assert counts.sum() == total and np.all(np.abs(counts - total * np.array([0.55, 0.3, 0.15])) < 1)
 
 

@@ -14,19 +14,17 @@ import torch
 from tests.harness import FULL_MATRIX, records, run_cli
 from trainer.config import to_config
 from trainer.errors import RunError
-from trainer.metrics import read_records
+from trainer.metrics import read_metrics
 from trainer.oom import (
     TEST_SWITCH,
     Adaptation,
+    OomRecorder,
     OutOfMemory,
-    Watch,
     append,
     asked_bytes,
     fusable,
     next_plan,
-)
-from trainer.oom import (
-    read_records as oom_records,
+    read_oom_records,
 )
 from trainer.training.adapt import adapt
 
@@ -53,7 +51,7 @@ def test_the_ladder_keeps_the_global_batch_then_turns_on_activation_checkpointin
     assert evaluation == Adaptation(8, 1, False, 4, adaptations=1)  # the evaluation's micro-batch only
 
 
-def test_the_fused_loss_rung_is_taken_only_where_the_model_takes_it():
+def test_the_fused_loss_fallback_is_taken_only_where_the_model_takes_it():
     assert fusable(to_config({}))  # the built-in model, objective=lm
     assert fusable(to_config({"objective": {"name": "dpo"}}))  # DPO's log-probs come from the fused layer too
     scaled = {"name": "custom", "kind": "custom", "_target_": "tests.test_fused_loss.scaled_logits", "seq_len": 64}
@@ -88,9 +86,9 @@ def test_a_restart_adapts_once_per_failure_says_it_once_and_keeps_a_checkpoints_
 
 
 def test_an_out_of_memory_of_either_allocator_is_recorded_with_the_bytes_asked(monkeypatch):
-    watch = Watch(Adaptation(8, 1, False, 8), rank=1, device=torch.device("cpu"), step=5)
+    oom_recorder = OomRecorder(Adaptation(8, 1, False, 8), rank=1, device=torch.device("cpu"), step=5)
     with pytest.raises(OutOfMemory) as caught:  # the host allocator's, for real: a RuntimeError in torch
-        with watch.during("backward", 8):
+        with oom_recorder.record_oom_in("backward", 8):
             torch.empty(1 << 62, dtype=torch.uint8)
     record = caught.value.failure
     assert (record["step"], record["where"], record["rank"], record["rows"], record["asked"]) == (
@@ -99,16 +97,16 @@ def test_an_out_of_memory_of_either_allocator_is_recorded_with_the_bytes_asked(m
     assert asked_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
                        "of which 1.50 GiB is free.") == 2 * 2 ** 30
     with pytest.raises(RuntimeError, match="not memory"):  # anything else passes through as it is
-        with watch.during("forward", 8):
+        with oom_recorder.record_oom_in("forward", 8):
             raise RuntimeError("not memory")
     monkeypatch.setenv(TEST_SWITCH, "rank=1,rows=4,from_step=5")
-    with watch.during("forward", 3):  # fewer rows than the switch's
+    with oom_recorder.record_oom_in("forward", 3):  # fewer rows than the switch's
         pass
     with pytest.raises(OutOfMemory, match="Tried to allocate"):
-        with watch.during("forward", 4):
+        with oom_recorder.record_oom_in("forward", 4):
             pass
-    watch.step = 4  # before from_step
-    with watch.during("forward", 8):
+    oom_recorder.step = 4  # before from_step
+    with oom_recorder.record_oom_in("forward", 8):
         pass
 
 
@@ -124,9 +122,9 @@ def test_on_oom_fail_stops_two_ranks_with_one_line_naming_the_step_the_bytes_and
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and said(result.stderr) == [
         "trainer: error: rank 1 ran out of memory in the forward of step 1 at train.micro_batch_size=8: it asked "
-        f"for 8.0 MiB with {oom_records(run_dir)[0]['free'] / 2 ** 30:.2f} GiB free; try train.micro_batch_size=4 "
+        f"for 8.0 MiB with {read_oom_records(run_dir)[0]['free'] / 2 ** 30:.2f} GiB free; try train.micro_batch_size=4 "
         "train.grad_accum_steps=2 (the same global batch and losses), or train.on_oom=adapt"], result.stderr[-3000:]
-    assert [(r["event"], r["step"], r["rank"], r["asked"]) for r in oom_records(run_dir)] == [
+    assert [(r["event"], r["step"], r["rank"], r["asked"]) for r in read_oom_records(run_dir)] == [
         ("out_of_memory", 1, 1, 8 * 2 ** 20)]
 
 
@@ -184,7 +182,7 @@ def test_a_run_out_of_memory_adapts_8_4_2_1_and_has_the_losses_of_the_run_planne
         (3, "train.micro_batch_size 2 -> 1, train.grad_accum_steps 4 -> 8")]
     assert adapted[-1]["asked"] == 2 * 2 ** 20 and "rank 1 ran out of memory in the forward of step 3" in adapted[-1]["why"]
     assert "[trainer] adapted after out of memory: train.micro_batch_size 2 -> 1" in result.stdout
-    losses = [r["loss"] for r in read_records(run_dir)]  # the steps trained again after a restart, once each
+    losses = [r["loss"] for r in read_metrics(run_dir)]  # the steps trained again after a restart, once each
     expected = planned(strategy)
     assert len(losses) == len(expected) == STEPS
     assert all(abs(a - e) <= 1e-6 * abs(e) for a, e in zip(losses, expected)), (losses, expected)
@@ -228,10 +226,10 @@ def test_a_real_host_out_of_memory_under_an_address_space_limit_adapts_down_from
     limited = run_cli(*BIG_LOGITS, "max_restarts=3", "train.micro_batch_size=8", f"hydra.run.dir={run_dir}",
                       launcher=["prlimit", f"--as={HOST_LIMIT}", sys.executable, "-m", "trainer"])
     assert limited.returncode == 0, limited.stderr[-3000:]
-    adapted = [r for r in oom_records(run_dir) if r["event"] == "adapted"]
+    adapted = [r for r in read_oom_records(run_dir) if r["event"] == "adapted"]
     halvings = [r["plan"]["micro_batch_size"] for r in adapted]
-    assert halvings and halvings == [4, 2, 1][:len(halvings)], oom_records(run_dir)  # where it fits depends on the host
-    failures = [r for r in oom_records(run_dir) if r["event"] == "out_of_memory"]
+    assert halvings and halvings == [4, 2, 1][:len(halvings)], read_oom_records(run_dir)  # where it fits depends on the host
+    failures = [r for r in read_oom_records(run_dir) if r["event"] == "out_of_memory"]
     assert all("DefaultCPUAllocator" in r["error"] and r["asked"] for r in failures), failures
     reference = run_cli(*BIG_LOGITS, "train.micro_batch_size=8", f"hydra.run.dir={planned}")
     assert reference.returncode == 0, reference.stderr[-3000:]

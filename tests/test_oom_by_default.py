@@ -16,8 +16,7 @@ from tests.harness import records, run_cli
 from trainer.__main__ import Restarts
 from trainer.config import to_config
 from trainer.errors import OUT_OF_MEMORY_EXIT_CODE
-from trainer.oom import TEST_SWITCH, Adaptation, append
-from trainer.oom import read_records as oom_records
+from trainer.oom import TEST_SWITCH, Adaptation, append, read_oom_records
 
 
 def said(stderr: str) -> list[str]:
@@ -96,7 +95,7 @@ def test_a_set_up_out_of_memory_is_one_line(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert said(result.stderr) == [
         "trainer: error: rank 0 ran out of memory during set-up at train.micro_batch_size=8: it asked for 1024.00 GiB "
-        f"with {oom_records(run_dir)[0]['free'] / 2 ** 30:.2f} GiB free; try python -m trainer.plan for a strategy "
+        f"with {read_oom_records(run_dir)[0]['free'] / 2 ** 30:.2f} GiB free; try python -m trainer.plan for a strategy "
         "that fits, or train.on_oom=adapt"], result.stderr[-3000:]
     adapting = run_cli("model.vocab_size=4294967296", "data=synthetic", "train.max_adaptations=0", "train.max_steps=1",
                        "data.num_workers=0", f"hydra.run.dir={tmp_path / 'adapting'}", timeout=300)
@@ -120,9 +119,9 @@ def test_a_plain_run_out_of_host_memory_adapts_and_has_the_losses_of_the_run_wit
     limited = run_cli(*ISSUE_RUN, *saving, f"hydra.run.dir={run_dir}", timeout=1200,
                       launcher=["prlimit", f"--as={HOST_LIMIT}", sys.executable, "-m", "trainer"])
     assert limited.returncode == 0, limited.stderr[-3000:]
-    adapted = [r for r in oom_records(run_dir) if r["event"] == "adapted"]
-    assert adapted and all("DefaultCPUAllocator" in r["error"] for r in oom_records(run_dir)
-                           if r["event"] == "out_of_memory"), oom_records(run_dir)
+    adapted = [r for r in read_oom_records(run_dir) if r["event"] == "adapted"]
+    assert adapted and all("DefaultCPUAllocator" in r["error"] for r in read_oom_records(run_dir)
+                           if r["event"] == "out_of_memory"), read_oom_records(run_dir)
     reference = run_cli(*ISSUE_RUN, f"hydra.run.dir={planned}", timeout=1200)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = [r["loss"] for r in records(planned)]

@@ -57,11 +57,11 @@ def toy_runs(tmp_path_factory):
 def start_values():
     from tests.toys import build
     from trainer.config import TrainConfig
-    from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
+    from trainer.models.weights import InitWeights, allocate_params, fill, params_on_meta
 
     with params_on_meta():
         model = build(**TOY, stats=True)
-    allocate(model, torch.device("cpu"))
+    allocate_params(model, torch.device("cpu"))
     fill(model, InitWeights(model, seed=TrainConfig().seed))
     return model
 

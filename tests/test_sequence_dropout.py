@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from trainer.models.sequence import SequenceGroup
-from trainer.training.sequence_shares import share
+from trainer.training.sequence_shares import rank_share
 
 
 def dropout_mask(rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -15,7 +15,7 @@ def dropout_mask(rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     next draw of the shared generator after it)."""
     torch.manual_seed(seed)
     row = torch.ones(1, 64)
-    (inputs, *_), context = share([row, row], SequenceGroup(None, 2, rank))
+    (inputs, *_), context = rank_share([row, row], SequenceGroup(None, 2, rank))
     with context:
         mask = torch.nn.functional.dropout(inputs, p=0.5, training=True) != 0
     return mask, torch.rand(4)

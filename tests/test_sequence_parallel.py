@@ -28,7 +28,7 @@ from tests.harness import (
 )
 from tests.test_chat import PACKED_RTOL, chat, chat_case, summed_loss  # noqa: F401 (chat: the fixture)
 from trainer.models.sequence import SequenceGroup
-from trainer.training.sequence_shares import share
+from trainer.training.sequence_shares import rank_share
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 BF16_SP_RTOL = 2e-4  # bf16 at sp=2 against one rank of the same strategy in bf16 (measured: 3e-5)
@@ -50,14 +50,14 @@ def custom_case(strategy: str, sp: int, micro: int) -> dict:
 def test_a_ranks_share_is_its_part_of_every_field_with_the_whole_rows_positions():
     inputs, targets = torch.arange(16).view(2, 8), torch.arange(100, 116).view(2, 8)
     packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
-    plain = [share([inputs, targets], SequenceGroup(None, 2, r)) for r in range(2)]
+    plain = [rank_share([inputs, targets], SequenceGroup(None, 2, r)) for r in range(2)]
     for r, (local, _) in enumerate(plain):
         assert [t.tolist() for t in local] == [inputs[:, 4 * r:4 * r + 4].tolist(), targets[:, 4 * r:4 * r + 4].tolist(),
                                                [list(range(4 * r, 4 * r + 4))] * 2]  # global positions
     assert torch.equal(torch.cat([local[1] for local, _ in plain], dim=1), targets)  # every target on one rank
-    (local, _), = [share([inputs, targets, packed], SequenceGroup(None, 2, 1))]
+    (local, _), = [rank_share([inputs, targets, packed], SequenceGroup(None, 2, 1))]
     assert torch.equal(local[2], packed[:, 4:])
-    alone, _ = share([inputs, targets], SequenceGroup(None, 1, 0))
+    alone, _ = rank_share([inputs, targets], SequenceGroup(None, 1, 0))
     assert len(alone) == 2  # sp=1: the batch as it is
 
 

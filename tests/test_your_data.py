@@ -46,10 +46,10 @@ def test_text_is_read_as_bytes_and_files_are_memory_mapped(tmp_path):
 
 
 def test_padded_documents_ignore_padding_in_the_targets():
-    from trainer.data.sources import IGNORE_INDEX, Documents, Tokens
+    from trainer.data.sources import IGNORE_INDEX, Tokens, UnpackedDocuments
 
     tokens = Tokens(np.array([5, 6, 7, 1, 8, 9, 1, 4, 1], dtype=np.uint16), np.array([0, 4, 7]))
-    rows = Documents(tokens, seq_len=4, vocab_size=16, pad_id=0)
+    rows = UnpackedDocuments(tokens, seq_len=4, vocab_size=16, pad_id=0)
     x, y = rows[0]
     assert x.tolist() == [5, 6, 7, 0] and y.tolist() == [6, 7, 1, IGNORE_INDEX]
     x, y = rows[2]

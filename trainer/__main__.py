@@ -263,10 +263,10 @@ class Restarts:
         self.cfg, self.run_dir, self.faults = cfg, run_dir, 0
 
     def __call__(self, failures: dict) -> bool:
-        from trainer.oom import adaptation_left, read_records
+        from trainer.oom import adaptation_left, read_oom_records
 
         if any(failure.exitcode == OUT_OF_MEMORY_EXIT_CODE for failure in failures.values()):
-            recorded = [r for r in read_records(self.run_dir) if r["event"] == "out_of_memory"][-1]
+            recorded = [r for r in read_oom_records(self.run_dir) if r["event"] == "out_of_memory"][-1]
             if not adaptation_left(recorded, self.cfg):  # the rank said so: the job ends
                 return False
             restart = (f"restarting to adapt (adaptation {recorded['plan']['adaptations'] + 1} of "

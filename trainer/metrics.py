@@ -5,7 +5,7 @@ A restart (`max_restarts`, torchrun's) or a resume into the same run dir trains 
 after its checkpoint, so metrics.jsonl holds their records twice (with the same losses: the
 restart continues exactly). Its `{"event": "restarted"|"resumed", "step": N}` record marks the
 place: the records of steps after N written before it are superseded by those written after it.
-Plots and tables should read the records through `read_records`, which drops the superseded ones.
+Plots and tables should read the records through `read_metrics`, which drops the superseded ones.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def metrics_file(path: Path) -> Path:
     return path / "metrics.jsonl" if path.is_dir() else path
 
 
-def read_records(path: Path, events: bool = False) -> list[dict]:
+def read_metrics(path: Path, events: bool = False) -> list[dict]:
     """The records of `path` (a run dir or its metrics.jsonl) without the superseded ones; with
     `events`, the event records too (each where it was written)."""
     kept: list[dict] = []
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     if not metrics_file(run).is_file():
         refuse(f"{run} holds no metrics.jsonl: give a run dir that holds one, or the file", "trainer.metrics")
     try:
-        for record in read_records(run):
+        for record in read_metrics(run):
             print(json.dumps(record))
         sys.stdout.flush()
     except BrokenPipeError:  # `| head` read what it wanted: that is no error

@@ -4,7 +4,7 @@ torchrun's, a SLURM requeue) reads the records and adapts the plan before it res
 newest checkpoint. The ladder: the micro-batch halved and the accumulation doubled (the global
 batch, the loss's normalisation and so the losses stay those of the planned run), then, at
 micro-batch 1, activation checkpointing, then the fused loss where the run takes it, then the
-strategy rungs that the planner chooses with the failure's bytes (training/adapt.py). An evaluation
+strategy fallbacks that the planner chooses with the failure's bytes (training/adapt.py). An evaluation
 out of memory halves the evaluation's micro-batch only. The plan in force is kept in each
 checkpoint (TrainerState.plan).
 
@@ -79,7 +79,8 @@ def free_bytes(device: torch.device) -> int | None:
     return max(0, min(available, limit - int(status["VmSize"].split()[0]) * 1024))
 
 
-def size(n: int | None) -> str:
+def format_bytes(n: int | None) -> str:
+    """Bytes as the console says them: `2.00 GiB` from 1 GiB up, `512.0 MiB` below; None: `unknown bytes`."""
     return "unknown bytes" if n is None else f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
@@ -93,7 +94,7 @@ class Adaptation:
     eval_micro_batch_size: int
     adaptations: int = 0
     fused_loss: bool = False
-    # a strategy rung's {"name", "sp", "offload_optimizer", "offload_params"}; None: the settings'
+    # a strategy fallback's {"name", "sp", "offload_optimizer", "offload_params"}; None: the settings'
     strategy: dict | None = None
 
     @classmethod
@@ -104,7 +105,7 @@ class Adaptation:
 
     def rows(self, sp: int) -> float:
         """Rows of a step per rank of the world: a sequence-parallel group of `sp` ranks (the settings'
-        strategy.sp, where no strategy rung says another) reads the same rows."""
+        strategy.sp, where no strategy fallback says another) reads the same rows."""
         return self.micro_batch_size * self.grad_accum_steps / (self.strategy or {}).get("sp", sp)
 
     def past(self, other: Adaptation, sp: int) -> bool:
@@ -112,11 +113,11 @@ class Adaptation:
         the settings' strategy.sp)."""
         return self.rows(sp) == other.rows(sp) and self.eval_micro_batch_size <= other.eval_micro_batch_size and (
             self.micro_batch_size < other.micro_batch_size or (self.micro_batch_size == other.micro_batch_size and
-                                                               self.rung() >= other.rung()))
+                                                               self.fallbacks_taken() >= other.fallbacks_taken()))
 
-    def rung(self) -> tuple[bool, bool, int]:
-        """How far down the ladder past micro-batch 1 (activation checkpointing, the fused loss, then
-        the strategy rungs, counted by the adaptations that took them)."""
+    def fallbacks_taken(self) -> tuple[bool, bool, int]:
+        """Which fallbacks past micro-batch 1 the plan took: how far down the ladder (activation
+        checkpointing, the fused loss, then the strategy fallbacks, counted by the adaptations that took them)."""
         return self.activation_checkpointing, self.fused_loss, self.adaptations if self.strategy else -1
 
     def applied(self, cfg: Config) -> Config:
@@ -188,8 +189,9 @@ class OutOfMemory(Exception):
 
 
 @dataclass
-class Watch:
-    """Where this rank is, for the record of an out-of-memory there: the step, the plan, what runs."""
+class OomRecorder:
+    """Records this rank's out-of-memory failures: where the rank is (the step, the plan, what runs),
+    and `record_oom_in(where)`, inside which an out-of-memory is raised as OutOfMemory with that record."""
     plan: Adaptation
     rank: int
     device: torch.device
@@ -198,7 +200,7 @@ class Watch:
     held: Callable[[], dict] | None = None  # the strategy's memory_bytes, for the test switch's bytes=B
 
     @contextmanager
-    def during(self, where: str, rows: int = 0):
+    def record_oom_in(self, where: str, rows: int = 0):
         """Inside: an out-of-memory raised as OutOfMemory, with what failed."""
         before, self.where = self.where, where
         try:
@@ -240,14 +242,14 @@ def what_failed(failure: dict) -> str:
     rows = f"eval.micro_batch_size={plan.eval_micro_batch_size}" if where == "evaluation" else \
         f"train.micro_batch_size={plan.micro_batch_size}"
     return (f"rank {failure['rank']} ran out of memory {when(failure)} at {rows}: it asked "
-            f"for {size(failure['asked'])} with {size(failure['free'])} free")
+            f"for {format_bytes(failure['asked'])} with {format_bytes(failure['free'])} free")
 
 
 def adapted_plan(plan: Adaptation, failure: dict, cfg: Config) -> Adaptation | None:
     """next_plan for this run: whether it takes the fused loss is asked only where the ladder reaches it."""
-    at_fused_rung = (failure["where"] != "evaluation" and plan.micro_batch_size == 1
-                     and plan.activation_checkpointing and not plan.fused_loss)
-    return next_plan(plan, failure, can_fuse=at_fused_rung and fusable(cfg))
+    fused_loss_is_next = (failure["where"] != "evaluation" and plan.micro_batch_size == 1
+                          and plan.activation_checkpointing and not plan.fused_loss)
+    return next_plan(plan, failure, can_fuse=fused_loss_is_next and fusable(cfg))
 
 
 def adaptation_left(failure: dict, cfg: Config) -> bool:
@@ -280,7 +282,7 @@ def failure_line(failure: dict, cfg: Config, restart: bool) -> str:
             "--max-restarts N), or start the ranks with nproc=N, which restarts them to adapt, or change it yourself")
 
 
-def read_records(run_dir: Path) -> list[dict]:
+def read_oom_records(run_dir: Path) -> list[dict]:
     path = run_dir / RECORDS
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 

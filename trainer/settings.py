@@ -189,9 +189,9 @@ def group_rows() -> list[str]:
         options = sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
         options.sort(key=lambda o: o != choices.get(group))
         for option in options:
-            first, _ = conf_yaml(*group.split("/"), f"{option}.yaml")
+            description, _ = conf_yaml(*group.split("/"), f"{option}.yaml")
             mark = " (default)" if choices.get(group) == option else ""
-            out.append(f"| `{group}={option}`{mark} | {cell(first)} |")
+            out.append(f"| `{group}={option}`{mark} | {cell(description)} |")
     return out
 
 

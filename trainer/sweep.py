@@ -10,7 +10,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict
 
 from trainer.errors import ConfigError
-from trainer.metrics import read_records
+from trainer.metrics import read_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 # Flags after which Hydra composes from configs other than ours: their jobs are checked as each starts.
@@ -67,7 +67,7 @@ def job_summary(job_dir: Path) -> dict | None:
     metrics = job_dir / "metrics.jsonl"
     if not metrics.is_file():
         return None
-    rows = read_records(metrics, events=True)
+    rows = read_metrics(metrics, events=True)
     steps = [r for r in rows if "event" not in r]
     if not steps:
         return None

@@ -15,7 +15,7 @@ from trainer.data.mixture_checks import check_mixture_data
 from trainer.data.mixture_sources import fingerprint as sources_fingerprint
 from trainer.data.preference import PairRows, split_pairs
 from trainer.data.read import check_tokenized, prepare, read_tokens, run_tokenizer, the_source, token_cache
-from trainer.data.sources import IGNORE_INDEX, DocumentRows, Documents, PackedDocuments, Tokens, TokenWindows
+from trainer.data.sources import IGNORE_INDEX, DocumentRows, PackedDocuments, Tokens, TokenWindows, UnpackedDocuments
 from trainer.data.stream import BatchStream, eval_batches
 from trainer.log import log
 from trainer.models.checks import check_packing
@@ -94,7 +94,7 @@ def load_data(cfg: Config, local_rank: int) -> tuple[Dataset, Dataset | None]:
             return report(PackedDocuments(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split, tokens.bad_rows)
         if d.packing:
             return TokenWindows(tokens, m.seq_len, m.vocab_size)
-        return report(Documents(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split, tokens.bad_rows)
+        return report(UnpackedDocuments(tokens, m.seq_len, m.vocab_size, pad_id, d.drop_long), split, tokens.bad_rows)
 
     def report(rows: DocumentRows, split: str, bad_rows: int) -> Dataset:
         """One line (rank 0's) on what became of the documents: rows, those too long, those

@@ -14,10 +14,10 @@ from torch.utils.data import Dataset
 from trainer.config import Config, LongDocuments, SourceConfig, SourceKind
 from trainer.data.read import SourceSpec, mixture_source, prepare, read_tokens
 from trainer.data.sources import (
-    Documents,
     PackedDocuments,
     Tokens,
     TokenWindows,
+    UnpackedDocuments,
     document_spans,
     document_windows,
     spans_as_documents,
@@ -154,7 +154,7 @@ def held_out_rows(tokens: Tokens, rule: LongDocuments | None, cfg: Config, pad_i
         return WithPositions(windows) if d.packing else windows
     if rule is LongDocuments.split:
         tokens = spans_as_documents(tokens, document_windows(tokens, m.seq_len + 1)[0])
-    rows = PackedDocuments if d.packing else Documents
+    rows = PackedDocuments if d.packing else UnpackedDocuments
     return rows(tokens, m.seq_len, m.vocab_size, pad_id, rule is LongDocuments.drop)
 
 

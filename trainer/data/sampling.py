@@ -35,7 +35,7 @@ from trainer.data.mixture_sources import Source
 from trainer.data.sources import packed_row_starts
 
 
-def allocate(total: int, weights: np.ndarray) -> np.ndarray:
+def split_in_proportion(total: int, weights: np.ndarray) -> np.ndarray:
     """`total` split in proportion to `weights` in whole numbers: each its share rounded down, the
     rest one each to the largest remainders (the earlier source first on a tie)."""
     shares = total * np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
@@ -89,7 +89,7 @@ class Draws:
     def drawn_by(self, epochs: int) -> np.ndarray:
         """Each source's documents in the first `epochs` epochs together: their draws (whole, the
         rest rounded down) split in proportion to the weights."""
-        return allocate(math.floor(self.epoch_draws * epochs + 1e-9), self.weights)
+        return split_in_proportion(math.floor(self.epoch_draws * epochs + 1e-9), self.weights)
 
     def shares(self, epoch: int) -> np.ndarray:
         """Each source's documents in the epoch: what the allocation of all epochs so far gives, less

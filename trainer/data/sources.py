@@ -165,7 +165,7 @@ class DocumentRows(Dataset):
                 torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long))
 
 
-class Documents(DocumentRows):
+class UnpackedDocuments(DocumentRows):
     """Unpacked: one document per row, truncated to `seq_len + 1` tokens and padded on the
     right; padded positions are no target (IGNORE_INDEX). With causal attention the padding,
     which comes last, changes nothing before it."""

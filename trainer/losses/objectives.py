@@ -211,13 +211,13 @@ class DirectPreference:
                              *lengths.view(-1, 2).sum(0).to(rewards.dtype)])
         # strategy.sp: every rank of the group has every pair's loss; each takes 1 / sp of it, whose
         # gradient the group's all-reduce sums back to the whole (per_sequence), and the first its statistics
-        first = self.sequence.rank == 0
-        return losses.sum() / self.sequence.size, stats if first else torch.zeros_like(stats)
+        first_in_group = self.sequence.rank == 0
+        return losses.sum() / self.sequence.size, stats if first_in_group else torch.zeros_like(stats)
 
 
-def record(stats: tuple[str, ...], sums: torch.Tensor, units: torch.Tensor) -> dict:
+def record(stats: tuple[str, ...], sums: torch.Tensor, loss_units: torch.Tensor) -> dict:
     """An objective's statistics as step-record fields: their means over the units of all ranks, or
     (PER_TOKEN) over the tokens summed beside them, which are not recorded."""
     summed = dict(zip(stats, sums))
-    return {name: (value / (summed[PER_TOKEN[name]] if name in PER_TOKEN else units)).item()
+    return {name: (value / (summed[PER_TOKEN[name]] if name in PER_TOKEN else loss_units)).item()
             for name, value in summed.items() if name not in PER_TOKEN.values()}

@@ -194,18 +194,18 @@ class RouterBalanced:
         targets = torch.zeros_like(tokens).scatter_add(1, docs, (batch[1] != IGNORE_INDEX).float())
         # a row's units from the whole row (strategy.sp: a DPO pair's two sequences may lie in two shares)
         rows = [self.group.whole(field) for field in batch]
-        units = torch.stack([self.inner.count([field[i:i + 1] for field in rows]) for i in range(mask.shape[0])])
+        row_units = torch.stack([self.inner.count([field[i:i + 1] for field in rows]) for i in range(mask.shape[0])])
         b, e = mask.shape[0], self.experts
         whole = torch.cat([choices.flatten(), tokens.flatten(), targets.flatten()])
         if self.group.size > 1:  # the whole rows' counts; the probabilities stay this rank's share
             dist.all_reduce(whole, group=self.group.group)
         choices, tokens, targets = whole.split([b * n_docs * e, b * n_docs, b * n_docs])
-        units = units.to(whole.dtype)
+        row_units = row_units.to(whole.dtype)
         choices, tokens, targets = choices.view(b, n_docs, e), tokens.view(b, n_docs), targets.view(b, n_docs)
         tokens = tokens.clamp(min=1)  # a document without tokens has no targets either: it adds 0
         aux = self.experts * ((choices / tokens[..., None]) * (probs / tokens[..., None])).sum(-1)  # [b, D]
         row_aux = (targets * aux).sum(1) / targets.sum(1).clamp(min=1)
-        return (units * row_aux).sum()
+        return (row_units * row_aux).sum()
 
 
 def with_router_loss(objective, routers: RouterLogits | None, group: SequenceGroup):

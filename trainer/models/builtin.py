@@ -69,7 +69,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(shape.d_model, 3 * shape.d_model, shape.bias)
         self.proj = Linear(shape.d_model, shape.d_model, shape.bias, std=residual_std(shape))
 
-    def forward(self, x: torch.Tensor, documents: sequence.Documents | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: sequence.VarlenDocuments | None = None) -> torch.Tensor:
         """Causal, within each packed document of `documents` (in a sequence-parallel forward, over
         the whole rows: models/sequence.py)."""
         b, t, d = x.shape
@@ -100,7 +100,7 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(shape)
         self.mlp = MLP(shape)
 
-    def forward(self, x: torch.Tensor, documents: sequence.Documents | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: sequence.VarlenDocuments | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), documents)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -127,7 +127,7 @@ def shard_experts(model: nn.Module, group: ExpertGroup) -> list[nn.Module]:
     """Each experts module of `model` (built on the meta device) keeps its rows of this rank's experts
     only, and dispatches tokens to the ranks that hold theirs; its LoRA adapters keep this rank's
     experts' blocks. Returns, per module, what holds its experts: its outermost LoRA wrapper, or itself."""
-    units = []
+    expert_holders = []
     for module in expert_modules(model):
         local = module.num_experts // group.size
         for name, p in list(module.named_parameters(recurse=False)):
@@ -142,8 +142,8 @@ def shard_experts(model: nn.Module, group: ExpertGroup) -> list[nn.Module]:
             wrapper.num_experts = local  # how peft reads its adapters' expert blocks
         module.num_experts = local  # what the family's forward loops over
         module.forward = partial(dispatch, module, type(module).forward.__get__(module), group)
-        units.append(wrappers[-1] if wrappers else module)
-    return units
+        expert_holders.append(wrappers[-1] if wrappers else module)
+    return expert_holders
 
 
 class ExpertRows:

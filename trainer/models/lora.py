@@ -262,11 +262,11 @@ def merged(weights: dict[str, torch.Tensor], settings: dict, build: Callable[[],
     `weights` holds the base's and the adapters' values by canonical name; `build` makes the plain model."""
     from peft import get_peft_model, set_peft_model_state_dict
 
-    from trainer.models.weights import allocate, params_on_meta
+    from trainer.models.weights import allocate_params, params_on_meta
 
     with params_on_meta():
         model = build()
-    allocate(model, torch.device("cpu"))  # ties kept: a tied matrix is loaded once
+    allocate_params(model, torch.device("cpu"))  # ties kept: a tied matrix is loaded once
     base = {n: w for n, w in weights.items() if not is_adapter(n)}
     missing = set(n for n, _ in model.named_parameters()) - set(base)
     if missing:

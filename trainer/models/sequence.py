@@ -90,7 +90,7 @@ def sequence_group(rank: int, world_size: int, sp: int) -> SequenceGroup:
 
 
 @dataclass(frozen=True)
-class Documents:
+class VarlenDocuments:
     """The packed documents of a micro-batch's rows [b, t], each within one row: `spans` (row, start,
     end) per document, and the same as varlen attention takes them, over the rows laid end to end:
     `cu_seqlens` (int32 [documents + 1], on the rows' device) and `max_seqlen` (the longest)."""
@@ -99,7 +99,7 @@ class Documents:
     max_seqlen: int
 
 
-def documents(position_ids: torch.Tensor) -> Documents:
+def documents(position_ids: torch.Tensor) -> VarlenDocuments:
     """The documents of whole rows [b, t]: one starts where a position id is 0 and at each row's start."""
     b, t = position_ids.shape
     starts = position_ids == 0
@@ -108,13 +108,13 @@ def documents(position_ids: torch.Tensor) -> Documents:
                         torch.tensor([b * t], device=position_ids.device)])
     edges = bounds.tolist()  # one host sync per micro-batch: the spans CPU attention loops over
     spans = tuple((start // t, start % t, start % t + end - start) for start, end in zip(edges, edges[1:]))
-    return Documents(spans, bounds.to(torch.int32), max(end - start for start, end in zip(edges, edges[1:])))
+    return VarlenDocuments(spans, bounds.to(torch.int32), max(end - start for start, end in zip(edges, edges[1:])))
 
 
 @dataclass(frozen=True)
 class Sharded:
     group: SequenceGroup
-    documents: Documents | None  # of the whole rows; None: causal rows
+    documents: VarlenDocuments | None  # of the whole rows; None: causal rows
 
 
 _active: Sharded | None = None
@@ -137,7 +137,7 @@ def sharded(group: SequenceGroup, position_ids: torch.Tensor | None) -> Iterator
         _active = previous
 
 
-def documents_for(position_ids: torch.Tensor | None) -> Documents | None:
+def documents_for(position_ids: torch.Tensor | None) -> VarlenDocuments | None:
     """The documents a model's forward given `position_ids` attends within: the sharded forward's (of
     the whole rows), else those of `position_ids` (a forward of its own on whole rows); None: causal."""
     if _active is not None:
@@ -184,7 +184,7 @@ def key_values_to_sequence(x: torch.Tensor, heads: int, group: SequenceGroup) ->
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-              documents: Documents | None = None) -> torch.Tensor:
+              documents: VarlenDocuments | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens, SDPA's layout ([b, heads, tokens, head_dim]; key
     and value heads as many as the queries' or fewer, a divisor of them: grouped-query attention);
     in a sharded forward, over the whole sequence; within each packed document of `documents`, or
@@ -204,7 +204,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return sequence_to_heads(y, shard.group) if split else y
 
 
-def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: VarlenDocuments,
            scale: float | None) -> torch.Tensor:
     """`within_documents` with torch's varlen flash attention: the rows laid end to end, [tokens,
     heads, head_dim], causal within each document of `cu_seqlens`."""
@@ -217,7 +217,7 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documen
     return y.reshape(b, t, heads, head_dim).transpose(1, 2)
 
 
-def within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+def within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: VarlenDocuments,
                      scale: float | None) -> torch.Tensor:
     """Causal attention within each document of whole rows, [b, heads, t, head_dim] in and out (key
     and value heads may be fewer: grouped-query attention). The one place that picks the kernel:

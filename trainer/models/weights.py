@@ -127,7 +127,7 @@ def whole(p: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 
 @torch.no_grad()
-def allocate(model: nn.Module, device: torch.device) -> None:
+def allocate_params(model: nn.Module, device: torch.device) -> None:
     """Give meta parameters real, uninitialised storage on `device`; ties and buffers are kept."""
     owners: dict[int, tuple[nn.Module, str]] = {}
     aliases = []

@@ -275,8 +275,8 @@ def fit(counts: dict[int, Saves], n_layers: int, logits: bool = True) -> Activat
 
     total, squared, constant = parts(lambda s: s.total)
     layers = parts(lambda s: s.layers)[0]
-    share = parts(lambda s: s.logits)[0] if logits else 0.0
-    return ActivationCount(total, squared, constant, layers / max(n_layers, 1), max(share, 0.0))
+    logits_per_token = parts(lambda s: s.logits)[0] if logits else 0.0
+    return ActivationCount(total, squared, constant, layers / max(n_layers, 1), max(logits_per_token, 0.0))
 
 
 def _signature(block: nn.Module) -> list:

@@ -1,11 +1,11 @@
-"""`strategy=auto` (the plan's choice set in the run's config) and train.on_oom's strategy rungs (the
+"""`strategy=auto` (the plan's choice set in the run's config) and train.on_oom's strategy fallbacks (the
 options after a run's own that hold the bytes it was short less): the planner deciding for a run."""
 from __future__ import annotations
 
 import dataclasses
 
 from trainer.config import Config, StrategyName
-from trainer.oom import size
+from trainer.oom import format_bytes
 from trainer.plan.cost import GB, OFFLOADED, Option, Plan, make_plan, memory_budget, sequence_parallel_sizes
 from trainer.plan.report import format_plan
 
@@ -59,8 +59,8 @@ def own_option(plan: Plan, cfg: Config) -> Option:
                 and o.offload == (s.offload_optimizer or s.offload_params))
 
 
-def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
-    """train.on_oom's strategy rungs for cfg, which ran out of memory `missing` bytes short (the
+def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
+    """train.on_oom's strategy fallbacks for cfg, which ran out of memory `missing` bytes short (the
     bytes asked less those free, measured; None: unknown): in the decision order, strategy.sp where
     the world and the heads divide, then the options after cfg's own (the later stages, then CPU
     offload), each with activation checkpointing and cfg's strategy.ep; those the planner says fit: holding at least the
@@ -81,11 +81,12 @@ def strategy_rungs(cfg: Config, world_size: int, missing: int | None) -> list[tu
     candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
                    for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing and o.ep == s.ep]
     # the run's own strategy with activation checkpointing (a set-up out of memory comes before that
-    # rung) is no change of strategy
-    candidates = [(rung, option) for rung, option in candidates if rung != settings]
-    return [(rung, f"the planner counts {size(option.per_gpu_bytes['total'])} per device there against "
-                   f"{size(own.per_gpu_bytes['total'])} at {own.name}, which was {size(missing)} short")
-            for rung, option in candidates if option.per_gpu_bytes["total"] <= limit]
+    # fallback) is no change of strategy
+    candidates = [(fallback, option) for fallback, option in candidates if fallback != settings]
+    return [(fallback, f"the planner counts {format_bytes(option.per_gpu_bytes['total'])} per device there "
+                       f"against {format_bytes(own.per_gpu_bytes['total'])} at {own.name}, which was "
+                       f"{format_bytes(missing)} short")
+            for fallback, option in candidates if option.per_gpu_bytes["total"] <= limit]
 
 
 def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[Plan, dict]:

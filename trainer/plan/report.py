@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainer.config import Config
 from trainer.errors import ConfigError
-from trainer.oom import RECORDS, Adaptation, read_records, what_failed
+from trainer.oom import RECORDS, Adaptation, read_oom_records, what_failed
 from trainer.plan.cost import GB, Plan, make_plan, memory_budget
 
 
@@ -76,7 +76,7 @@ def plan_as_json(plan: Plan) -> dict:
 def after_out_of_memory(cfg: Config, run_dir: Path) -> tuple[Config, list[str]]:
     """plan.run_dir: the run's out-of-memory failures, one line each, and cfg at the plan the run
     adapted to (the last of its oom.jsonl), which the table then shows."""
-    records = read_records(run_dir)
+    records = read_oom_records(run_dir)
     if not records:
         raise ConfigError(f"plan.run_dir: {run_dir} has no {RECORDS}: that run never ran out of memory")
     lines = [f"{run_dir}: {what_failed(r)}" for r in records if r["event"] == "out_of_memory"]

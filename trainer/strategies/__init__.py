@@ -52,7 +52,7 @@ def preflight(cfg: Config, world_size: int) -> None:
 
         try:
             installed = version("deepspeed")
-        except PackageNotFoundError:  # a refusal like any other (an out-of-memory restart skips the rung)
+        except PackageNotFoundError:  # a refusal like any other (an out-of-memory restart skips the fallback)
             raise ConfigError(f"strategy: strategy={StrategyName(cfg.strategy.name).value} needs DeepSpeed, which is "
                               f"not installed: pip install 'deepspeed>={MIN_DEEPSPEED}'") from None
         check_deepspeed_version(installed)

@@ -15,7 +15,7 @@ from trainer.config import Config, GradReduce, Precision
 from trainer.distributed import DistEnv
 from trainer.layout import Degrees, Layout
 from trainer.models.experts import ExpertRows
-from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
+from trainer.models.weights import WeightSource, allocate_params, fill, params_on_meta, persistent_buffers, tensor_shape
 from trainer.strategies.precision import MixedPrecision
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
@@ -112,7 +112,7 @@ class Strategy(ABC):
         parameters in `_frozen_dtype`."""
         model.requires_grad_(False)
         hold_in(model, self._frozen_dtype(), frozen_only=True)
-        allocate(model, self.env.device)
+        allocate_params(model, self.env.device)
         fill(model, weights)
         return self.holds(model.to(self.env.device).eval())  # .to: the buffers
 

@@ -8,14 +8,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import ReduceDtype
-from trainer.models.weights import allocate, fill
+from trainer.models.weights import allocate_params, fill
 from trainer.strategies.precision import REDUCE_DTYPES
 from trainer.strategies.torch_native import TorchStrategy
 
 
 class DDPStrategy(TorchStrategy):
     def wrap(self, model, weights):
-        allocate(model, self.env.device)
+        allocate_params(model, self.env.device)
         fill(model, weights)
         model = model.to(self.env.device)  # the buffers
         device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None

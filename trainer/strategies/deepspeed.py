@@ -16,7 +16,7 @@ import torch
 from trainer.config import Precision
 from trainer.log import chatter
 from trainer.models.experts import shard_experts
-from trainer.models.weights import WeightSource, allocate, fill, read_block
+from trainer.models.weights import WeightSource, allocate_params, fill, read_block
 from trainer.patches import watch_op_builds, zero3_start_build, zero3_start_hooks
 from trainer.strategies.base import (
     Strategy,
@@ -73,7 +73,7 @@ class DeepSpeedStrategy(Strategy):
             # partitions, set below): allocated so where it trains and filled a tensor at a time, so that
             # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
             hold_in(model, self.precision.dtype, frozen_only=False)
-            allocate(model, self.env.device)
+            allocate_params(model, self.env.device)
             self._experts.add(experts)
             fill(model, weights, lambda p: (self._experts.start(p), p.detach().view(-1), self._experts.block(p)))
         optimizer = optimizer_factory(trainable(model, self.full_shape))

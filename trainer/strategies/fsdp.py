@@ -12,7 +12,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from trainer.config import Sharding
 from trainer.models.blocks import find_blocks
 from trainer.models.experts import shard_experts
-from trainer.models.weights import allocate, fill
+from trainer.models.weights import allocate_params, fill
 from trainer.strategies.base import follow_rank0_buffers, hold_in, tensor_bytes, toggled
 from trainer.strategies.precision import REDUCE_DTYPES
 from trainer.strategies.torch_native import TorchStrategy
@@ -46,7 +46,7 @@ class FSDPStrategy(TorchStrategy):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
         # Built on the meta device: each rank allocates and fills only its own shards.
-        allocate(model, torch.device("cpu") if self._offloaded() else self.env.device)
+        allocate_params(model, torch.device("cpu") if self._offloaded() else self.env.device)
         fill(model, weights, lambda p: (*self.flat_range(p, p)[:2], self._experts.block(p)))
         follow_rank0_buffers(model, self.env.device, self.env.world_size)
         return model

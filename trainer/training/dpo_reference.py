@@ -26,16 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import Config, ObjectiveName, PeftName
+from trainer.config import Config, PeftName
 from trainer.data import data_fingerprint, eval_batches, token_keys
 from trainer.data.tokenized import default_cache_dir
 from trainer.distributed import all_reduced
 from trainer.log import log
-from trainer.losses.objectives import DirectPreference, NextToken, Reference, sequence_logps
-from trainer.models import description, disable_dropout, initial_weights
+from trainer.losses.objectives import sequence_logps
+from trainer.models import description, initial_weights
 from trainer.models.checks import build_as_trained
 from trainer.strategies import Strategy
-from trainer.training.sequence_shares import share
+from trainer.training.sequence_shares import rank_share
 
 
 def reference_key(cfg: Config, weights_fingerprint: str | None) -> str:
@@ -65,7 +65,7 @@ def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size
     was_training = model.training
     model.eval()
     for batch in eval_batches(rows, micro_batch_size, strategy.layout.dp_rank, strategy.layout.dp_size):
-        batch, sharded = share([t.to(strategy.env.device) for t in batch], strategy.layout.sequence)
+        batch, sharded = rank_share([t.to(strategy.env.device) for t in batch], strategy.layout.sequence)
         with sharded, strategy.autocast():
             logps, _, numbers, _ = sequence_logps(model, batch, fused, strategy.layout.sequence)
         if strategy.layout.sequence.rank == 0:  # strategy.sp: the group's ranks have the same sums; one writes them
@@ -124,26 +124,3 @@ def starting_adapters(cfg: Config, strategy: Strategy) -> nn.Module:
 
     adapters = StartingAdapters(strategy.module, Path(cfg.peft.init), strategy.precision.dtype, strategy.env.device)
     return strategy.holds(adapters)
-
-
-def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_rows, val_rows,
-                    weights_fingerprint: str | None):
-    """The run's objective; for dpo, with its reference (see the top). Called with the model as it
-    starts, before a checkpoint is loaded into it."""
-    o, fused, sequence = cfg.objective, cfg.train.fused_loss, strategy.layout.sequence
-    if ObjectiveName(o.name) is ObjectiveName.lm:
-        return NextToken(fused=fused)
-    if o.disable_dropout:  # else step 1 is not ln 2 and the rewards are noise (TRL disables it too)
-        disable_dropout(model)
-    if not o.precompute_ref and PeftName(cfg.peft.name) is PeftName.lora:
-        adapters = starting_adapters(cfg, strategy) if cfg.peft.init else None
-        reference = Reference(autocast=strategy.autocast, adapters=adapters, fused=fused, sequence=sequence)
-        return DirectPreference(o, reference, fused=fused, sequence=sequence)
-    if not o.precompute_ref:
-        reference = Reference(autocast=strategy.autocast, frozen=frozen_copy(cfg, strategy), fused=fused,
-                              sequence=sequence)
-        return DirectPreference(o, reference, fused=fused, sequence=sequence)
-    splits = {"train": train_rows, **({"val": val_rows} if val_rows is not None else {})}
-    tables = precomputed(cfg, model, strategy, splits, weights_fingerprint)
-    return DirectPreference(o, Reference(tables["train"]), {split: Reference(table) for split, table in tables.items()},
-                            fused=fused, sequence=sequence)

@@ -34,17 +34,17 @@ from trainer.losses.objectives import NextToken, Objective, record, target_count
 from trainer.losses.router_loss import AUX, language_loss, router_logits, start_words, with_router_loss
 from trainer.models import description, model_facts
 from trainer.models.weights import WeightSource
-from trainer.oom import Watch, size
+from trainer.oom import OomRecorder, format_bytes
 from trainer.saved_bytes import SavedBytes
 from trainer.strategies import Strategy, build_strategy
 from trainer.training.adapt import adapt
-from trainer.training.dpo_reference import build_objective
 from trainer.training.faults import StepGuard, Stopped, Verdict
 from trainer.training.loggers import RunLog
+from trainer.training.objective import build_objective
 from trainer.training.report import describe, export_hint
 from trainer.training.resume_notes import resume_notes
 from trainer.training.schedule import lr_at
-from trainer.training.sequence_shares import share
+from trainer.training.sequence_shares import rank_share
 from trainer.training.setup import setup_model
 from trainer.training.steps import EarlyStop, StepMeter, StepProfiler
 
@@ -63,20 +63,23 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
     the means of the objective's statistics."""
     model.eval()
     totals = torch.zeros(2 + len(objective.stats), dtype=torch.float64, device=device)  # loss sum, units, stats
-    first = int(strategy.layout.sequence.rank == 0)  # strategy.sp: the units are counted on the whole rows, once a group
+    # strategy.sp: the units are counted on the whole rows, once a group (by its first rank)
+    first_in_group = int(strategy.layout.sequence.rank == 0)
     for whole in batches:
         whole = [t.to(device) for t in whole]
-        batch, sharded = share(whole, strategy.layout.sequence)
+        batch, sharded = rank_share(whole, strategy.layout.sequence)
         with sharded, strategy.autocast():
             loss, stats = objective.loss_sum(model, batch)
-        totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first, stats.double()])
+        totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first_in_group,
+                             stats.double()])
     model.train()
     all_reduced(totals)
     return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
 
 
 def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
-                track_memory: bool, objective: Objective | None = None, watch: Watch | None = None) -> StepSums:
+                track_memory: bool, objective: Objective | None = None,
+                oom_recorder: OomRecorder | None = None) -> StepSums:
     """Forward and backward of one optimizer step's micro-batches: the summed loss and statistics
     of this rank, the step's units, target tokens and input tokens of all ranks, and the bytes
     held at the gradients' peak if `track_memory`."""
@@ -84,29 +87,32 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     # of the whole step, all micro-batches and ranks. Backends average gradients over ranks, hence
     # x world size.
     objective = objective or NextToken()
-    during = watch.during if watch else lambda where, rows: nullcontext()  # out of memory: recorded, train.on_oom
+    # out of memory: recorded, train.on_oom
+    record_oom_in = oom_recorder.record_oom_in if oom_recorder else lambda where, rows: nullcontext()
     # strategy.sp: each rank computes the loss of its own share of the rows' tokens; the group's first
     # rank counts the units and inputs on the whole rows (a pair, or a row's inputs up to its last
     # target, spans the shares)
-    whole, (micro_batches, contexts) = micro_batches, zip(*(share(batch, strategy.layout.sequence) for batch in micro_batches))
-    first = int(strategy.layout.sequence.rank == 0)
-    units, targets, inputs = all_reduced(torch.stack([
-        sum(objective.count(batch) for batch in whole) * first, sum(target_count(batch[1]) for batch in micro_batches),
-        sum(input_count(batch[1]) for batch in whole) * first]))
-    scale = world_size / units
+    whole, (micro_batches, contexts) = micro_batches, zip(*(rank_share(batch, strategy.layout.sequence)
+                                                            for batch in micro_batches))
+    first_in_group = int(strategy.layout.sequence.rank == 0)
+    loss_units, targets, inputs = all_reduced(torch.stack([
+        sum(objective.count(batch) for batch in whole) * first_in_group,
+        sum(target_count(batch[1]) for batch in micro_batches),
+        sum(input_count(batch[1]) for batch in whole) * first_in_group]))
+    scale = world_size / loss_units
     loss_sum, mem, activations = torch.zeros((), device=targets.device), None, None
     stats = torch.zeros(len(objective.stats), device=targets.device)
     for i, batch in enumerate(micro_batches):
         # the backward too in the sharded context: activation checkpointing runs the forward again there
         with strategy.micro_step(final=i == len(micro_batches) - 1), contexts[i]:
             # at log steps: the bytes the forward saves for backward (mem.activations), this rank's
-            with during("forward", len(batch[0])), strategy.autocast(), \
+            with record_oom_in("forward", len(batch[0])), strategy.autocast(), \
                     SavedBytes() if track_memory else nullcontext() as saved:
                 micro_loss, micro_stats = objective.loss_sum(model, batch)
             if saved is not None:
                 saved.kept_by_functions(micro_loss)
                 activations = max(activations or 0, saved.bytes)
-            with during("backward", len(batch[0])):
+            with record_oom_in("backward", len(batch[0])):
                 strategy.backward(micro_loss * scale, measure_memory=track_memory)
         loss_sum += micro_loss.detach()
         stats += micro_stats
@@ -115,14 +121,14 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
             mem = held if mem is None or held["grads"] > mem["grads"] else mem
     if mem is not None:
         mem = {**mem, "activations": activations}  # the largest of the step's micro-batches
-    return StepSums(loss_sum, stats, units, targets, inputs, mem)
+    return StepSums(loss_sum, stats, loss_units, targets, inputs, mem)
 
 
 @dataclass
 class StepSums:
     loss: torch.Tensor  # this rank's summed loss
     stats: torch.Tensor  # this rank's summed statistics of the objective
-    units: torch.Tensor  # of all ranks: what the loss is the mean over (target tokens, pairs)
+    loss_units: torch.Tensor  # of all ranks: what the loss is the mean over (target tokens, pairs)
     targets: torch.Tensor  # target tokens of all ranks
     inputs: torch.Tensor  # input tokens of all ranks
     mem: dict | None
@@ -134,7 +140,7 @@ class Run:
 
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, strategy: Strategy, guard: StepGuard,
                  stream: BatchStream, val_set, total_steps: int, resume_from: Path | None, records: RunLog,
-                 watch: Watch):
+                 oom_recorder: OomRecorder):
         t = cfg.train
         if val_set is not None:
             check_validation_rows(cfg, len(val_set))
@@ -149,7 +155,7 @@ class Run:
         self.objective = with_router_loss(self.objective, routers, strategy.layout.sequence)  # where the config asks
         self.stats: dict = {}  # the objective's statistics of the last logged step
         self.records = records
-        self.plan, self.watch = watch.plan, watch  # train.on_oom
+        self.plan, self.oom_recorder = oom_recorder.plan, oom_recorder  # train.on_oom
         self.checkpoints = CheckpointManager(cfg.checkpoint, strategy, cfg.strategy.name.value,
                                              description(cfg.model, cfg.data.tokenizer, strategy.module,
                                                          cfg.data.chat_template),
@@ -198,13 +204,14 @@ class Run:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
-        self.watch.step = self.step + 1
+        self.oom_recorder.step = self.step + 1
         sums = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size, log_now, self.objective,
-                           self.watch)
+                           self.oom_recorder)
         loss_sum, mem = sums.loss, sums.mem
         # The norm, then every rank's verdict (a non-finite loss or norm anywhere: no update; and
         # whether a stop signal reached any rank), then the update or the skip.
-        with self.watch.during("optimizer step"):  # part-way, some ranks updated: resumed from the checkpoint before
+        # part-way, some ranks updated: resumed from the checkpoint before
+        with self.oom_recorder.record_oom_in("optimizer step"):
             grad_norm = self.strategy.grad_norm()
             verdict = self.guard.decide(loss_sum, grad_norm, loss_scaled=self.strategy.precision.scale_state() is not None)
             if verdict is Verdict.update:
@@ -217,8 +224,8 @@ class Run:
         if not log_now:
             return None, grad_norm, mem
         totals = all_reduced(torch.cat([loss_sum.view(1), sums.stats]))
-        self.stats = record(self.objective.stats, totals[1:], sums.units)
-        return totals[0] / sums.units, grad_norm, mem
+        self.stats = record(self.objective.stats, totals[1:], sums.loss_units)
+        return totals[0] / sums.loss_units, grad_norm, mem
 
     def compiled(self) -> None:
         """After the first step under train.compile, which compiles: its time, kept out of step times."""
@@ -235,7 +242,7 @@ class Run:
             return False
         rows = self.cfg.eval.micro_batch_size or self.cfg.train.micro_batch_size
         batches = eval_batches(self.val_set, rows, self.strategy.layout.dp_rank, self.strategy.layout.dp_size, self.cfg.eval.max_batches)
-        with self.watch.during("evaluation", rows):
+        with self.oom_recorder.record_oom_in("evaluation", rows):
             self.val_loss, stats = evaluate(self.model, self.strategy, self.objective.evaluation("val"), batches,
                                             self.env.device)
             source_losses = self.source_losses(rows)
@@ -356,11 +363,11 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
         for event in adapted:
             records.log(event)
             log.info(f"adapted after out of memory: {event['what']} ({event['why']}, asking for "
-                     f"{size(event['asked'])} with {size(event['free'])} free)"
+                     f"{format_bytes(event['asked'])} with {format_bytes(event['free'])} free)"
                      + "".join(f"; skipped {line}" for line in event["skipped"]))
-        watch = Watch(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom, from set-up on
-        with watch.during("setup"):  # the model built and sharded, its weights, the optimizer, the checkpoint
-            run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records, watch)
+        oom_recorder = OomRecorder(plan, env.rank, env.device, held=strategy.memory_bytes)  # train.on_oom, from set-up on
+        with oom_recorder.record_oom_in("setup"):  # the model built and sharded, its weights, the optimizer, the checkpoint
+            run = Run(cfg, env, run_dir, strategy, guard, stream, val_set, total_steps, resume_from, records, oom_recorder)
         cleanup.push(run.leave)
         profiler, first_step = StepProfiler(t.profile, run_dir, env.rank, env.device), run.step + 1
         # A thread lock, not tqdm's default multiprocessing one: only rank 0 draws, and a named

@@ -7,7 +7,7 @@ from trainer.distributed import DistEnv
 from trainer.memory import async_save_bytes
 from trainer.models import ModelFacts
 from trainer.models.active_params import short_count
-from trainer.oom import size
+from trainer.oom import format_bytes
 from trainer.strategies import Strategy
 
 
@@ -47,7 +47,7 @@ def save_words(cfg: Config, facts: ModelFacts, world_size: int) -> list[str]:
         return []
     held = async_save_bytes(facts.trainable, facts.params - facts.trainable, world_size,
                             frozen_saved=cfg.model.path is None)
-    return [f"checkpoint.async=on (+{size(held)} host memory a rank)"]
+    return [f"checkpoint.async=on (+{format_bytes(held)} host memory a rank)"]
 
 
 def export_hint(cfg: Config) -> str:

@@ -12,7 +12,7 @@ import torch
 from trainer.models.sequence import SequenceGroup, sharded
 
 
-def share(batch: list[torch.Tensor], group: SequenceGroup) -> tuple[list[torch.Tensor], AbstractContextManager]:
+def rank_share(batch: list[torch.Tensor], group: SequenceGroup) -> tuple[list[torch.Tensor], AbstractContextManager]:
     """(this rank's share of `batch` (inputs, targets[, position_ids, ...]), the context its forward
     and backward run in). A share always carries position ids: those of the whole row (plain rows:
     0..seq_len-1), so that a rank's learned or rotary positions are the global ones; packed rows'

@@ -1,4 +1,4 @@
-"""train.on_oom's strategy rungs (training/adapt.py): past micro-batch 1, activation checkpointing and
+"""train.on_oom's strategy fallbacks (training/adapt.py): past micro-batch 1, activation checkpointing and
 the fused loss, the restart takes the next option of the planner's decision order that it says fits
 with the failure's bytes and that passes the checks a user's command gets, and resumes there from
 the portable checkpoint with the losses of a run started at that strategy."""
@@ -12,8 +12,7 @@ import torch
 
 from tests.harness import records, run_cli
 from trainer.config import to_config
-from trainer.oom import TEST_SWITCH, Adaptation, OutOfMemory, Watch, append
-from trainer.oom import read_records as oom_records
+from trainer.oom import TEST_SWITCH, Adaptation, OomRecorder, OutOfMemory, append, read_oom_records
 from trainer.training.adapt import adapt
 
 AT_THE_BOTTOM = {"micro_batch_size": 1, "grad_accum_steps": 8, "activation_checkpointing": True, "fused_loss": True}
@@ -24,7 +23,7 @@ def failure(plan: Adaptation, asked: int) -> dict:
             "free": 0, "plan": asdict(plan), "error": "CUDA out of memory."}
 
 
-def test_the_rung_is_the_first_option_that_holds_the_missing_bytes_less_and_passes_the_checks(tmp_path):
+def test_the_fallback_is_the_first_option_that_holds_the_missing_bytes_less_and_passes_the_checks(tmp_path):
     """The built-in tiny model at 2 ranks (python -m trainer.plan: ddp with AC holds 2.3 MiB a
     device in fp16, zero1 and zero2 0.27 MiB less, fsdp 0.8 MiB less). fp16: DeepSpeed on CPU
     refuses it, so zero1 and zero2 are skipped, each with the check's reason."""
@@ -48,7 +47,7 @@ def test_the_rung_is_the_first_option_that_holds_the_missing_bytes_less_and_pass
         adapt(cfg, tmp_path, kept=None, world_size=2)
 
 
-def test_a_sequence_parallel_rung_keeps_the_global_batch_with_more_accumulation(tmp_path):
+def test_a_sequence_parallel_fallback_keeps_the_global_batch_with_more_accumulation(tmp_path):
     """A few bytes short: sp=2 (half the activations a rank) comes first; its sp group of the 2 ranks
     reads the same rows, so the accumulation doubles, and the next start keeps that plan."""
     cfg = to_config({"train": AT_THE_BOTTOM})
@@ -59,9 +58,9 @@ def test_a_sequence_parallel_rung_keeps_the_global_batch_with_more_accumulation(
     assert adapt(cfg, tmp_path, kept=None, world_size=2) == (plan, [])  # past the settings' plan: kept
 
 
-def test_a_sequence_parallel_rung_whose_accumulation_would_not_be_whole_is_skipped(tmp_path):
+def test_a_sequence_parallel_fallback_whose_accumulation_would_not_be_whole_is_skipped(tmp_path):
     """From sp=2 at accumulation 1 on 6 ranks, sp=3 would need 1.5 micro-steps (the global batch would
-    change): skipped, saying so; sp=6 (3 micro-steps) is the rung."""
+    change): skipped, saying so; sp=6 (3 micro-steps) is the fallback."""
     model = {"name": "tiny", "n_heads": 6, "d_model": 96, "seq_len": 96}
     cfg = to_config({"model": model, "strategy": {"sp": 2}, "train": {**AT_THE_BOTTOM, "grad_accum_steps": 1}})
     append(tmp_path, failure(Adaptation.of(cfg), asked=1_000))
@@ -71,7 +70,7 @@ def test_a_sequence_parallel_rung_whose_accumulation_would_not_be_whole_is_skipp
                                    "(the global batch would change)"), event
 
 
-def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_be_refused(tmp_path, monkeypatch):
+def test_without_deepspeed_the_zero_fallbacks_are_skipped_as_a_users_command_would_be_refused(tmp_path, monkeypatch):
     """A machine without DeepSpeed (the GPU image): zero1 and zero2 would fit, the checks refuse them."""
     import importlib.metadata
 
@@ -92,14 +91,14 @@ def test_without_deepspeed_the_zero_rungs_are_skipped_as_a_users_command_would_b
 
 def test_the_switchs_bytes_make_a_full_device_that_asks_for_what_the_rank_keeps_above_them(monkeypatch):
     held = {"params": 600, "grads": 10 ** 6, "optim": 1200, "peak": None}  # gradients come and go: not counted
-    watch = Watch(Adaptation(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)
+    oom_recorder = OomRecorder(Adaptation(1, 8, True, 8), rank=1, device=torch.device("cpu"), step=3, held=lambda: held)
     monkeypatch.setenv(TEST_SWITCH, "rank=1,bytes=1500,from_step=3")
     with pytest.raises(OutOfMemory) as caught:
-        with watch.during("forward", 1):
+        with oom_recorder.record_oom_in("forward", 1):
             pass
     assert (caught.value.failure["asked"], caught.value.failure["free"]) == (300, 0)  # CUDA's words, read back
     held["optim"] = 900  # a strategy that keeps less: no failure
-    with watch.during("forward", 1):
+    with oom_recorder.record_oom_in("forward", 1):
         pass
 
 
@@ -119,7 +118,7 @@ def test_a_run_at_the_bottom_of_the_ladder_moves_to_the_strategy_the_planner_say
     result = run_cli(*COMMON, "strategy=ddp", "max_restarts=1", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=2",
                      f"hydra.run.dir={run_dir}", env={TEST_SWITCH: f"rank=1,bytes={DEVICE_BYTES},from_step=3"})
     assert result.returncode == 0, result.stderr[-3000:]
-    [failed] = [r for r in oom_records(run_dir) if r["event"] == "out_of_memory"]
+    [failed] = [r for r in read_oom_records(run_dir) if r["event"] == "out_of_memory"]
     adapted = [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                if e.get("event") == "adapted"]
     assert [(e["step"], e["what"]) for e in adapted] == [(3, "strategy ddp -> fsdp")], adapted
