@@ -72,10 +72,10 @@ def buffer_key(name: str) -> str:
     return f"buffer.{name}"
 
 
-def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> Piece:
-    """Of a range held identically by `replicas` ranks, the part replica `index` saves."""
+def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int, block: Block | None = None) -> Piece:
+    """Of a range (of a `block`) held identically by `replicas` ranks, the part replica `index` saves."""
     chunk = -(-flat.numel() // replicas)
-    return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk])
+    return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk], block)
 
 
 @dataclass

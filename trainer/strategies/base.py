@@ -69,8 +69,8 @@ class Strategy(ABC):
         self.held: list[nn.Module] = []  # models held outside the policy (`holds`)
         self.precision = Precision(cfg.train.precision)
         self.reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
-        # strategy.sp and strategy.ep: this rank's groups, created here on every rank
-        self.layout = Layout(Degrees(env.world_size, cfg.strategy.sp, cfg.strategy.ep), env.rank)
+        # strategy.sp, strategy.ep and strategy.tp: this rank's groups, created here on every rank
+        self.layout = Layout(Degrees(env.world_size, cfg.strategy.sp, cfg.strategy.ep, cfg.strategy.tp), env.rank)
         self.experts = ExpertRows(self.layout.experts)  # the parameters holding this rank's experts only (ep > 1)
 
     def model_init_context(self) -> AbstractContextManager:
