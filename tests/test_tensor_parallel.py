@@ -103,3 +103,90 @@ def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
             # measured 9.3e-5 at most (Adam's first steps move an element of a near-zero gradient by up to lr
             # whatever its rounding); a part in another's place: of the order of 1
             assert (a - b).norm() <= 1e-3 * b.norm(), (name, what, float((a - b).norm() / b.norm()))
+
+
+# -- refusals: before any work, in one line --------------------------------------------------------
+
+REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
+    "ddp": (dict(name="ddp"), "strategy.tp=2 needs strategy=fsdp"),
+    "zero1": (dict(name="zero1"), "strategy.tp=2 needs strategy=fsdp"),
+    "zero2": (dict(name="zero2"), "strategy.tp=2 needs strategy=fsdp"),
+    "zero3": (dict(name="zero3"), "strategy.tp=2 needs strategy=fsdp"),
+    "sp": (dict(sp=2), "strategy.tp=2 with strategy.sp=2"),
+    "ep": (dict(ep=2), "strategy.tp=2 with strategy.ep=2"),
+    "hsdp": (dict(sharding="HYBRID_SHARD"), "strategy.tp=2 with strategy.sharding=HYBRID_SHARD"),
+    "no_shard": (dict(sharding="NO_SHARD"), "strategy.tp=2 with strategy.sharding=NO_SHARD"),
+    "offload": (dict(offload_params=True, offload_optimizer=True), "strategy.tp=2 with offload"),
+    "lora": (dict(peft__name="lora"), "strategy.tp=2 with peft=lora"),
+    "compile": (dict(train__compile=True), "strategy.tp=2 with train.compile=true"),
+    "fused_loss": (dict(train__fused_loss=True), "strategy.tp=2 with train.fused_loss=true"),
+    "fp16": (dict(train__precision="fp16"), "strategy.tp=2 with train.precision=fp16"),
+    "dpo": (dict(objective__name="dpo"), "strategy.tp=2 with objective=dpo"),
+    "world": (dict(world=3), "strategy.tp: the world size 3 must be a multiple of strategy.tp=2"),
+    "heads": (dict(tp=8, world=8), "strategy.tp=8: Transformer has 4 attention heads"),
+    "zero": (dict(tp=0), "strategy.tp: must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_tensor_parallelism_does_not_take_is_refused_in_one_line(name):
+    from trainer.checks import check_tensor_parallel
+    from trainer.config import to_config
+    from trainer.models import meta_model
+
+    settings, said = REFUSED[name]
+    world = settings.get("world", 4)
+    strategy = {key: value for key, value in settings.items() if "__" not in key and key != "world"}
+    cfg = to_config(with_overrides({"strategy": {"name": "fsdp", "tp": 2, **strategy}},
+                                   **{key: value for key, value in settings.items() if "__" in key}))
+    refused = refused_by(check_tensor_parallel, cfg, world, meta_model(cfg.model, cfg.peft))
+    assert refused is not None and refused.startswith(said) and "\n" not in refused, refused
+
+
+def test_a_family_without_a_plan_or_whose_heads_do_not_divide_is_refused_and_qwen3_is_not(tmp_path):
+    from transformers import AutoConfig
+
+    from trainer.config import ModelConfig
+    from trainer.models import meta_model
+    from trainer.models.tensor_plan import check_model_tensor_parallel
+
+    def model(family, **config):
+        AutoConfig.for_model(family, **config).save_pretrained(str(tmp_path / family))
+        return meta_model(ModelConfig(name="hf", kind="hf", path=str(tmp_path / family), seq_len=32, vocab_size=VOCAB))
+
+    gpt2 = model("gpt2", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4)
+    assert refused_by(check_model_tensor_parallel, 2, gpt2).startswith("strategy.tp=2: gpt2 has no tensor-parallel plan")
+    qwen3 = model("qwen3", **QWEN3)
+    assert refused_by(check_model_tensor_parallel, 2, qwen3) is None
+    assert refused_by(check_model_tensor_parallel, 4, qwen3).startswith("strategy.tp=4: qwen3 has 2 key-value heads")
+    moe = model("qwen3_moe", **{**QWEN3, "moe_intermediate_size": 16, "num_experts": 4})
+    assert "splits the parameter model.layers.0.mlp.experts.gate_up_proj itself" in refused_by(
+        check_model_tensor_parallel, 2, moe)
+
+
+def test_a_custom_model_without_a_plan_is_refused():
+    from torch import nn
+
+    from trainer.models.tensor_plan import check_model_tensor_parallel
+
+    assert refused_by(check_model_tensor_parallel, 2, nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))).startswith(
+        "strategy.tp=2: Sequential has no tensor-parallel plan: it declares no `_tp_plan`")
+
+
+def test_a_tied_output_layer_stays_whole(tmp_path):
+    """Qwen2's lm_head is its embedding: both leave the plan, the rest of it stays."""
+    from trainer.config import ModelConfig
+    from trainer.demo import make_model_dir
+    from trainer.models import meta_model
+    from trainer.models.tensor_plan import planned_modules
+
+    tied = meta_model(ModelConfig(name="hf", kind="hf", path=str(make_model_dir(tmp_path / "q", "qwen2", weights=False)),
+                                  seq_len=32, vocab_size=VOCAB))
+    names = [name for name, _, _ in planned_modules(tied)]
+    assert "lm_head" not in names and "model.embed_tokens" not in names and "model.layers.0.self_attn.q_proj" in names
+
+
+def test_the_command_line_refuses_tp_on_ddp_before_any_rank_starts(tmp_path):
+    from tests.harness import refusal
+
+    assert refusal(tmp_path, "nproc=2", "strategy.tp=2").startswith("strategy.tp=2 needs strategy=fsdp")

@@ -63,6 +63,12 @@ def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return found
 
 
+def layer_kind(style: str) -> type[nn.Module]:
+    """The layer a style splits: torch's parallel styles take Linear and Embedding layers."""
+    return nn.Embedding if style == "embedding_rowwise" else nn.Module if style == "replicated_with_grad_allreduce" \
+        else nn.Linear
+
+
 def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int, int]]:
     """(what, size, ways) that a style splits `ways` ways per rank of the group (size % (ways x tp) == 0)."""
     weight = module.weight
@@ -93,6 +99,11 @@ def check_model_tensor_parallel(tp: int, model: nn.Module) -> None:
         where = ("its config has no base_model_tp_plan (transformers declares none for this family)" if config
                  is not None else "it declares no `_tp_plan` (module name patterns to styles, as transformers' models do)")
         raise ConfigError(f"strategy.tp={tp}: {family} has no tensor-parallel plan: {where}; use strategy.tp=1")
+    plan = model._tp_plan
+    parameters = [name for name, _ in model.named_parameters() if any(matches(k, canonical_name(name)) for k in plan)]
+    if parameters:
+        raise ConfigError(f"strategy.tp={tp}: {family}'s tensor-parallel plan splits the parameter {parameters[0]} "
+                          "itself, which this trainer does not (it splits whole layers); use strategy.tp=1")
     planned = planned_modules(model)
     if not planned:
         raise ConfigError(f"strategy.tp={tp}: {family}'s tensor-parallel plan matches none of its modules; "
@@ -102,6 +113,9 @@ def check_model_tensor_parallel(tp: int, model: nn.Module) -> None:
         if style not in STYLES:
             raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which this trainer "
                               f"does not split (it splits {', '.join(STYLES)}); use strategy.tp=1")
+        if not isinstance(module, layer_kind(style)):
+            raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which takes a torch "
+                              f"{layer_kind(style).__name__}, not a {type(module).__name__}; use strategy.tp=1")
         for what, size, ways in split_dims(module, style, parts):
             if size % (ways * tp):
                 raise ConfigError(f"strategy.tp={tp}: {family}'s {name} has {size} {what}, which {ways} x "
