@@ -59,9 +59,22 @@ def runs(tmp_path_factory):
                               "one_qwen3": tp_case("fsdp", 8, qwen)}, str(out))
     on_ranks(2, train_cases, {"tp2": saving(tp_case("fsdp", 8, strategy__tp=2), ckpt["tp2"], 2),
                               "tp2_qwen3": tp_case("fsdp", 8, qwen, strategy__tp=2),
+                              "tp2_accum_ac": tp_case("fsdp", 4, strategy__tp=2, train__grad_accum_steps=2,
+                                                      train__activation_checkpointing=True),
                               "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2)}, str(out))
     on_ranks(1, train_cases, {"ddp_from_tp2": resuming(tp_case("ddp", 8), ckpt["tp2"], 2),
                               "zero3_from_tp2": resuming(tp_case("zero3", 8), ckpt["tp2"], 2)}, str(out))
+    return {**ckpt, "out": out, "qwen": qwen}
+
+
+@pytest.fixture(scope="module")
+def fours(runs):
+    """dp=2 x tp=2 on 4 ranks: two tensor groups, each reading its own rows."""
+    out, qwen = runs["out"], runs["qwen"]
+    on_ranks(4, train_cases, {"dp2_tp2": tp_case("fsdp", 4, strategy__tp=2),
+                              "dp2_tp2_qwen3": tp_case("fsdp", 4, qwen, strategy__tp=2),
+                              "dp2_tp2_from_tp2": resuming(tp_case("fsdp", 4, strategy__tp=2), runs["tp2"], 2)},
+             str(out))
     return out
 
 
@@ -74,16 +87,28 @@ def assert_same_run(runs, name: str, baseline: str) -> None:
     assert [r["tokens"] for r in run] == [r["tokens"] for r in base], f"{name}: a tensor group counts its rows once"
 
 
-@pytest.mark.parametrize("name, baseline", [("tp2", "one"), ("tp2_qwen3", "one_qwen3")])
+@pytest.mark.parametrize("name, baseline", [("tp2", "one"), ("tp2_qwen3", "one_qwen3"), ("tp2_accum_ac", "one")])
 def test_tp2_gives_one_ranks_losses_and_norms(runs, name, baseline):
-    assert_same_run(runs, name, baseline)
+    assert_same_run(runs["out"], name, baseline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, baseline", [("dp2_tp2", "one"), ("dp2_tp2_qwen3", "one_qwen3")])
+def test_dp2_tp2_on_4_ranks_gives_one_ranks_losses_and_norms(fours, name, baseline):
+    assert_same_run(fours, name, baseline)
 
 
 @pytest.mark.parametrize("name, checkpoint", [("tp2_from_one", "one"), ("ddp_from_tp2", "tp2"),
                                               ("zero3_from_tp2", "tp2")])
 def test_checkpoints_move_between_tp2_and_one_rank(runs, name, checkpoint):
     """The same global batch, Adam's moments and step restored: the steps after 2 as the run that saved."""
-    assert_resumes(records(runs / name), records(runs / checkpoint), 2, name, RTOL)
+    out = runs["out"]
+    assert_resumes(records(out / name), records(out / checkpoint), 2, name, RTOL)
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_resumes_at_dp2_tp2(fours):
+    assert_resumes(records(fours / "dp2_tp2_from_tp2"), records(fours / "tp2"), 2, "dp2_tp2 from tp2", RTOL)
 
 
 def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
@@ -93,7 +118,7 @@ def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
     from trainer.checkpoint.format import read_step_dir
     from trainer.verify import verify
 
-    split, whole = (runs / f"ckpt_{run}" / "step_00000002" for run in ("tp2", "one"))
+    split, whole = (runs[run] / "step_00000002" for run in ("tp2", "one"))
     assert verify(split) == []
     split, whole = read_step_dir(split), read_step_dir(whole)
     assert split.weights.keys() == whole.weights.keys() and split.step == whole.step == 2
