@@ -129,7 +129,8 @@ class Strategy(ABC):
         return []
 
     def autocast(self) -> AbstractContextManager:
-        """Around the forward; backends that cast parameters themselves need none."""
+        """Around the forward and its loss; backends that cast parameters themselves need none
+        (fsdp at strategy.tp > 1: its loss over logits split by vocabulary, `loss_parallel`)."""
         return nullcontext()
 
     @abstractmethod

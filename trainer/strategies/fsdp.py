@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import Precision, Sharding
 from trainer.models.blocks import find_blocks
@@ -116,6 +118,15 @@ class FSDPStrategy(TorchStrategy):
                     unsharded.append(fsdp_param._unsharded_param.grad)
         held["grads"] += tensor_bytes(unsharded)
         return held
+
+    def autocast(self):
+        # strategy.tp: the output layer's logits stay split over the vocabulary; torch's loss_parallel
+        # computes their cross-entropy where they are, in the forward and in the backward
+        return loss_parallel() if self.layout.degrees.tp > 1 else nullcontext()
+
+    def backward(self, loss, measure_memory=False):
+        with self.autocast():
+            super().backward(loss, measure_memory)
 
     def micro_step(self, final):
         # step: unsharded gradients accumulate locally, reduce-scatter on the final micro-step;

@@ -93,7 +93,9 @@ def parallel_style(value: str) -> ParallelStyle:
     style, parts = style_and_parts(value)
     return {"colwise": lambda: ColwiseParallel(),
             "rowwise": lambda: RowwiseParallel(),
-            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            # the output layer: its logits stay split over the vocabulary, a DTensor for the loss (fsdp.py's
+            # loss_parallel), never gathered
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
             "packed_colwise": lambda: PackedColwise(parts),
             "replicated_with_grad_allreduce": lambda: ReplicatedGradientSummed()}[style]()
