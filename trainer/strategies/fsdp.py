@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,14 @@ class FSDPStrategy(TorchStrategy):
     def make_grad_scaler(self):
         return ShardedGradScaler(self.env.device.type)  # agrees on inf/nan across shards
 
+    @cached_property
+    def tensor_mesh(self):
+        """strategy.tp: the ("dp", "tp") mesh, made once (its groups are collective to make)."""
+        return self.layout.tensor_mesh(self.env.device.type)
+
     def mesh(self):
         if self.layout.degrees.tp > 1:  # sharded over the data-parallel ranks only; a tensor group splits the rest
-            return self.layout.tensor_mesh(self.env.device.type)["dp"]
+            return self.tensor_mesh["dp"]
         # HSDP: replicate across nodes, shard inside one. NO_SHARD is HSDP with shards of size 1.
         shard = {Sharding.FULL_SHARD: self.env.world_size, Sharding.SHARD_GRAD_OP: self.env.world_size,
                  Sharding.HYBRID_SHARD: self.env.local_world_size, Sharding.NO_SHARD: 1}[Sharding(self.cfg.strategy.sharding)]
@@ -49,7 +55,7 @@ class FSDPStrategy(TorchStrategy):
         if self.layout.experts.size > 1:
             self.shard_experts(model, kwargs)
         if self.layout.degrees.tp > 1:  # split over "tp" first, then sharded over "dp" (torchtitan's order)
-            parallelize(model, self.layout.tensor_mesh(self.env.device.type)["tp"])
+            parallelize(model, self.tensor_mesh["tp"])
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
