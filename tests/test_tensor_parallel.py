@@ -205,8 +205,11 @@ def test_a_custom_model_without_a_plan_is_refused():
         "strategy.tp=2: Sequential has no tensor-parallel plan: it declares no `_tp_plan`")
 
 
-def test_a_tied_output_layer_stays_whole(tmp_path):
-    """Qwen2's lm_head is its embedding: both leave the plan, the rest of it stays."""
+def test_a_tied_output_layer_and_an_embedding_with_a_padding_row_stay_whole(tmp_path):
+    """Qwen2's lm_head is its embedding: both leave the plan, the rest of it stays. An embedding with a
+    padding_idx leaves it too (its backward would skip another token's row on a rank)."""
+    from transformers import AutoConfig
+
     from trainer.config import ModelConfig
     from trainer.demo import make_model_dir
     from trainer.models import meta_model
@@ -216,6 +219,10 @@ def test_a_tied_output_layer_stays_whole(tmp_path):
                                   seq_len=32, vocab_size=VOCAB))
     names = [name for name, _, _ in planned_modules(tied)]
     assert "lm_head" not in names and "model.embed_tokens" not in names and "model.layers.0.self_attn.q_proj" in names
+    AutoConfig.for_model("qwen3", **QWEN3, pad_token_id=0).save_pretrained(str(tmp_path / "padded"))
+    padded = meta_model(ModelConfig(name="hf", kind="hf", path=str(tmp_path / "padded"), seq_len=32, vocab_size=VOCAB))
+    names = [name for name, _, _ in planned_modules(padded)]
+    assert "model.embed_tokens" not in names and "lm_head" in names
 
 
 def test_the_command_line_refuses_tp_on_ddp_before_any_rank_starts(tmp_path):

@@ -19,7 +19,8 @@ splits (strategies/tensor_parallel.py turns them into torch's):
   per-head q_norm/k_norm, which each rank applies to its own heads only).
 
 A tied output layer (its matrix is the embedding's) stays whole on every rank of the group: both its
-entries leave the plan.
+entries leave the plan. So does an embedding with a `padding_idx`: its backward skips that row by the
+index it sees, which on a rank holding other rows is another token's.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def matches(pattern: str, name: str) -> bool:
 
 def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(canonical name, module, style value) of every module the model's plan splits, in model order;
-    a module whose parameter another module shares (a tied output layer and its embedding) is left whole."""
+    a module whose parameter another module shares (a tied output layer and its embedding), and an
+    embedding with a padding row, are left whole."""
     plan = getattr(model, "_tp_plan", None) or {}
     owners: dict[int, int] = {}
     for module in model.modules():
@@ -59,7 +61,8 @@ def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     for name, module in model.named_modules():
         name = canonical_name(name)
         value = next((v for pattern, v in plan.items() if matches(pattern, name)), None)
-        if value is not None and not any(owners[id(p)] > 1 for p in module.parameters(recurse=False)):
+        shared = any(owners[id(p)] > 1 for p in module.parameters(recurse=False))
+        if value is not None and not shared and getattr(module, "padding_idx", None) is None:
             found.append((name, module, value))
     return found
 
