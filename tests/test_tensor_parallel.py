@@ -3,8 +3,8 @@ model's plan is split over a tensor group that reads the same rows: the losses a
 one rank's at the same global batch (fp32, clipping active; losses and validation losses within 1e-6,
 gradient norms within 1e-5), the output layer's logits split over the vocabulary (loss_parallel), at tp=2
 on 2 ranks for the built-in transformer (its packed qkv and SwiGLU projections; with accumulation and
-activation checkpointing too) and a Qwen3 with grouped-query attention (its per-head q_norm/k_norm), and
-at dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
+activation checkpointing too), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query
+attention, and at dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
 with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors; the
 settings it does not cross with are refused before any work, in one line."""
 from __future__ import annotations
@@ -32,17 +32,17 @@ RTOL = 1e-6
 # the gradient norm: measured 6.3e-8 at step 1; at step 2, after Adam's first update (lr 1e-2 moves each element of
 # a near-zero gradient by about lr, whatever its rounding), 4.9e-6 at most; test_expert_parallel.py allows the same
 NORM_RTOL = 1e-5
-QWEN3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
 
 
-def qwen3_dir(root) -> str:
-    """A tiny Qwen3 (grouped-query attention: 4 heads, 2 key-value heads; per-head q_norm and k_norm),
-    config only: the model's own init gives its first weights."""
+def model_dir(root, family: str) -> str:
+    """A tiny Qwen3 or Llama (grouped-query attention: 4 heads, 2 key-value heads; Qwen3's per-head q_norm
+    and k_norm), config only: the model's own init gives its first weights."""
     from transformers import AutoConfig
 
-    AutoConfig.for_model("qwen3", **QWEN3).save_pretrained(str(root / "qwen3"))
-    return str(root / "qwen3")
+    AutoConfig.for_model(family, **GQA).save_pretrained(str(root / family))
+    return str(root / family)
 
 
 def tp_case(strategy: str, micro: int, model: str | None = None, **overrides) -> dict:
@@ -57,12 +57,14 @@ def tp_case(strategy: str, micro: int, model: str | None = None, **overrides) ->
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tensor_parallel")
-    qwen = qwen3_dir(out)
+    qwen, llama = model_dir(out, "qwen3"), model_dir(out, "llama")
     ckpt = {name: out / f"ckpt_{name}" for name in ("one", "tp2")}
     on_ranks(1, train_cases, {"one": saving(tp_case("fsdp", 8), ckpt["one"], 2),
-                              "one_qwen3": tp_case("fsdp", 8, qwen)}, str(out))
+                              "one_qwen3": tp_case("fsdp", 8, qwen), "one_llama": tp_case("fsdp", 8, llama)},
+             str(out))
     on_ranks(2, train_cases, {"tp2": saving(tp_case("fsdp", 8, strategy__tp=2), ckpt["tp2"], 2),
                               "tp2_qwen3": tp_case("fsdp", 8, qwen, strategy__tp=2),
+                              "tp2_llama": tp_case("fsdp", 8, llama, strategy__tp=2),
                               "tp2_accum_ac": tp_case("fsdp", 4, strategy__tp=2, train__grad_accum_steps=2,
                                                       train__activation_checkpointing=True),
                               "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2)}, str(out))
@@ -94,7 +96,8 @@ def assert_same_run(runs, name: str, baseline: str) -> None:
     assert [r["tokens"] for r in run] == [r["tokens"] for r in base], f"{name}: a tensor group counts its rows once"
 
 
-@pytest.mark.parametrize("name, baseline", [("tp2", "one"), ("tp2_qwen3", "one_qwen3"), ("tp2_accum_ac", "one")])
+@pytest.mark.parametrize("name, baseline", [("tp2", "one"), ("tp2_qwen3", "one_qwen3"), ("tp2_llama", "one_llama"),
+                                            ("tp2_accum_ac", "one")])
 def test_tp2_gives_one_ranks_losses_and_norms(runs, name, baseline):
     assert_same_run(runs["out"], name, baseline)
 
@@ -188,10 +191,10 @@ def test_a_family_without_a_plan_or_whose_heads_do_not_divide_is_refused_and_qwe
 
     gpt2 = model("gpt2", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4)
     assert refused_by(check_model_tensor_parallel, 2, gpt2).startswith("strategy.tp=2: gpt2 has no tensor-parallel plan")
-    qwen3 = model("qwen3", **QWEN3)
+    qwen3 = model("qwen3", **GQA)
     assert refused_by(check_model_tensor_parallel, 2, qwen3) is None
     assert refused_by(check_model_tensor_parallel, 4, qwen3).startswith("strategy.tp=4: qwen3 has 2 key-value heads")
-    moe = model("qwen3_moe", **{**QWEN3, "moe_intermediate_size": 16, "num_experts": 4})
+    moe = model("qwen3_moe", **{**GQA, "moe_intermediate_size": 16, "num_experts": 4})
     assert "splits the parameter model.layers.0.mlp.experts.gate_up_proj itself" in refused_by(
         check_model_tensor_parallel, 2, moe)
 
@@ -219,7 +222,7 @@ def test_a_tied_output_layer_and_an_embedding_with_a_padding_row_stay_whole(tmp_
                                   seq_len=32, vocab_size=VOCAB))
     names = [name for name, _, _ in planned_modules(tied)]
     assert "lm_head" not in names and "model.embed_tokens" not in names and "model.layers.0.self_attn.q_proj" in names
-    AutoConfig.for_model("qwen3", **QWEN3, pad_token_id=0).save_pretrained(str(tmp_path / "padded"))
+    AutoConfig.for_model("qwen3", **GQA, pad_token_id=0).save_pretrained(str(tmp_path / "padded"))
     padded = meta_model(ModelConfig(name="hf", kind="hf", path=str(tmp_path / "padded"), seq_len=32, vocab_size=VOCAB))
     names = [name for name, _, _ in planned_modules(padded)]
     assert "model.embed_tokens" not in names and "lm_head" in names
