@@ -3,7 +3,7 @@ model's plan is split over a tensor group that reads the same rows: the losses a
 one rank's at the same global batch (fp32, clipping active; losses and validation losses within 1e-6,
 gradient norms within 1e-5), the output layer's logits split over the vocabulary (loss_parallel), at tp=2
 on 2 ranks for the built-in transformer (its packed qkv and SwiGLU projections; with accumulation and
-activation checkpointing too), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query
+activation checkpointing, and SHARD_GRAD_OP, too; bf16 within 2e-3 of one rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query
 attention, and at dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
 with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors; the
 settings it does not cross with are refused before any work, in one line."""
@@ -32,6 +32,7 @@ RTOL = 1e-6
 # the gradient norm: measured 6.3e-8 at step 1; at step 2, after Adam's first update (lr 1e-2 moves each element of
 # a near-zero gradient by about lr, whatever its rounding), 4.9e-6 at most; test_expert_parallel.py allows the same
 NORM_RTOL = 1e-5
+BF16_RTOL = 2e-3  # bf16 at tp=2 against one rank in bf16 (test_expert_parallel.py's bound)
 GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
 
@@ -60,11 +61,14 @@ def runs(tmp_path_factory):
     qwen, llama = model_dir(out, "qwen3"), model_dir(out, "llama")
     ckpt = {name: out / f"ckpt_{name}" for name in ("one", "tp2")}
     on_ranks(1, train_cases, {"one": saving(tp_case("fsdp", 8), ckpt["one"], 2),
-                              "one_qwen3": tp_case("fsdp", 8, qwen), "one_llama": tp_case("fsdp", 8, llama)},
+                              "one_qwen3": tp_case("fsdp", 8, qwen), "one_llama": tp_case("fsdp", 8, llama),
+                              "one_bf16": tp_case("fsdp", 8, train__precision="bf16")},
              str(out))
     on_ranks(2, train_cases, {"tp2": saving(tp_case("fsdp", 8, strategy__tp=2), ckpt["tp2"], 2),
                               "tp2_qwen3": tp_case("fsdp", 8, qwen, strategy__tp=2),
                               "tp2_llama": tp_case("fsdp", 8, llama, strategy__tp=2),
+                              "tp2_grad_op": tp_case("fsdp", 8, strategy__tp=2, strategy__sharding="SHARD_GRAD_OP"),
+                              "tp2_bf16": tp_case("fsdp", 8, strategy__tp=2, train__precision="bf16"),
                               "tp2_accum_ac": tp_case("fsdp", 4, strategy__tp=2, train__grad_accum_steps=2,
                                                       train__activation_checkpointing=True),
                               "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2)}, str(out))
@@ -97,9 +101,15 @@ def assert_same_run(runs, name: str, baseline: str) -> None:
 
 
 @pytest.mark.parametrize("name, baseline", [("tp2", "one"), ("tp2_qwen3", "one_qwen3"), ("tp2_llama", "one_llama"),
-                                            ("tp2_accum_ac", "one")])
+                                            ("tp2_accum_ac", "one"), ("tp2_grad_op", "one")])
 def test_tp2_gives_one_ranks_losses_and_norms(runs, name, baseline):
     assert_same_run(runs["out"], name, baseline)
+
+
+def test_tp2_in_bf16_gives_one_ranks_losses_in_bf16(runs):
+    """FSDP2's bf16 compute over split weights: each rowwise layer's sum over the group is rounded apart."""
+    base, run = ([r for r in records(runs["out"] / which) if "split" not in r] for which in ("one_bf16", "tp2_bf16"))
+    assert_close(losses(run), losses(base), "tp2_bf16", BF16_RTOL)
 
 
 @pytest.mark.slow
