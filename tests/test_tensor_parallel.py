@@ -1,12 +1,13 @@
 """Tensor parallelism (`strategy.tp`, on fsdp; docs/strategies.md, Tensor parallelism). Each layer of the
-model's plan is split over a tensor group that reads the same rows: the losses and gradient norms equal
-one rank's at the same global batch (fp32, clipping active; losses and validation losses within 1e-6,
-gradient norms within 1e-5), the output layer's logits split over the vocabulary (loss_parallel), at tp=2
-on 2 ranks for the built-in transformer (its packed qkv and SwiGLU projections; with accumulation and
-activation checkpointing, and SHARD_GRAD_OP, too; bf16 within 2e-3 of one rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query
-attention, and at dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
-with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors; the
-settings it does not cross with are refused before any work, in one line."""
+model's plan is split over a tensor group that reads the same rows, the output layer's logits split over
+the vocabulary (loss_parallel): the losses and gradient norms equal one rank's at the same global batch
+(fp32, clipping active; losses and validation losses within 1e-6, gradient norms within 1e-5) at tp=2 on
+2 ranks for the built-in transformer (its packed qkv and SwiGLU projections; with accumulation and
+activation checkpointing, and with SHARD_GRAD_OP, too; bf16 within 2e-3 of one rank's bf16), a Qwen3
+(its per-head q_norm/k_norm) and a Llama with grouped-query attention, and at dp=2 x tp=2 on 4 ranks;
+checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2, with Adam's state, and a
+tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors; the settings it does not cross
+with are refused before any work, in one line."""
 from __future__ import annotations
 
 import pytest
