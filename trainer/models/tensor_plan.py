@@ -67,10 +67,8 @@ def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return found
 
 
-def layer_kind(style: str) -> type[nn.Module]:
-    """The layer a style splits: torch's parallel styles take Linear and Embedding layers."""
-    return nn.Embedding if style == "embedding_rowwise" else nn.Module if style == "replicated_with_grad_allreduce" \
-        else nn.Linear
+# the layer each style splits (torch's parallel styles take Linear and Embedding layers); the others: a Linear
+LAYERS = {"embedding_rowwise": nn.Embedding, "replicated_with_grad_allreduce": nn.Module}
 
 
 def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int, int]]:
@@ -117,9 +115,10 @@ def check_model_tensor_parallel(tp: int, model: nn.Module) -> None:
         if style not in STYLES:
             raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which this trainer "
                               f"does not split (it splits {', '.join(STYLES)}); use strategy.tp=1")
-        if not isinstance(module, layer_kind(style)):
+        layer = LAYERS.get(style, nn.Linear)
+        if not isinstance(module, layer):
             raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which takes a torch "
-                              f"{layer_kind(style).__name__}, not a {type(module).__name__}; use strategy.tp=1")
+                              f"{layer.__name__}, not a {type(module).__name__}; use strategy.tp=1")
         for what, size, ways in split_dims(module, style, parts):
             if size % (ways * tp):
                 raise ConfigError(f"strategy.tp={tp}: {family}'s {name} has {size} {what}, which {ways} x "

@@ -124,7 +124,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
 
 @dataclass
 class StepSums:
-    loss: torch.Tensor  # this rank's summed loss
+    loss: torch.Tensor  # this rank's summed loss (strategy.tp: its tensor group's, on the group's first rank; 0 elsewhere)
     stats: torch.Tensor  # this rank's summed statistics of the objective
     units: torch.Tensor  # of all ranks: what the loss is the mean over (target tokens, pairs)
     targets: torch.Tensor  # target tokens of all ranks
