@@ -39,6 +39,7 @@ from trainer.models.blocks import find_blocks
 from trainer.models.checks import check_model_sequence_parallel, check_output_layer
 from trainer.models.experts import check_expert_parallel
 from trainer.models.lora import read_adapter_folder
+from trainer.models.tensor_plan import check_model_tensor_parallel
 from trainer.strategies import preflight
 
 
@@ -52,10 +53,12 @@ def check_settings(cfg: Config, world_size: int) -> tuple[Any, Any]:
     find_blocks(model, cfg.strategy.wrap)
     check_sequence_parallel(cfg, world_size, model)
     check_expert_parallel(cfg.strategy.ep, world_size, model, StrategyName(cfg.strategy.name).value)
+    check_tensor_parallel(cfg, world_size, model)
     check_router_loss(cfg.model.router_aux_loss, model)
     if cfg.train.fused_loss:
         check_output_layer(cfg.model, model)
-    data_parallel = Degrees(world_size, cfg.strategy.sp, cfg.strategy.ep).dp  # a sequence group reads the same samples
+    # a sequence group, and a tensor group, reads the same samples
+    data_parallel = Degrees(world_size, cfg.strategy.sp, cfg.strategy.ep, cfg.strategy.tp).dp
     weights = initial_weights(cfg.model, model, cfg.train.seed, cfg.peft)  # pretrained files must fit the model
     check_data(cfg, data_parallel)
     return model, weights
@@ -189,6 +192,43 @@ def check_sequence_parallel(cfg: Config, world_size: int, model: Any) -> None:
     _require(m.seq_len % sp == 0, "strategy.sp", f"model.seq_len={m.seq_len} must divide by strategy.sp={sp}: each "
              "rank holds seq_len / sp tokens of every row (rows are not padded to a multiple)")
     check_model_sequence_parallel(m, sp, model)
+
+
+def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
+    """strategy.tp=N (docs/strategies.md, Tensor parallelism): the world splits into tensor groups, the
+    backend is fsdp, no setting it does not yet cross with is on, and the model splits (its plan, its
+    heads); `model` the run's, built on the meta device. Each refusal one line."""
+    s, t, tp = cfg.strategy, cfg.train, cfg.strategy.tp
+    _require(tp >= 1, "strategy.tp", f"must be >= 1 (1: every rank holds every weight whole), got {tp}")
+    if tp == 1:
+        return
+    _require(world_size % tp == 0, "strategy.tp", f"the world size {world_size} must be a multiple of strategy.tp={tp}: "
+             "the world is data-parallel x tensor-parallel ranks")
+    strategy = StrategyName(s.name).value
+    not_yet = [
+        (strategy != "fsdp", f"needs strategy=fsdp (FSDP2 over the data-parallel ranks, each weight split over "
+                             f"the tensor group); {strategy} does not split weights over a tensor group yet"),
+        (s.sp > 1, f"with strategy.sp={s.sp}: sequence and tensor parallelism do not cross yet; use one of them"),
+        (s.ep > 1, f"with strategy.ep={s.ep}: expert and tensor parallelism do not cross yet; use one of them"),
+        (Sharding(s.sharding) in (Sharding.HYBRID_SHARD, Sharding.NO_SHARD),
+         f"with strategy.sharding={Sharding(s.sharding).value}: strategy=fsdp splits weights over a tensor group with "
+         "FULL_SHARD or SHARD_GRAD_OP only"),
+        (s.offload_params or s.offload_optimizer, "with offload: strategy=fsdp does not offload tensor-parallel "
+                                                  "weights yet; set strategy.offload_params/offload_optimizer=false"),
+        (PeftName(cfg.peft.name) is PeftName.lora, "with peft=lora: strategy=fsdp does not split LoRA's adapters over "
+                                                  "a tensor group yet; use strategy.tp=1"),
+        (t.compile, "with train.compile=true: strategy=fsdp does not compile tensor-parallel blocks yet"),
+        (t.fused_loss, "with train.fused_loss=true: the output layer's logits are split over the tensor group, which "
+                       "the fused loss does not take yet (strategy=fsdp)"),
+        (Precision(t.precision) is Precision.fp16, "with train.precision=fp16: strategy=fsdp's loss scaler does not "
+                                                   "take tensor-parallel gradients yet; use bf16 or fp32"),
+        (ObjectiveName(cfg.objective.name) is ObjectiveName.dpo, "with objective=dpo: strategy=fsdp does not split "
+                                                                 "the policy and its reference over a tensor group yet"),
+    ]
+    refused = next((why for wrong, why in not_yet if wrong), None)
+    if refused:
+        raise ConfigError(f"strategy.tp={tp} {refused}")
+    check_model_tensor_parallel(tp, model)
 
 
 def check_validation_rows(cfg: Config, rows: int) -> None:

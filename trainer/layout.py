@@ -9,6 +9,11 @@ holding experts [e E/ep, (e+1) E/ep) of every MoE layer; the ranks holding the s
 ep`, one per expert group) are its expert-data-parallel group, over which those experts' gradients
 are reduced and their rows sharded. The backends see the whole world as data-parallel for every
 other weight: sequence parallelism is not told to them (models/sequence.py says why).
+
+Tensor parallelism (`strategy.tp`, fsdp; without sp and ep) splits each layer's weights over a tensor
+group of `tp` consecutive ranks, which read the same rows: the data's ranks are `rank // tp` of
+`world // tp`, and the backend shards and averages over those data-parallel ranks only (the 2-D
+("dp", "tp") mesh of torchtitan). A tensor group computes one loss `tp` times: its first rank counts it.
 """
 from __future__ import annotations
 
@@ -27,15 +32,24 @@ class Degrees:
     world: int
     sp: int = 1
     ep: int = 1
+    tp: int = 1
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where `rank` stands: its data-parallel rank (the data it reads), its place in its sequence
-        group, its expert group and its place in it (which experts it holds)."""
-        return {"dp": rank // self.sp, "sp": rank % self.sp, "expert_group": rank // self.ep, "ep": rank % self.ep}
+        group, its expert group and its place in it (which experts it holds), its place in its tensor
+        group (which part of each split weight it holds)."""
+        return {"dp": rank // (self.sp * self.tp), "sp": rank % self.sp, "expert_group": rank // self.ep,
+                "ep": rank % self.ep, "tp": rank % self.tp}
 
     @property
     def dp(self) -> int:
-        return self.world // self.sp
+        return self.world // (self.sp * self.tp)
+
+    @property
+    def averaged(self) -> int:
+        """The ranks a backend averages gradients over: every rank but a tensor group's copies (the ranks
+        of a sequence group are data-parallel to the backends)."""
+        return self.world // self.tp
 
 
 class Layout:
@@ -46,6 +60,8 @@ class Layout:
         self.degrees, self.rank = degrees, rank
         at = degrees.coordinates(rank)
         self.dp_rank, self.dp_size = at["dp"], degrees.dp
+        self.tp_rank = at["tp"]
+        self.counts_loss = self.tp_rank == 0  # strategy.tp: a tensor group's ranks compute the same loss; one counts it
         self.sequence = self._consecutive(degrees.sp, SequenceGroup) if degrees.sp > 1 else WHOLE_ROWS
         self.experts = self._consecutive(degrees.ep, ExpertGroup) if degrees.ep > 1 else ONE_EXPERT_GROUP
 
@@ -68,3 +84,9 @@ class Layout:
         mesh: FSDP2 shards those experts over it."""
         world, ep = self.degrees.world, self.degrees.ep
         return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_data", "expert"))["expert_data"]
+
+    def tensor_mesh(self, device_type: str) -> DeviceMesh:
+        """strategy.tp: the 2-D ("dp", "tp") mesh, a tensor group of `tp` consecutive ranks on "tp": the
+        weights split over "tp", sharded by FSDP2 over "dp"."""
+        world, tp = self.degrees.world, self.degrees.tp
+        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))

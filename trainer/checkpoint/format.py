@@ -11,8 +11,9 @@ Keys are `model.<param>`, `optim.<param>.exp_avg|exp_avg_sq` (fp32) and `optim.s
 rank writes only the ranges it owns; a loading rank reads, from any files, only the ranges it
 needs, so any strategy at any world size resumes any checkpoint. A piece is a run [start, start +
 numel) of the flat tensor, `[file, start, numel]` in the manifest; or, where a rank holds columns of
-a tensor (strategy.ep: LoRA's lora_B of the experts), a run of such a `Block` in its own order,
-`[file, start, numel, column, width, columns]`. (torch.distributed.checkpoint
+a tensor (strategy.ep: LoRA's lora_B of the experts; strategy.tp: a rowwise layer's columns, a packed
+layer's chunk of each part), a run of such a `Block` in its own order, `[file, start, numel, column,
+width, columns]`. (torch.distributed.checkpoint
 would need DTensor's even chunks; DeepSpeed's flat partitions cut parameters anywhere.)
 
 Every file is hashed as it is written (`write_tensors`) and verified where it is read
@@ -72,10 +73,10 @@ def buffer_key(name: str) -> str:
     return f"buffer.{name}"
 
 
-def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int) -> Piece:
-    """Of a range held identically by `replicas` ranks, the part replica `index` saves."""
+def replica_slice(start: int, flat: torch.Tensor, replicas: int, index: int, block: Block | None = None) -> Piece:
+    """Of a range (of a `block`) held identically by `replicas` ranks, the part replica `index` saves."""
     chunk = -(-flat.numel() // replicas)
-    return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk])
+    return Piece(start + index * chunk, flat[index * chunk:(index + 1) * chunk], block)
 
 
 @dataclass

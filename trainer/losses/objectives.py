@@ -38,9 +38,12 @@ PER_TOKEN = {"logits/chosen": "tokens/chosen", "logits/rejected": "tokens/reject
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The sum (not the mean) of the token cross-entropies, in fp32; padding is no target."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+    """The sum (not the mean) of the token cross-entropies, in fp32; padding is no target. Logits split
+    over the vocabulary (strategy.tp: a DTensor, its loss computed in the strategy's loss_parallel)
+    give a loss every rank of the tensor group holds alike: its value, as a plain tensor."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def target_count(targets: torch.Tensor) -> torch.Tensor:

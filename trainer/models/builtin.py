@@ -73,9 +73,10 @@ class CausalSelfAttention(nn.Module):
         """Causal, within each packed document of `documents` (in a sequence-parallel forward, over
         the whole rows: models/sequence.py)."""
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).transpose(1, 3).unbind(2)
+        # heads: -1, as many as qkv gives (strategy.tp: this rank's share of them)
+        q, k, v = self.qkv(x).view(b, t, 3, -1, d // self.n_heads).transpose(1, 3).unbind(2)
         y = sequence.attention(q, k, v, documents=documents)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -112,6 +113,12 @@ class Transformer(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.shape = shape
+        # strategy.tp (models/tensor_plan.py): qkv packs q, k and v, the SwiGLU up packs gate and up, so each
+        # rank keeps its heads' (its features') share of each; the output layer's logits gathered whole
+        self._tp_plan = {"tok_emb": "embedding_rowwise", "blocks.*.attn.qkv": "packed_colwise:3",
+                         "blocks.*.attn.proj": "rowwise",
+                         "blocks.*.mlp.up": "packed_colwise:2" if shape.mlp == "swiglu" else "colwise",
+                         "blocks.*.mlp.down": "rowwise", "lm_head": "colwise_gather_output"}
         self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
         self.pos_emb = Embedding(shape.seq_len, shape.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))

@@ -96,8 +96,9 @@ def params_on_meta() -> Iterator[None]:
 class Block(NamedTuple):
     """A rank's part of a tensor that is no run of its flat values: the columns [column, column +
     width) of the tensor seen as rows of `columns` values (strategy.ep: peft's lora_B of a module of
-    experts, [out, r x E], whose fastest index is the expert). Ranges of such a part count in its own
-    flat order, its rows one after another, as the rank holds it."""
+    experts, [out, r x E], whose fastest index is the expert; strategy.tp: a rowwise layer's columns,
+    and a packed layer's chunk of each of its K parts, the tensor seen as K rows). Ranges of such a part
+    count in its own flat order, its rows one after another, as the rank holds it."""
     column: int
     width: int
     columns: int

@@ -19,6 +19,9 @@ def resolve_auto(cfg, world_size: int) -> None:
     from trainer.log import log
 
     typed = to_config(cfg)
+    if typed.strategy.tp > 1:  # its options would be planned without the tensor group's split
+        raise ConfigError(f"strategy=auto: the planner does not count strategy.tp={typed.strategy.tp} yet; name "
+                          "strategy=fsdp with it")
     planned_world = typed.plan.world_size or world_size
     plan = make_plan(typed, planned_world, *memory_budget(typed))
     log.info(f"strategy=auto:\n{format_plan(plan)}")

@@ -224,7 +224,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         held = held_bytes(stage, trainable - experts, world_size, cfg)
         if experts:
             held = {k: v + held_bytes(stage, experts // ep, world_size // ep, cfg)[k] for k, v in held.items()}
-        # ddp's copy is fp32, as the policy's parameters (Strategy.frozen_dtype)
+        # ddp's copy is fp32, as the policy's parameters (Strategy._frozen_dtype)
         copy_bytes = 4 if stage is StrategyName.ddp else DTYPE_BYTES[precision]
         held["params"] += (DTYPE_BYTES[precision] * frozen + copy_bytes * reference) // (
             world_size if "params" in SHARDED[stage] else 1) + DTYPE_BYTES[precision] * starting_adapter

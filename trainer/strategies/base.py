@@ -83,8 +83,8 @@ class Strategy(ABC):
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.precision = MixedPrecision(Precision(cfg.train.precision))
-        # strategy.sp and strategy.ep: this rank's groups, created here on every rank
-        self.layout = Layout(Degrees(env.world_size, cfg.strategy.sp, cfg.strategy.ep), env.rank)
+        # strategy.sp, strategy.ep and strategy.tp: this rank's groups, created here on every rank
+        self.layout = Layout(Degrees(env.world_size, cfg.strategy.sp, cfg.strategy.ep, cfg.strategy.tp), env.rank)
         self._experts = ExpertRows(self.layout.experts)  # the parameters holding this rank's experts only (ep > 1)
         self._reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
         self._held: list[nn.Module] = []  # models held outside the policy (`setup_frozen`, `holds`)
@@ -147,7 +147,8 @@ class Strategy(ABC):
         return [what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on]
 
     def autocast(self) -> AbstractContextManager:
-        """Around the forward; backends that cast parameters themselves need none."""
+        """Around the forward and its loss; backends that cast parameters themselves need none
+        (fsdp at strategy.tp > 1: its loss over logits split by vocabulary, `loss_parallel`)."""
         return nullcontext()
 
     @abstractmethod

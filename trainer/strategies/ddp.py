@@ -42,7 +42,7 @@ class DDPStrategy(TorchStrategy):
 
     def local_range(self, tensor):
         # Every rank holds everything: each saves 1/N of it and loads all of it.
-        return 0, tensor.detach().view(-1), self.env.world_size, self.env.rank
+        return 0, tensor.detach().view(-1), self.env.world_size, self.env.rank, None
 
     def micro_step(self, final):
         return self.model.no_sync() if not final and not self._reduce_every_micro_step else nullcontext()

@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import Sharding
 from trainer.models.blocks import find_blocks
@@ -15,6 +20,7 @@ from trainer.models.experts import shard_experts
 from trainer.models.weights import allocate_params, fill
 from trainer.strategies.base import follow_rank0_buffers, hold_in, tensor_bytes, toggled
 from trainer.strategies.precision import REDUCE_DTYPES
+from trainer.strategies.tensor_parallel import parallelize, tensor_part
 from trainer.strategies.torch_native import TorchStrategy
 
 
@@ -22,7 +28,14 @@ class FSDPStrategy(TorchStrategy):
     def make_grad_scaler(self):
         return ShardedGradScaler(self.env.device.type)  # agrees on inf/nan across shards
 
+    @cached_property
+    def tensor_mesh(self):
+        """strategy.tp: the ("dp", "tp") mesh, made once (its groups are collective to make)."""
+        return self.layout.tensor_mesh(self.env.device.type)
+
     def mesh(self):
+        if self.layout.degrees.tp > 1:  # sharded over the data-parallel ranks only; a tensor group splits the rest
+            return self.tensor_mesh["dp"]
         # HSDP: replicate across nodes, shard inside one. NO_SHARD is HSDP with shards of size 1.
         shard = {Sharding.FULL_SHARD: self.env.world_size, Sharding.SHARD_GRAD_OP: self.env.world_size,
                  Sharding.HYBRID_SHARD: self.env.local_world_size, Sharding.NO_SHARD: 1}[Sharding(self.cfg.strategy.sharding)]
@@ -42,12 +55,14 @@ class FSDPStrategy(TorchStrategy):
         )
         if self.layout.experts.size > 1:
             self.shard_experts(model, kwargs)
+        if self.layout.degrees.tp > 1:  # split over "tp" first, then sharded over "dp" (torchtitan's order)
+            parallelize(model, self.tensor_mesh["tp"])
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
         # Built on the meta device: each rank allocates and fills only its own shards.
         allocate_params(model, torch.device("cpu") if self._offloaded() else self.env.device)
-        fill(model, weights, lambda p: (*self.flat_range(p, p)[:2], self._experts.block(p)))
+        fill(model, weights, lambda p: [self.flat_range(p, p)[i] for i in (0, 1, 4)])
         follow_rank0_buffers(model, self.env.device, self.env.world_size)
         return model
 
@@ -80,12 +95,22 @@ class FSDPStrategy(TorchStrategy):
         return self.model
 
     def local_range(self, tensor):
+        mesh, local = tensor.device_mesh, tensor.to_local().detach().view(-1)
+        if mesh.mesh_dim_names == ("dp", "tp"):  # strategy.tp: FSDP2's rows of this rank's part of the tensor group's
+            part = tensor_part(tuple(tensor.shape), tensor.placements[1], mesh["tp"])
+            _, offset = compute_local_shape_and_global_offset(part.shape, mesh["dp"], [Shard(0)])
+            start = part.start + offset[0] * math.prod(part.shape[1:])
+            # a part the group's ranks hold alike (Replicate): one saves each share of it
+            replicas, index = (mesh.size(1), mesh.get_local_rank(1)) if part.shape == tensor.shape else (1, 0)
+            return start, local, replicas, index, part.block
         # Shard(0) rows [r0, r1) of a parameter are the flat range [r0 * row, r1 * row).
-        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
         start = offset[0] * math.prod(tensor.shape[1:])
-        mesh = tensor.device_mesh
-        replicas, index = (mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (1, 0)  # HSDP
-        return start, tensor.to_local().detach().view(-1), replicas, index
+        if mesh.mesh_dim_names == ("dp",):  # strategy.tp, a parameter the plan leaves whole: every rank of the group
+            replicas, index = self.layout.degrees.tp, self.layout.tp_rank
+        else:
+            replicas, index = (mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (1, 0)  # HSDP
+        return start, local, replicas, index, None
 
     def memory_bytes(self):
         held = super().memory_bytes()
@@ -101,26 +126,45 @@ class FSDPStrategy(TorchStrategy):
         held["grads"] += tensor_bytes(unsharded)
         return held
 
+    def autocast(self):
+        # strategy.tp: the output layer's logits stay split over the vocabulary; torch's loss_parallel
+        # computes their cross-entropy where they are, in the forward and in the backward
+        return loss_parallel() if self.layout.degrees.tp > 1 else nullcontext()
+
+    def backward(self, loss, measure_memory=False):
+        with self.autocast():
+            super().backward(loss, measure_memory)
+
     def micro_step(self, final):
         # step: unsharded gradients accumulate locally, reduce-scatter on the final micro-step;
         # micro_step: FSDP2's default, reduce-scatter every backward into sharded gradients.
         return toggled(self.model.set_requires_gradient_sync, final or self._reduce_every_micro_step)
 
+    def by_mesh(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """`params` a mesh at a time (one foreach over DTensors of two meshes is refused): strategy.ep's
+        experts, strategy.tp's split parameters ("dp", "tp"), the rest."""
+        meshes: dict[tuple, list[nn.Parameter]] = {}
+        for p in params:
+            meshes.setdefault((p in self._experts, p.device_mesh.mesh_dim_names), []).append(p)
+        return list(meshes.values())
+
     def total_norm(self, params):
-        # a DTensor per mesh, reduced over it; strategy.ep: an expert's gradient lives on one rank of
-        # each expert group, so the experts' squares are summed over the group too, each counted once
-        experts = [p for p in params if p in self._experts]
-        norm = super().total_norm([p for p in params if p not in self._experts]).full_tensor()
-        if not experts:
-            return norm
-        squares = super().total_norm(experts).full_tensor() ** 2
-        dist.all_reduce(squares, group=self.layout.experts.group)
-        return (norm ** 2 + squares).sqrt()
+        # a DTensor per mesh, reduced over it: each element counted once (a Replicate dimension's copies
+        # once; a parameter on the "dp" mesh alone is whole on every rank of a tensor group, and not summed
+        # over it); strategy.ep: an expert's gradient lives on one rank of each expert group, so the
+        # experts' squares are summed over the group too, each counted once
+        norms = []
+        for same_mesh in self.by_mesh(params):
+            norm = super().total_norm(same_mesh).full_tensor()
+            if same_mesh[0] in self._experts:
+                squares = norm ** 2
+                dist.all_reduce(squares, group=self.layout.experts.group)
+                norm = squares.sqrt()
+            norms.append(norm)
+        return norms[0] if len(norms) == 1 else torch.stack(norms).norm()
 
     def clip(self, max_grad_norm):
-        # clipped a mesh at a time: one foreach over DTensors of two meshes is refused
-        params = list(self.model.parameters())
-        for same_mesh in ([p for p in params if p in self._experts], [p for p in params if p not in self._experts]):
+        for same_mesh in self.by_mesh(list(self.model.parameters())):
             torch.nn.utils.clip_grads_with_norm_(same_mesh, max_grad_norm, self._norm)
 
     def _offloaded(self):

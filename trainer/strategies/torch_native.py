@@ -11,7 +11,7 @@ from torch import nn
 from trainer.checkpoint.format import ADAM_KEYS, STEP_KEY, Piece, replica_slice, state_keys
 from trainer.config import Config, Precision
 from trainer.distributed import DistEnv
-from trainer.models.weights import WeightSource, canonical_name
+from trainer.models.weights import Block, WeightSource, canonical_name
 from trainer.strategies.adam_state import AdamState
 from trainer.strategies.base import (
     Strategy,
@@ -83,8 +83,9 @@ class TorchStrategy(Strategy):
             self.optimizer.zero_grad(set_to_none=True)
 
     @abstractmethod
-    def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int]:
-        """(start, this rank's flat range, replicas holding the same range, our replica index)."""
+    def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int, Block | None]:
+        """(start, this rank's flat range, replicas holding the same range, our replica index, the `Block`
+        of columns it is a range of: None, a run of the flat tensor)."""
 
     def _tensors(self, model_only: bool = False) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
         """Every parameter, and the Adam moments of the trainable ones: zeros for a parameter that
@@ -96,25 +97,24 @@ class TorchStrategy(Strategy):
                 state = self.optimizer.state.get(p, {})
                 yield from ((keys[k], state[k] if k in state else torch.zeros_like(p), p) for k in ADAM_KEYS)
 
-    def flat_range(self, tensor: torch.Tensor, param: nn.Parameter) -> tuple[int, torch.Tensor, int, int]:
+    def flat_range(self, tensor: torch.Tensor, param: nn.Parameter) -> tuple[int, torch.Tensor, int, int, Block | None]:
         """`local_range` of `tensor` (a parameter, or one of its moments) in the full tensor of `param`:
         strategy.ep's experts begin at this rank's first expert (lora_B's: in its `block`)."""
-        start, flat, replicas, index = self.local_range(tensor)
-        return start + self._experts.start(param), flat, replicas, index
+        start, flat, replicas, index, block = self.local_range(tensor)
+        return start + self._experts.start(param), flat, replicas, index, block or self._experts.block(param)
 
     def state_dict(self, model_only=False):
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
             self.adam.create()
-        pieces = {key: replica_slice(*self.flat_range(t, p))._replace(block=self._experts.block(p))
-                  for key, t, p in self._tensors(model_only)}
+        pieces = {key: replica_slice(*self.flat_range(t, p)) for key, t, p in self._tensors(model_only)}
         if self.env.is_main and not model_only:
             pieces[STEP_KEY] = Piece(0, torch.tensor([self.adam.step_count()]))
         return pieces
 
     def state_layout(self):
         self.adam.create()
-        layout = {key: (start, flat.numel(), self._experts.block(p)) for key, t, p in self._tensors()
-                  for start, flat, _, _ in [self.flat_range(t, p)]}
+        layout = {key: (start, flat.numel(), block) for key, t, p in self._tensors()
+                  for start, flat, _, _, block in [self.flat_range(t, p)]}
         return {**layout, STEP_KEY: (0, 1)}
 
     @torch.no_grad()

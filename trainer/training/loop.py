@@ -70,22 +70,24 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
         batch, sharded = rank_share(whole, strategy.layout.sequence)
         with sharded, strategy.autocast():
             loss, stats = objective.loss_sum(model, batch)
+        # strategy.tp: a tensor group's ranks compute the same rows' loss; its first rank counts it
         totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first_in_group,
-                             stats.double()])
+                             stats.double()]) * strategy.layout.counts_loss
     model.train()
     all_reduced(totals)
     return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
 
 
-def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], world_size: int,
+def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[torch.Tensor]], averaged: int,
                 track_memory: bool, objective: Objective | None = None,
                 oom_recorder: OomRecorder | None = None) -> StepSums:
     """Forward and backward of one optimizer step's micro-batches: the summed loss and statistics
     of this rank, the step's units, target tokens and input tokens of all ranks, and the bytes
-    held at the gradients' peak if `track_memory`."""
+    held at the gradients' peak if `track_memory`. `averaged`: the ranks the backend averages
+    gradients over (`Degrees.averaged`)."""
     # The loss is the sum of the objective's losses (per target token, or per pair) over the units
     # of the whole step, all micro-batches and ranks. Backends average gradients over ranks, hence
-    # x world size.
+    # x the ranks they average over (the world, less strategy.tp's copies).
     objective = objective or NextToken()
     # out of memory: recorded, train.on_oom
     record_oom_in = oom_recorder.record_oom_in if oom_recorder else lambda where, rows: nullcontext()
@@ -95,11 +97,13 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     whole, (micro_batches, contexts) = micro_batches, zip(*(rank_share(batch, strategy.layout.sequence)
                                                             for batch in micro_batches))
     first_in_group = int(strategy.layout.sequence.rank == 0)
+    # strategy.tp: a tensor group's ranks read the same rows and compute the same loss; its first rank counts them
+    once = int(strategy.layout.counts_loss)
     loss_units, targets, inputs = all_reduced(torch.stack([
         sum(objective.count(batch) for batch in whole) * first_in_group,
         sum(target_count(batch[1]) for batch in micro_batches),
-        sum(input_count(batch[1]) for batch in whole) * first_in_group]))
-    scale = world_size / loss_units
+        sum(input_count(batch[1]) for batch in whole) * first_in_group]) * once)
+    scale = averaged / loss_units
     loss_sum, mem, activations = torch.zeros((), device=targets.device), None, None
     stats = torch.zeros(len(objective.stats), device=targets.device)
     for i, batch in enumerate(micro_batches):
@@ -114,8 +118,8 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
                 activations = max(activations or 0, saved.bytes)
             with record_oom_in("backward", len(batch[0])):
                 strategy.backward(micro_loss * scale, measure_memory=track_memory)
-        loss_sum += micro_loss.detach()
-        stats += micro_stats
+        loss_sum += micro_loss.detach() * once
+        stats += micro_stats * once
         if track_memory:  # the bytes held after each backward: gradients peak before they are reduced
             held = strategy.memory_bytes()
             mem = held if mem is None or held["grads"] > mem["grads"] else mem
@@ -126,7 +130,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
 
 @dataclass
 class StepSums:
-    loss: torch.Tensor  # this rank's summed loss
+    loss: torch.Tensor  # this rank's summed loss (strategy.tp: its tensor group's, on the group's first rank; 0 elsewhere)
     stats: torch.Tensor  # this rank's summed statistics of the objective
     loss_units: torch.Tensor  # of all ranks: what the loss is the mean over (target tokens, pairs)
     targets: torch.Tensor  # target tokens of all ranks
@@ -205,8 +209,8 @@ class Run:
             group["lr"] = self.lr
         micro_batches = [[t.to(self.env.device, non_blocking=True) for t in batch] for batch in self.stream.next_step()]
         self.oom_recorder.step = self.step + 1
-        sums = micro_steps(self.model, self.strategy, micro_batches, self.env.world_size, log_now, self.objective,
-                           self.oom_recorder)
+        sums = micro_steps(self.model, self.strategy, micro_batches, self.strategy.layout.degrees.averaged, log_now,
+                           self.objective, self.oom_recorder)
         loss_sum, mem = sums.loss, sums.mem
         # The norm, then every rank's verdict (a non-finite loss or norm anywhere: no update; and
         # whether a stop signal reached any rank), then the update or the skip.

@@ -16,9 +16,11 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
     s, t = cfg.strategy, cfg.train
     dp = strategy.layout.dp_size
     global_batch = t.micro_batch_size * t.grad_accum_steps * dp
-    ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
+    ranks = f"{dp} rank{'s' if dp > 1 else ''}" if s.sp == s.tp == 1 else f"{dp} data-parallel rank{'s' if dp > 1 else ''}"
     sp = [f"sp={s.sp} (dp={dp}): {cfg.model.seq_len // s.sp} tokens per rank of {cfg.model.seq_len}"] if s.sp > 1 else []
     ep = [f"ep={s.ep}: 1/{s.ep} of each MoE layer's experts per rank, tokens sent to them"] if s.ep > 1 else []
+    tp = [f"tp={s.tp} (dp={dp}): 1/{s.tp} of each split layer per rank, its tensor group reading the same rows"] \
+        if s.tp > 1 else []
     attention = [f"attn_implementation={cfg.model.attn_implementation}"] if cfg.model.kind == ModelKind.hf else []
     o = cfg.objective
     dpo = [f"objective=dpo beta={o.beta:g} loss={o.loss.value}" + ("" if o.disable_dropout else " dropout=kept")] \
@@ -38,7 +40,7 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
                      *(["fused_loss=on"] if t.fused_loss else []),
                      f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
-                     f"{ranks}) seq_len={cfg.model.seq_len}", *sp, *ep])
+                     f"{ranks}) seq_len={cfg.model.seq_len}", *sp, *ep, *tp])
 
 
 def save_words(cfg: Config, facts: ModelFacts, world_size: int) -> list[str]:

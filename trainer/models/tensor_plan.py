@@ -1,0 +1,130 @@
+"""Tensor parallelism (`strategy.tp=N`, docs/strategies.md, Tensor parallelism): how a model's layers split
+over a tensor group, as the model declares it, and the checks before any work that it splits.
+
+A model declares its plan as transformers 5 does: `_tp_plan`, module names (a `*` for any one part)
+to a style name. A Hugging Face family's is its own (`base_model_tp_plan` of its config, under the
+base model's prefix, with its output layer's: Llama's q/k/v and gate/up "colwise", o and down
+"rowwise", the embedding "embedding_rowwise", lm_head "colwise_gather_output"); the built-in
+transformer's is in models/builtin.py; a custom model may declare one. The styles this trainer
+splits (strategies/tensor_parallel.py turns them into torch's):
+
+- colwise: a Linear's output features split, the input whole (each rank: its heads, its features);
+- rowwise: a Linear's input features split, the outputs summed over the group;
+- colwise_gather_output: the output layer, colwise (transformers gathers its logits whole; here they stay
+  split over the vocabulary, and the loss is computed where they are: strategies/fsdp.py's loss_parallel);
+- embedding_rowwise: an Embedding's rows (tokens) split, the lookups summed over the group;
+- packed_colwise[:K]: a Linear whose output packs K projections of equal size one after another (2 if
+  not given: transformers' gate and up; the built-in qkv: 3): each rank keeps its share of each;
+- replicated_with_grad_allreduce: whole on every rank, its gradient summed over the group (Qwen3's
+  per-head q_norm/k_norm, which each rank applies to its own heads only).
+
+A tied output layer (its matrix is the embedding's) stays whole on every rank of the group: both its
+entries leave the plan. So does an embedding with a `padding_idx`: its backward skips that row by the
+index it sees, which on a rank holding other rows is another token's.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.models.builtin import Transformer
+from trainer.models.weights import canonical_name
+
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise",
+          "replicated_with_grad_allreduce")
+
+
+def style_and_parts(value: str) -> tuple[str, int]:
+    """("packed_colwise", 3) of "packed_colwise:3"; a style without parts: 1 (packed_colwise: 2)."""
+    style, _, parts = value.partition(":")
+    return style, int(parts) if parts else 2 if style == "packed_colwise" else 1
+
+
+def matches(pattern: str, name: str) -> bool:
+    """torch's parallelize_module's reading of a plan's key: part by part, `*` any one part."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(canonical name, module, style value) of every module the model's plan splits, in model order;
+    a module whose parameter another module shares (a tied output layer and its embedding), and an
+    embedding with a padding row, are left whole."""
+    plan = getattr(model, "_tp_plan", None) or {}
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    found = []
+    for name, module in model.named_modules():
+        name = canonical_name(name)
+        value = next((v for pattern, v in plan.items() if matches(pattern, name)), None)
+        shared = any(owners[id(p)] > 1 for p in module.parameters(recurse=False))
+        if value is not None and not shared and getattr(module, "padding_idx", None) is None:
+            found.append((name, module, value))
+    return found
+
+
+# the layer each style splits (torch's parallel styles take Linear and Embedding layers); the others: a Linear
+LAYERS = {"embedding_rowwise": nn.Embedding, "replicated_with_grad_allreduce": nn.Module}
+
+
+def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int, int]]:
+    """(what, size, ways) that a style splits `ways` ways per rank of the group (size % (ways x tp) == 0)."""
+    weight = module.weight
+    if style in ("colwise", "colwise_gather_output", "embedding_rowwise"):
+        return [("rows", weight.shape[0], 1)]
+    if style == "rowwise":
+        return [("columns", weight.shape[1], 1)]
+    if style == "packed_colwise":
+        return [("rows", weight.shape[0], parts)]
+    return []
+
+
+def attention_heads(model: nn.Module) -> dict[str, int | None]:
+    """The heads a layer's attention has: a Hugging Face config's, the built-in transformer's shape's."""
+    if isinstance(model, Transformer):
+        return {"attention heads": model.shape.n_heads}
+    text = model.config.get_text_config() if getattr(model, "config", None) is not None else None
+    return {"attention heads": getattr(text, "num_attention_heads", None),
+            "key-value heads": getattr(text, "num_key_value_heads", None)}
+
+
+def check_model_tensor_parallel(tp: int, model: nn.Module) -> None:
+    """strategy.tp=`tp` > 1: the model declares a plan (`_tp_plan`), in styles this trainer splits, and
+    every split dimension, and its attention heads, divide by `tp`. `model` built on the meta device."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None) or type(model).__name__
+    if not getattr(model, "_tp_plan", None):
+        where = ("its config has no base_model_tp_plan (transformers declares none for this family)" if config
+                 is not None else "it declares no `_tp_plan` (module name patterns to styles, as transformers' models do)")
+        raise ConfigError(f"strategy.tp={tp}: {family} has no tensor-parallel plan: {where}; use strategy.tp=1")
+    plan = model._tp_plan
+    parameters = [name for name, _ in model.named_parameters() if any(matches(k, canonical_name(name)) for k in plan)]
+    if parameters:
+        raise ConfigError(f"strategy.tp={tp}: {family}'s tensor-parallel plan splits the parameter {parameters[0]} "
+                          "itself, which this trainer does not (it splits whole layers); use strategy.tp=1")
+    planned = planned_modules(model)
+    if not planned:
+        raise ConfigError(f"strategy.tp={tp}: {family}'s tensor-parallel plan matches none of its modules; "
+                          "use strategy.tp=1")
+    for name, module, value in planned:
+        style, parts = style_and_parts(value)
+        if style not in STYLES:
+            raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which this trainer "
+                              f"does not split (it splits {', '.join(STYLES)}); use strategy.tp=1")
+        layer = LAYERS.get(style, nn.Linear)
+        if not isinstance(module, layer):
+            raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which takes a torch "
+                              f"{layer.__name__}, not a {type(module).__name__}; use strategy.tp=1")
+        for what, size, ways in split_dims(module, style, parts):
+            if size % (ways * tp):
+                raise ConfigError(f"strategy.tp={tp}: {family}'s {name} has {size} {what}, which {ways} x "
+                                  f"strategy.tp={tp} must divide (each rank holds 1/{tp} of each); use a strategy.tp "
+                                  "that divides them")
+    for what, n in attention_heads(model).items():
+        if isinstance(n, int) and n % tp:
+            raise ConfigError(f"strategy.tp={tp}: {family} has {n} {what}, which strategy.tp={tp} must divide "
+                              "(each rank attends with its own heads); use a strategy.tp that divides them")

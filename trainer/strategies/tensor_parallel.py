@@ -1,0 +1,130 @@
+"""Tensor parallelism (`strategy.tp`, docs/strategies.md, Tensor parallelism): the model's plan
+(models/tensor_plan.py) applied with torch's `parallelize_module`, module by module, on the meta model,
+over the "tp" dimension of the layout's ("dp", "tp") mesh; FSDP2 then shards over "dp" (fsdp.py,
+torchtitan's recipe). Each split parameter becomes a DTensor of the tensor group: Shard(0) (colwise,
+embedding_rowwise), Shard(1) (rowwise), _StridedShard(0, K) (packed_colwise: rank t keeps chunk t of
+each of K parts, transformers' own placement of it) or Replicate; `tensor_part` says which block of
+the full tensor a rank holds, for the checkpoint's pieces.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from trainer.models.tensor_plan import planned_modules, style_and_parts
+from trainer.models.weights import Block
+
+
+def replicated_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`x`, whole on every rank of the group, as a local tensor whose gradient is summed over the group in
+    backward (each rank's is the part through its own share of the weights: Megatron's f)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class LocalStyle(ParallelStyle):
+    """A style whose module computes on local tensors, as written (its parameters' local shares are
+    swapped in around its forward): the placements of its parameters say what each rank holds."""
+
+    def placement(self) -> Placement:
+        raise NotImplementedError
+
+    def local_parameter(self, p: DTensor) -> torch.Tensor:
+        return p.to_local()
+
+    def local_input(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            split = distribute_tensor(p, device_mesh, [self.placement()], src_data_rank=None)  # meta: placements only
+            module.register_parameter(name, nn.Parameter(split, requires_grad=p.requires_grad))
+        forward = module.forward
+
+        def local_forward(x, *args, **kwargs):
+            held = dict(module._parameters)
+            module._parameters.update({name: self.local_parameter(p) for name, p in held.items() if p is not None})
+            try:
+                return forward(self.local_input(x, device_mesh), *args, **kwargs)
+            finally:
+                module._parameters.update(held)
+
+        module.forward = local_forward
+        return module
+
+
+class PackedColwise(LocalStyle):
+    """packed_colwise:K: a Linear whose output is K equal projections one after another (the built-in's
+    qkv, a SwiGLU gate and up); rank t keeps chunk t of each, so its output is its heads' (features')
+    share of each, in the order the model's forward splits them."""
+
+    def __init__(self, parts: int):
+        super().__init__()
+        self.parts = parts
+
+    def placement(self) -> Placement:
+        return _StridedShard(0, split_factor=self.parts)
+
+    def local_input(self, x, mesh):
+        return replicated_input(x, mesh)
+
+
+class ReplicatedGradientSummed(LocalStyle):
+    """replicated_with_grad_allreduce: whole on every rank, applied to that rank's heads only (Qwen3's
+    q_norm/k_norm), so its gradient is each rank's part: summed over the group (a Partial gradient,
+    which FSDP2 reduces to the parameter's Replicate)."""
+
+    def placement(self) -> Placement:
+        return Replicate()
+
+    def local_parameter(self, p):
+        return p.to_local(grad_placements=[Partial()])
+
+
+def parallel_style(value: str) -> ParallelStyle:
+    """torch's style for a plan's style name (models/tensor_plan.py lists them)."""
+    style, parts = style_and_parts(value)
+    return {"colwise": lambda: ColwiseParallel(),
+            "rowwise": lambda: RowwiseParallel(),
+            # the output layer: its logits stay split over the vocabulary, a DTensor for the loss (fsdp.py's
+            # loss_parallel), never gathered
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "packed_colwise": lambda: PackedColwise(parts),
+            "replicated_with_grad_allreduce": lambda: ReplicatedGradientSummed()}[style]()
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split the modules of the model's plan over `mesh` (the "tp" dimension), on the meta model."""
+    for _, module, value in planned_modules(model):
+        parallelize_module(module, mesh, parallel_style(value))
+
+
+class Part(NamedTuple):
+    """Which part of a full tensor a rank of the tensor group holds: a run of its flat values from `start`
+    (`block` None), or a `Block` of its columns; `shape`: the part's own."""
+    start: int
+    block: Block | None
+    shape: tuple[int, ...]
+
+
+def tensor_part(shape: tuple[int, ...], placement: Placement, mesh: DeviceMesh) -> Part:
+    """This rank's part of a tensor of `shape` placed by `placement` on the 1-D `mesh`: rows (Shard(0))
+    are a flat run; columns (Shard(1)) a block of columns; packed_colwise's chunk t of each of K parts a
+    block of the tensor seen as K rows."""
+    size, rank = mesh.size(), mesh.get_local_rank()
+    if isinstance(placement, _StridedShard):
+        part = math.prod(shape) // placement.split_factor
+        return Part(0, Block(rank * part // size, part // size, part), (shape[0] // size, *shape[1:]))
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
+    if isinstance(placement, Shard) and placement.dim % len(shape) == 1:
+        return Part(0, Block(offset[1], local[1], shape[1]), tuple(local))
+    assert placement.is_replicate() or placement.dim % len(shape) == 0, placement
+    return Part(offset[0] * math.prod(shape[1:]) if shape else 0, None, tuple(local))
