@@ -50,7 +50,9 @@ def done(s, results: dict, name: str, root: str) -> None:
     its files removed once every rank is done with them."""
     import gc
 
-    s.barrier()
+    import torch.distributed as dist
+
+    dist.barrier()
     if s.is_main:
         print(f"rank 0: {name}: (blocked s, done s) per save: {results[name]}", flush=True)
         shutil.rmtree(f"{root}/{name}", ignore_errors=True)
@@ -59,6 +61,7 @@ def done(s, results: dict, name: str, root: str) -> None:
 
 def measure(env, model: dict, strategy: str, root: str, saves: int, variants: list[str]) -> dict:
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -82,7 +85,7 @@ def measure(env, model: dict, strategy: str, root: str, saves: int, variants: li
     def ours(name: str, asynchronous: bool) -> None:
         checkpoint = to_config({"checkpoint": {"dir": f"{root}/{name}", "keep_last": 1, "async": asynchronous}})
         manager = CheckpointManager(checkpoint.checkpoint, s, strategy)
-        s.barrier()
+        dist.barrier()
         results[name] = timed_saves(lambda i: manager.save(i + 1, state), lambda _: manager.wait(), saves)
         results[name + " host bytes"] = manager.host.bytes
         manager.close()
@@ -92,7 +95,7 @@ def measure(env, model: dict, strategy: str, root: str, saves: int, variants: li
     def dcp_async(name: str, kind) -> None:
         model_sd, optim_sd = get_state_dict(net, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
-        s.barrier()
+        dist.barrier()
         results[name] = timed_saves(
             lambda i: dcp.async_save(sd, checkpoint_id=f"{root}/{name}/{i}", async_checkpointer_type=kind),
             lambda future: future.result(), saves)

@@ -32,7 +32,8 @@ then decided from what was seen at the moment of the signal, not from what was a
     with `--override checkpoint.async=true` once the trainer has that option.
 
 After each kill: the job must be gone within --exit-timeout s (else: a hang, counted and
-killed), no process of it left behind, and every step dir of the checkpoint dir intact
+killed), no process of it left behind (alive --exit-timeout s after its launcher left; one alive
+2 s after it but gone by then is a slow exit, named and counted apart), and every step dir of the checkpoint dir intact
 (`python -m trainer.verify CKPT_DIR`: its main, in this process). At the end of each run: every
 step record of every start has the loss of the uninterrupted run (fsdp at 2 ranks) at that step
 within --rtol, and the steps 1..N are all there. The report: kills by kind and by phase, resumes,
@@ -235,6 +236,19 @@ def left_after(start: Start, grace: float = 2.0) -> list[int]:
     return left
 
 
+def command_lines(pids: list[int]) -> str:
+    """What each process is (its command line, cut short), to say what was left."""
+    import psutil
+
+    lines = []
+    for pid in pids:
+        try:
+            lines.append(f"{pid} ({' '.join(psutil.Process(pid).cmdline())[:160]})")
+        except psutil.Error:
+            lines.append(f"{pid} (gone)")
+    return ", ".join(lines)
+
+
 def end_group(start: Start) -> list[int]:
     """SIGKILL what is left of the start's process group (by its id: the session it was given); the pids."""
     left = group_alive(start.process.pid)
@@ -301,6 +315,7 @@ class Tally:
     runs: int = 0
     hangs: list = field(default_factory=list)
     left_behind: list = field(default_factory=list)
+    slow_exits: list = field(default_factory=list)  # alive past the grace, gone within --exit-timeout: not a failure
     damaged: list = field(default_factory=list)
     loss_failures: list = field(default_factory=list)
     max_rel_diff: float = 0.0
@@ -322,7 +337,8 @@ class Tally:
                 "by_kind_and_phase": {f"{k}/{p}": n for (k, p), n in sorted(self.kind_phase.items())},
                 "aimed_at": dict(self.aims), "exit_codes": {str(k): v for k, v in self.exit_codes.items()},
                 "starts": self.starts, "resumes": self.resumes, "resumes_by": dict(self.resumes_by), "runs": self.runs,
-                "hangs": self.hangs, "left_behind": self.left_behind, "damaged_checkpoints": self.damaged,
+                "hangs": self.hangs, "left_behind": self.left_behind,
+                "slow_exits": self.slow_exits, "damaged_checkpoints": self.damaged,
                 "loss_failures": self.loss_failures[:20], "max_rel_loss_diff": self.max_rel_diff,
                 "steps_compared": self.steps_compared, "kills_in_compared_runs": self.compared_kills,
                 "time_lost_per_kill_s": round(sum(self.lost_s) / kills, 2) if kills else None,
@@ -465,9 +481,15 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
         code = start.process.poll()
         exited = time.monotonic()
         left = left_after(start) if code is not None else []
+        if left:  # past the grace: gone within the exit timeout is slow (a loaded machine), else left behind
+            named = command_lines(left)
+            still = left_after(start, grace=args.exit_timeout)
+            where = f"run {run} start {index} ({start.strategy}@{start.world}): {named}"
+            if still:
+                tally.left_behind.append(f"{where} alive {args.exit_timeout:g} s after the launcher left")
+            else:
+                tally.slow_exits.append(f"{where} gone {time.monotonic() - exited:.1f} s after the launcher left")
         end_group(start)
-        if left:
-            tally.left_behind.append(f"run {run} start {index}: pids {left} after the launcher left")
         start.process.wait()
         start.poll()
         if fired is not None:

@@ -51,6 +51,7 @@ def without_checksums() -> None:
 
 def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict:
     import torch
+    import torch.distributed as dist
 
     from trainer.checkpoint.format import read_manifest, verify_step_dir
     from trainer.checkpoint.manager import CheckpointManager
@@ -72,14 +73,14 @@ def measure(env, model: dict, strategy: str, root: str, checksums: bool) -> dict
     manager = CheckpointManager(cfg.checkpoint, s, strategy)
     state = {"step": 1, "epoch": 0, "data": {"epoch": 0, "samples_consumed": 0}}
 
-    s.barrier()
+    dist.barrier()
     reset_peak_rss()
     before = rss_mb("VmRSS")
     t0 = time.perf_counter()
     path = manager.save(1, state)
     save_s = time.perf_counter() - t0
     save_peak_mb = rss_mb("VmHWM") - before
-    s.barrier()
+    dist.barrier()
     t0 = time.perf_counter()
     manager.load(path)
     load_s = time.perf_counter() - t0

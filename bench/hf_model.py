@@ -79,6 +79,7 @@ def loading_memory(env, cfg_dict: dict) -> dict:
     import gc
 
     import torch
+    import torch.distributed as dist
 
     import trainer.models.weights as weights
     from trainer.config import to_config
@@ -98,7 +99,7 @@ def loading_memory(env, cfg_dict: dict) -> dict:
     for module in [m for m in sys.modules.values() if getattr(m, "fill", None) is fill]:
         module.fill = measured_fill  # where the strategies imported it
     gc.collect()
-    strategy.barrier()
+    dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = rss("VmRSS")
     started = time.perf_counter()

@@ -1,5 +1,5 @@
 """The edges of a save: the last step's save failing, pruning that fails after the save is
-complete, a step saved again, and a second resume of an older step."""
+complete or is killed halfway, a step saved again, and a second resume of an older step."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tests.harness import assert_refused, run_cli
-from trainer.checkpoint.format import REPLACED_PREFIX
+from trainer.checkpoint.format import PRUNED_PREFIX, REPLACED_PREFIX
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import CheckpointConfig
 
@@ -42,7 +42,32 @@ def test_a_prune_that_fails_after_the_save_is_a_warning(tmp_path, monkeypatch, c
     monkeypatch.setattr(shutil, "rmtree", cannot_remove)
     with caplog.at_level(logging.WARNING):
         manager(tmp_path, keep_last=1)._prune(keep=new)
-    assert old.is_dir() and "saved step_00000004, but could not remove the older step_00000002" in caplog.text
+    assert "saved step_00000004, but could not remove the older step_00000002" in caplog.text
+    # set aside, no longer a step dir: the next save removes it
+    assert not old.exists() and (tmp_path / f"{PRUNED_PREFIX}step_00000002").is_dir() and new.is_dir()
+
+
+def test_a_prune_killed_halfway_leaves_no_step_dir_with_files_missing(tmp_path, monkeypatch):
+    """keep_last's removal, killed after its first file (bench/chaos.py found a step dir with its
+    manifest and without its rank file): every step dir left is whole, and the next save removes
+    what the prune left."""
+    old, new = step_dir(tmp_path, 2), step_dir(tmp_path, 4)
+    for path in (old, new):
+        (path / "rank_00000.safetensors").write_bytes(b"weights")
+    removing = shutil.rmtree
+
+    def killed_after_one_file(path, *args, **kwargs):
+        (path / "rank_00000.safetensors").unlink()
+        raise KeyboardInterrupt  # the signal, mid-removal
+
+    monkeypatch.setattr(shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        manager(tmp_path, keep_last=1)._prune(keep=new)
+    left = sorted(tmp_path.glob("step_*"))
+    assert left == [new] and all((p / f).is_file() for p in left for f in ("manifest.json", "rank_00000.safetensors"))
+    monkeypatch.setattr(shutil, "rmtree", removing)
+    manager(tmp_path)._prepare(tmp_path / ".tmp-step_00000005")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step_00000005", "step_00000004"]
 
 
 @pytest.mark.parametrize("renamed_back", [True, False])

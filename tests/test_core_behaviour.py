@@ -9,6 +9,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.harness import case, on_ranks, records, train_cases
 from trainer.config import to_config
+from trainer.distributed import all_reduced
 from trainer.strategies.base import optimizer_step
 
 GRADIENT_COLLECTIVES = ("allreduce", "reduce_scatter", "reduce_")
@@ -190,7 +191,7 @@ def set_up(env, cases: dict[str, dict]) -> dict[str, dict]:
     for name, cfg in cases.items():
         strategy, model, blocks = build(env, cfg)
         seen = {"compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
-                "loss_scale": strategy.loss_scale_state() is not None}
+                "loss_scale": strategy.precision.scale_state() is not None}
         if not to_config(cfg).train.compile:  # compiling takes a minute here: test_compile.py's runs do
             linears, dtypes = [m for m in strategy.module.modules() if isinstance(m, torch.nn.Linear)], set()
             hooks = [m.register_forward_hook(lambda m, args, y, dtypes=dtypes: dtypes.add((args[0].dtype, m.weight.dtype, y.dtype)))
@@ -330,7 +331,7 @@ def trained_per_reduce_dtype(env, strategies: list[str]) -> dict:
                         loss = loss_of(model, x)
                     strategy.backward(loss)
                 optimizer_step(strategy, 1.0)
-                losses.append(strategy.all_reduce(loss.detach().float()).item() / env.world_size)
+                losses.append(all_reduced(loss.detach().float()).item() / env.world_size)
             with torch.no_grad(), strategy.autocast():
                 logits = logits_of(model(probe)).float()
             strategy.teardown()

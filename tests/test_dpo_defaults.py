@@ -28,7 +28,7 @@ def test_dpo_trains_at_trls_rate_unless_lora_or_the_command_line_names_another()
 
 def test_the_start_line_names_the_objective_its_beta_and_rate():
     cfg = composed("objective=dpo", "data=preference", "objective.beta=0.25")
-    strategy = SimpleNamespace(layout=SimpleNamespace(dp_size=1), start_words=lambda: [], offloaded=lambda: [])
+    strategy = SimpleNamespace(layout=SimpleNamespace(dp_size=1), start_settings=lambda: {"offload": "none"})
     env = SimpleNamespace(world_size=1, device=torch.device("cpu"))
     line = describe(cfg, env, strategy, 10, SimpleNamespace(params=1, active=1))
     assert "objective=dpo beta=0.25 loss=sigmoid" in line and "lr=1e-06 weight_decay=0" in line, line

@@ -194,13 +194,10 @@ def deepspeed_loss_scale_resumes(env, overflows: list[bool]) -> list[int]:
     """DeepSpeed's own DynamicLossScaler (as its fp16 optimizers hold it; no fp16 on CPU to run
     them) through the strategy's save and load, cut after each step: the cuts where the scale
     that follows differs from the scaler that was never cut."""
-    import types
-
     import deepspeed
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from trainer.config import Precision
-    from trainer.strategies.deepspeed import DeepSpeedStrategy
+    from trainer.strategies.deepspeed import DeepSpeedLossScale
 
     deepspeed.init_distributed(dist_backend="gloo")
 
@@ -208,11 +205,6 @@ def deepspeed_loss_scale_resumes(env, overflows: list[bool]) -> list[int]:
         return DynamicLossScaler(init_scale=2 ** 16, scale_window=4, min_scale=1, delayed_shift=2,
                                  consecutive_hysteresis=False, dtype=torch.half)
 
-    def holding(scaler: DynamicLossScaler) -> DeepSpeedStrategy:
-        strategy = object.__new__(DeepSpeedStrategy)
-        strategy.precision = Precision.fp16
-        strategy.engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(loss_scaler=scaler))
-        return strategy
 
     def scales(scaler: DynamicLossScaler, steps: list[bool]) -> list[float]:
         return [scaler.update_scale(overflow) or scaler.cur_scale for overflow in steps]
@@ -224,7 +216,7 @@ def deepspeed_loss_scale_resumes(env, overflows: list[bool]) -> list[int]:
         before = fresh()
         scales(before, overflows[:cut])
         after = fresh()
-        holding(after).load_loss_scale_state(json.loads(json.dumps(holding(before).loss_scale_state())))
+        DeepSpeedLossScale(after).load(json.loads(json.dumps(DeepSpeedLossScale(before).state())))
         if scales(after, overflows[cut:]) != never_cut[cut:]:
             wrong.append(cut)
     return wrong

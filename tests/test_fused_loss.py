@@ -317,7 +317,7 @@ def test_the_start_line_says_when_the_fused_loss_is_on():
     from trainer.config import to_config
     from trainer.training.report import describe
 
-    strategy = SimpleNamespace(layout=SimpleNamespace(dp_size=1), start_words=lambda: [], offloaded=lambda: [])
+    strategy = SimpleNamespace(layout=SimpleNamespace(dp_size=1), start_settings=lambda: {"offload": "none"})
     env, facts = SimpleNamespace(world_size=1, device="cpu"), SimpleNamespace(params=1, active=1)
     lines = {fused: describe(to_config({"train": {"fused_loss": fused}}), env, strategy, 8, facts) for fused in (False, True)}
     assert "fused_loss=on" in lines[True].split() and "fused_loss" not in lines[False], lines

@@ -180,11 +180,8 @@ def test_the_start_line_says_all_parameters_and_the_active_ones(folders):
     class Strategy:
         layout = Layout(Degrees(1), rank=0)  # one rank: no group is made
 
-        def start_words(self):
-            return []
-
-        def offloaded(self):
-            return []
+        def start_settings(self):
+            return {"offload": "none"}
 
     cfg, model = meta(folders["mixtral"])
     line = describe(cfg, Env(), Strategy(), 4, model_facts(cfg.model, cfg.strategy.wrap, cfg.peft))

@@ -23,16 +23,19 @@ def fsdp(**flags) -> FSDPStrategy:
 
 @pytest.mark.parametrize("flag", ["offload_params", "offload_optimizer"])
 def test_either_fsdp_flag_offloads_params_grads_and_optimizer(flag):
-    assert fsdp(**{flag: True}).offloaded() == ["params", "grads", "optimizer"]
-    assert fsdp().offloaded() == []
+    assert fsdp(**{flag: True}).start_settings()["offload"] == "params+grads+optimizer"
+    assert fsdp().start_settings()["offload"] == "none"
 
 
 def test_zero3_offloads_what_its_flags_ask():
     """The base class's rule, which the DeepSpeed strategies keep (asked of a stand-in: building one
     joins a process group)."""
     def offloaded(**flags) -> list[str]:
-        return Strategy.offloaded(SimpleNamespace(cfg=to_config({"strategy": {"name": "zero3", **flags}})))
+        stand_in = SimpleNamespace(cfg=to_config({"strategy": {"name": "zero3", **flags}}))
+        stand_in._offloaded = lambda: Strategy._offloaded(stand_in)
+        return Strategy.start_settings(stand_in)["offload"]
 
-    assert offloaded(offload_optimizer=True) == ["optimizer"]
-    assert offloaded(offload_params=True) == ["params"]
-    assert offloaded(offload_params=True, offload_optimizer=True) == ["optimizer", "params"]
+    assert offloaded(offload_optimizer=True) == "optimizer"
+    assert offloaded(offload_params=True) == "params"
+    assert offloaded(offload_params=True, offload_optimizer=True) == "optimizer+params"
+    assert offloaded() == "none"

@@ -214,6 +214,12 @@ def init(timeout_s: float = 600) -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
+def all_reduced(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`tensor`, reduced in place over every rank (summed by default), for use in an expression."""
+    dist.all_reduce(tensor, op=op)
+    return tensor
+
+
 def broadcast_object(obj, src: int = 0, group=None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)

@@ -88,7 +88,7 @@ class TrainerState:
     epoch: int = 0
     skipped: int = 0  # bad steps in a row (faults.StepGuard)
     scale_skips: int = 0  # fp16 loss-scaler overflow skips, apart from bad steps
-    loss_scale: dict | None = None  # Strategy.loss_scale_state(); None without an fp16 scaler
+    loss_scale: dict | None = None  # Strategy.precision.scale_state(); None without an fp16 scaler
     tokens: int = 0  # cumulative target tokens, all ranks
     input_tokens: int = 0  # cumulative non-padding tokens (before they were counted: `tokens`)
     # the data position: {"epoch", "samples_consumed", "fingerprint": the data's settings}
@@ -123,6 +123,7 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"  # a step dir being written: never resumed from, removed by the next save
 SUPERSEDED_PREFIX = "superseded-"  # newer than the step a run resumed from (CheckpointManager._set_aside_newer)
 REPLACED_PREFIX = "replaced-"  # a complete step dir while the same step is saved again (CheckpointManager._commit)
+PRUNED_PREFIX = ".pruned-"  # a step dir keep_last removes, renamed first: a kill mid-removal leaves no partial step dir
 # xxHash's XXH3, 128 bits: made to catch damaged data (not forgery), ~24 GB/s on one core here against
 # 1.7 GB/s for hashlib's sha256 and 0.9 for blake2b, so that hashing stays a small part of a save.
 CHECKSUM = "xxh3_128"

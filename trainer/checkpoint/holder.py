@@ -20,8 +20,6 @@ class StateHolder(Protocol):
     def module(self) -> nn.Module:
         """The model, unwrapped: its parameter names and shapes are the checkpoint's keys."""
 
-    def barrier(self) -> None: ...
-
     def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         """A parameter's full shape, also where this rank holds a part of it."""
 

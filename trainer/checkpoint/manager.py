@@ -16,6 +16,7 @@ import torch.distributed as dist
 from trainer.checkpoint.background import HostCopy, Writer
 from trainer.checkpoint.format import (
     LATEST,
+    PRUNED_PREFIX,
     REPLACED_PREFIX,
     STEP_KEY,
     STEP_PREFIX,
@@ -202,7 +203,8 @@ class CheckpointManager:
 
     def _prepare(self, tmp: Path) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a save that died
+        # left by a save, or a prune, that died
+        for stale in [*self.root.glob(f"{TMP_PREFIX}*"), *self.root.glob(f"{PRUNED_PREFIX}*")]:
             shutil.rmtree(stale, ignore_errors=True)
         for replaced in self.root.glob(f"{REPLACED_PREFIX}*"):  # a save of the same step died: ...
             original = replaced.with_name(replaced.name[len(REPLACED_PREFIX):])
@@ -274,7 +276,10 @@ class CheckpointManager:
         for path in done[:-self.cfg.keep_last]:
             if path not in kept:
                 try:
-                    shutil.rmtree(path)
+                    # renamed first (atomic): a kill during the removal leaves a hidden dir, which the
+                    # next save removes, never a step dir with files missing
+                    pruned = path.rename(path.with_name(f"{PRUNED_PREFIX}{path.name}"))
+                    shutil.rmtree(pruned)
                 except OSError as e:
                     log.warning(f"checkpoint: saved {keep.name}, but could not remove the older {path.name} "
                                 f"(checkpoint.keep_last={self.cfg.keep_last}): {e}")
@@ -330,5 +335,5 @@ class CheckpointManager:
             torch.set_rng_state(rng["rng.torch"])
         if s.env.device.type == "cuda" and "rng.cuda" in rng:
             torch.cuda.set_rng_state(rng["rng.cuda"])
-        s.barrier()
+        dist.barrier()
         return manifest["trainer"]

@@ -11,16 +11,15 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.checkpoint.format import Piece
-from trainer.config import Config, GradReduce, Precision, ReduceDtype
+from trainer.config import Config, GradReduce, Precision
 from trainer.distributed import DistEnv
 from trainer.layout import Degrees, Layout
 from trainer.models.experts import ExpertRows
 from trainer.models.weights import WeightSource, allocate, fill, params_on_meta, persistent_buffers, tensor_shape
+from trainer.strategies.precision import MixedPrecision
 
 # Builds the optimizer over the trainable parameters, each with its full shape.
 OptimizerFactory = Callable[[list[tuple[nn.Parameter, tuple[int, ...]]]], torch.optim.Optimizer]
-DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
-REDUCE_DTYPES = {r: DTYPES[Precision(r.value)] for r in ReduceDtype}  # the same names as the precisions
 
 
 def hold_in(model: nn.Module, dtype: torch.dtype, frozen_only: bool) -> None:
@@ -62,16 +61,33 @@ def peak_device_bytes(device: torch.device) -> int | None:
 
 
 class Strategy(ABC):
-    """Called on all ranks; the strategy decides who writes. The loop sees only this class."""
+    """How one backend (DDP, FSDP2, DeepSpeed ZeRO-1/2/3) holds, steps and saves a model. Called on
+    every rank; the loop sees only this class and never asks which backend it runs on.
+
+    A backend must:
+    - build: `model_init_context` (parameters on the meta device, or partitioned as built), then
+      `setup` wraps or shards per block, fills this rank's part from the weights and builds the
+      optimizer; `full_shape` answers a parameter's whole shape wherever this rank holds a part.
+      `setup_frozen` holds a model that never trains (DPO's reference) as the policy is held.
+    - step: `autocast` and `micro_step(final)` around each forward and backward; `backward` takes
+      a loss the loop has already normalised (never divide again); then, once per step, `grad_norm`
+      (global, unscaled, the same on every rank), and `apply` (clip, update, zero) or `skip`.
+      fp16's loss scaler lives in `precision`, its state the same on every backend.
+    - save: `state_dict`/`state_layout`/`load_state_dict` speak flat ranges of full fp32 tensors
+      (and blocks of columns), so a checkpoint does not depend on how the backend splits tensors;
+      the ranks' pieces together cover every key once.
+    - say: `memory_bytes` measured, never computed; `start_settings` for the start line.
+    - end: `teardown` frees the backend's state, not the process group.
+    `env` is this rank's place in the world, `layout` its groups on the parallel axes (sp, ep)."""
 
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
-        self.held: list[nn.Module] = []  # models held outside the policy (`holds`)
-        self.precision = Precision(cfg.train.precision)
-        self.reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
+        self.precision = MixedPrecision(Precision(cfg.train.precision))
         # strategy.sp, strategy.ep and strategy.tp: this rank's groups, created here on every rank
         self.layout = Layout(Degrees(env.world_size, cfg.strategy.sp, cfg.strategy.ep, cfg.strategy.tp), env.rank)
-        self.experts = ExpertRows(self.layout.experts)  # the parameters holding this rank's experts only (ep > 1)
+        self._experts = ExpertRows(self.layout.experts)  # the parameters holding this rank's experts only (ep > 1)
+        self._reduce_every_micro_step = GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step
+        self._held: list[nn.Module] = []  # models held outside the policy (`setup_frozen`, `holds`)
 
     def model_init_context(self) -> AbstractContextManager:
         """Where the model is built: parameters on the meta device, materialised by `setup`."""
@@ -81,7 +97,7 @@ class Strategy(ABC):
         """A parameter's full shape, also where this rank holds a part of it (ZeRO-3 partitions
         parameters as they are built; strategy.ep: each rank holds its experts' rows): what the first
         weights and the checkpoint fingerprint use."""
-        return self.experts.full_shape(p, tensor_shape(p))
+        return self._experts.full_shape(p, tensor_shape(p))
 
     @abstractmethod
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory,
@@ -91,42 +107,44 @@ class Strategy(ABC):
 
     def setup_frozen(self, model: nn.Module, weights: WeightSource) -> nn.Module:
         """A model that never trains (objective=dpo's reference under full fine-tuning), built in
-        `model_init_context` like the policy: frozen, held in `frozen_dtype`, filled from `weights`,
-        in eval mode, in no optimizer. Here replicated on every rank (ddp, zero1/2)."""
+        `model_init_context` like the policy: frozen, filled from `weights`, in eval mode, in no
+        optimizer, counted in `memory_bytes`. Here replicated on every rank (ddp, zero1/2), its
+        parameters in `_frozen_dtype`."""
         model.requires_grad_(False)
-        hold_in(model, self.frozen_dtype(), frozen_only=True)
+        hold_in(model, self._frozen_dtype(), frozen_only=True)
         allocate(model, self.env.device)
         fill(model, weights)
-        return model.to(self.env.device).eval()  # .to: the buffers
+        return self.holds(model.to(self.env.device).eval())  # .to: the buffers
 
-    def frozen_dtype(self) -> torch.dtype:
+    def _frozen_dtype(self) -> torch.dtype:
         """The dtype of a frozen copy's parameters: the one the policy's training parameters are
         held in where the forward reads them (DeepSpeed's bf16/fp16 module), so that the copy
         computes as the policy does at its start."""
-        return DTYPES[self.precision]
+        return self.precision.dtype
 
-    def holds(self, model: nn.Module) -> None:
-        """`model`, held on this rank outside the policy (objective=dpo's reference: a frozen copy,
-        a starting adapter), counts in `memory_bytes`' params from now on."""
-        self.held.append(model)
+    def holds(self, model: nn.Module) -> nn.Module:
+        """`model`, held on this rank outside the policy (a frozen copy; objective=dpo's starting
+        adapter), counts in `memory_bytes`' params from now on."""
+        self._held.append(model)
+        return model
 
-    def held_bytes(self) -> int:
+    def _held_bytes(self) -> int:
         """Bytes of the parameters of the models `holds` counts, as this rank holds them."""
-        return tensor_bytes(p for model in self.held for p in model.parameters())
+        return tensor_bytes(p for model in self._held for p in model.parameters())
 
     @property
     @abstractmethod
     def module(self) -> nn.Module:
         """The model inside the backend's wrapper (DDP's, DeepSpeed's engine), after `setup`."""
 
-    def offloaded(self) -> list[str]:
-        """What this backend keeps in host memory, as the start line's `offload=` says it."""
+    def start_settings(self) -> dict[str, str]:
+        """This backend's own settings, as the start line says them; "offload": what it keeps in
+        host memory."""
+        return {"offload": "+".join(self._offloaded()) or "none"}
+
+    def _offloaded(self) -> list[str]:
         s = self.cfg.strategy
         return [what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on]
-
-    def start_words(self) -> list[str]:
-        """This backend's own settings, as words of the run's start line."""
-        return []
 
     def autocast(self) -> AbstractContextManager:
         """Around the forward and its loss; backends that cast parameters themselves need none
@@ -163,7 +181,7 @@ class Strategy(ABC):
     @abstractmethod
     def skip(self, finite_gradients: bool) -> None:
         """No update from this step: the gradients zeroed. An fp16 loss scaler backs off on
-        non-finite gradients only, on every backend (`loss_scale_kept`)."""
+        non-finite gradients only, on every backend (`MixedPrecision.kept`)."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int | None]:
@@ -186,22 +204,6 @@ class Strategy(ABC):
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Take the fp32 ranges of `state_layout` (parameters, moments, step)."""
 
-    def loss_scale_state(self) -> dict | None:
-        """fp16's loss scaler as {"scale", "good_steps"} (steps since it last backed off or grew),
-        the same for every backend, kept in the trainer state of a checkpoint; None without one.
-        A backend may add keys of its own (DeepSpeed: "hysteresis"); the others ignore them."""
-        return None
-
-    def load_loss_scale_state(self, state: dict) -> None:
-        """Take a `loss_scale_state` (from any backend) into this backend's scaler."""
-
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        dist.all_reduce(tensor, op=op)
-        return tensor
-
-    def barrier(self) -> None:
-        dist.barrier()
-
     def teardown(self) -> None:
         """Free backend state; the process group belongs to the caller."""
 
@@ -219,16 +221,6 @@ def optimizer_step(strategy: Strategy, max_grad_norm: float) -> torch.Tensor:
     norm = strategy.grad_norm()
     strategy.apply(max_grad_norm)
     return norm
-
-
-@contextmanager
-def loss_scale_kept(strategy: Strategy, finite_gradients: bool) -> Iterator[None]:
-    """Around a backend's skip: an fp16 loss scaler reacts to non-finite gradients only, so a
-    skip with finite gradients (a non-finite loss) leaves it as it was, on every backend."""
-    kept = strategy.loss_scale_state() if finite_gradients else None
-    yield
-    if kept is not None:
-        strategy.load_loss_scale_state(kept)
 
 
 def follow_rank0_buffers(model: nn.Module, device: torch.device, world_size: int) -> None:

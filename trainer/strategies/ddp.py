@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import Precision, ReduceDtype
+from trainer.config import ReduceDtype
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, REDUCE_DTYPES
+from trainer.strategies.precision import REDUCE_DTYPES
 from trainer.strategies.torch_native import TorchStrategy
 
 
@@ -27,11 +27,11 @@ class DDPStrategy(TorchStrategy):
 
     def autocast(self):
         # DDP keeps fp32 parameters; bf16/fp16 compute comes from autocast.
-        if self.precision is Precision.fp32:
+        if not self.precision.mixed:
             return nullcontext()
-        return torch.autocast(self.env.device.type, dtype=DTYPES[self.precision])
+        return torch.autocast(self.env.device.type, dtype=self.precision.dtype)
 
-    def frozen_dtype(self):
+    def _frozen_dtype(self):
         # the policy computes from fp32 parameters under autocast: norms and embeddings in fp32; a
         # copy in bf16 would round them, and its log-probs would differ from the policy's at step 1
         return torch.float32
@@ -45,7 +45,7 @@ class DDPStrategy(TorchStrategy):
         return 0, tensor.detach().view(-1), self.env.world_size, self.env.rank, None
 
     def micro_step(self, final):
-        return self.model.no_sync() if not final and not self.reduce_every_micro_step else nullcontext()
+        return self.model.no_sync() if not final and not self._reduce_every_micro_step else nullcontext()
 
 
 def reduce_in(dtype, bucket):  # unannotated: DDP checks annotations, which are strings here

@@ -19,11 +19,9 @@ from trainer.models.experts import shard_experts
 from trainer.models.weights import WeightSource, allocate, fill, read_block
 from trainer.patches import watch_op_builds, zero3_start_build, zero3_start_hooks
 from trainer.strategies.base import (
-    DTYPES,
     Strategy,
     follow_rank0_buffers,
     hold_in,
-    loss_scale_kept,
     optimizer_state_tensors,
     peak_device_bytes,
     tensor_bytes,
@@ -69,21 +67,21 @@ class DeepSpeedStrategy(Strategy):
         else:
             experts = []
         if self.stage == 3:  # each rank fills its own partition of every parameter
-            self.experts.add(experts)
-            fill(model, weights, partial(z3_local, rank=self.env.rank, experts=self.experts))
+            self._experts.add(experts)
+            fill(model, weights, partial(z3_local, rank=self.env.rank, experts=self._experts))
         else:  # every rank holds the whole model, in the training dtype (the fp32 masters are DeepSpeed's
             # partitions, set below): allocated so where it trains and filled a tensor at a time, so that
             # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
-            hold_in(model, DTYPES[self.precision], frozen_only=False)
+            hold_in(model, self.precision.dtype, frozen_only=False)
             allocate(model, self.env.device)
-            self.experts.add(experts)
-            fill(model, weights, lambda p: (self.experts.start(p), p.detach().view(-1), self.experts.block(p)))
+            self._experts.add(experts)
+            fill(model, weights, lambda p: (self._experts.start(p), p.detach().view(-1), self._experts.block(p)))
         optimizer = optimizer_factory(trainable(model, self.full_shape))
         if ep > 1:
             from trainer.strategies.ds_experts import expert_param_groups, tell_deepspeed
 
             tell_deepspeed(model, experts, ep)
-            expert_param_groups(optimizer, self.experts, ep)
+            expert_param_groups(optimizer, self._experts, ep)
         if self.cfg.strategy.offload_optimizer:  # DeepSpeed steps offloaded state with its CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -93,9 +91,12 @@ class DeepSpeedStrategy(Strategy):
         with zero3_start_hooks():  # ZeRO-3's optimizer: its gradient hooks on the partitioned parameters
             self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                    config=self.ds_config)
-        self.zero = ZeroPartitions(self.engine, self.stage, self.env.rank, self.env.world_size, self.experts)
-        if self.precision is not Precision.fp32:
+        self.zero = ZeroPartitions(self.engine, self.stage, self.env.rank, self.env.world_size, self._experts)
+        if self.precision.mixed:
             self._set_masters(weights)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if self.precision.setting is Precision.fp16 and getattr(scaler, "dynamic", False):  # static: a setting, not state
+            self.precision.loss_scale = DeepSpeedLossScale(scaler)
         follow_rank0_buffers(self.engine.module, self.env.device, self.env.world_size)
         return self.engine, ds_optimizer
 
@@ -111,7 +112,7 @@ class DeepSpeedStrategy(Strategy):
         engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
         self.frozen_engines.append(engine)
         engine.eval()  # DeepSpeedEngine.eval returns None
-        return engine
+        return self.holds(engine)
 
     @torch.no_grad()
     def _set_masters(self, weights: WeightSource) -> None:
@@ -123,20 +124,20 @@ class DeepSpeedStrategy(Strategy):
             if not p.requires_grad:
                 continue
             if self.stage == 3:
-                start, numel = z3_range(p, self.env.rank, self.experts)
+                start, numel = z3_range(p, self.env.rank, self._experts)
                 if numel:
                     padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
                     padded[:numel] = weights.read(name, start, numel)
                     safe_set_local_fp32_param(p, padded)
             elif getattr(p, "_hp_mapping", None) is not None:
                 fragment = p._hp_mapping.lp_fragment_address
-                start = self.experts.start(p) + fragment.start
+                start = self._experts.start(p) + fragment.start
                 read = partial(weights.read, name)
-                p._hp_mapping.get_hp_fragment().copy_(read_block(read, start, fragment.numel, self.experts.block(p)))
+                p._hp_mapping.get_hp_fragment().copy_(read_block(read, start, fragment.numel, self._experts.block(p)))
 
     @contextmanager
     def micro_step(self, final):
-        if self.reduce_every_micro_step:  # DeepSpeed's unmanaged accumulation (build_ds_config)
+        if self._reduce_every_micro_step:  # DeepSpeed's unmanaged accumulation (build_ds_config)
             yield
             return
         # One coalesce block spans every micro-step of the step: it opens on the first
@@ -164,7 +165,7 @@ class DeepSpeedStrategy(Strategy):
     def grad_norm(self):
         # DeepSpeed's own norm of the reduced gradient partitions, which its step takes again.
         zero = self.engine.optimizer
-        if self.reduce_every_micro_step:
+        if self._reduce_every_micro_step:
             # Unmanaged accumulation: engine.step() is the boundary, and its boundary work comes first
             # in it; done here instead, before the norm (ZeRO-2/3 finalize their partitions, ZeRO-1
             # reduces, as step() would), and step() must then not do it again (_stepped).
@@ -191,7 +192,7 @@ class DeepSpeedStrategy(Strategy):
         # cleared, the fp16 scale backed off. Nothing public takes it on demand (patches.py).
         from trainer.patches import deepspeed_overflow
 
-        with loss_scale_kept(self, finite_gradients), deepspeed_overflow(self.engine.optimizer):
+        with self.precision.kept(finite_gradients), deepspeed_overflow(self.engine.optimizer):
             self._stepped()
 
     def _stepped(self) -> None:
@@ -203,9 +204,9 @@ class DeepSpeedStrategy(Strategy):
         self._gradient_peak = 0
         engine, own_setting = self.engine, self.engine.enable_backward_allreduce
         with ExitStack() as unmanaged:
-            if self.reduce_every_micro_step and self.stage >= 2:
+            if self._reduce_every_micro_step and self.stage >= 2:
                 unmanaged.enter_context(deepspeed_boundary_done(engine.optimizer))
-            elif self.reduce_every_micro_step:
+            elif self._reduce_every_micro_step:
                 engine.enable_backward_allreduce = False
                 unmanaged.callback(setattr, engine, "enable_backward_allreduce", own_setting)
             engine.step()
@@ -225,14 +226,14 @@ class DeepSpeedStrategy(Strategy):
 
     def memory_bytes(self):
         masters = self.zero.masters()
-        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.module.parameters()) + self.held_bytes(),
+        return {"params": tensor_bytes(getattr(p, "ds_tensor", p) for p in self.module.parameters()) + self._held_bytes(),
                 "grads": max(self._gradient_bytes(), self._gradient_peak),  # now, or at this step's peak
                 "optim": tensor_bytes(masters) + tensor_bytes(optimizer_state_tensors(self.engine.optimizer.optimizer)),
                 "peak": peak_device_bytes(self.env.device)}
 
-    def held_bytes(self):
+    def _held_bytes(self):
         # ZeRO-3's frozen copy holds this rank's partition of each parameter (ds_tensor)
-        return tensor_bytes(getattr(p, "ds_tensor", p) for model in self.held for p in model.parameters())
+        return tensor_bytes(getattr(p, "ds_tensor", p) for model in self._held for p in model.parameters())
 
     @property
     def module(self):
@@ -254,29 +255,7 @@ class DeepSpeedStrategy(Strategy):
 
     def full_shape(self, p):
         # ZeRO-3 partitions parameters as they are built; strategy.ep: this rank's experts' rows
-        return self.experts.full_shape(p, tuple(getattr(p, "ds_shape", p.shape)))
-
-    def _dynamic_loss_scaler(self):
-        """DeepSpeed's DynamicLossScaler under fp16, else None (a static scale is a setting of
-        ds_config, not state)."""
-        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-        return scaler if self.precision is Precision.fp16 and getattr(scaler, "dynamic", False) else None
-
-    def loss_scale_state(self):
-        scaler = self._dynamic_loss_scaler()
-        if scaler is None:
-            return None
-        # Steps since the last overflow, and the overflows it still tolerates before it backs off
-        # (fp16.hysteresis), which torch's scaler does not have
-        return {"scale": float(scaler.cur_scale), "good_steps": int(scaler.cur_iter - scaler.last_overflow_iter - 1),
-                "hysteresis": int(scaler.cur_hysteresis)}
-
-    def load_loss_scale_state(self, state):
-        scaler = self._dynamic_loss_scaler()
-        if scaler is not None:
-            scaler.cur_scale = state["scale"]
-            scaler.cur_iter, scaler.last_overflow_iter = state["good_steps"], -1
-            scaler.cur_hysteresis = state.get("hysteresis", scaler.delayed_shift)  # from torch's: a fresh one
+        return self._experts.full_shape(p, tuple(getattr(p, "ds_shape", p.shape)))
 
     def teardown(self):
         for engine in self.frozen_engines:
@@ -290,3 +269,24 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
         if hasattr(patcher, "linear_bk"):
             torch.nn.functional.linear = patcher.linear_bk
+
+
+class DeepSpeedLossScale:
+    """DeepSpeed's DynamicLossScaler (fp16 with a dynamic scale; a static scale is a setting of
+    ds_config, not state)."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+    def state(self):
+        s = self.scaler
+        # Steps since the last overflow, and the overflows it still tolerates before it backs off
+        # (fp16.hysteresis), which torch's scaler does not have
+        return {"scale": float(s.cur_scale), "good_steps": int(s.cur_iter - s.last_overflow_iter - 1),
+                "hysteresis": int(s.cur_hysteresis)}
+
+    def load(self, state):
+        s = self.scaler
+        s.cur_scale = state["scale"]
+        s.cur_iter, s.last_overflow_iter = state["good_steps"], -1
+        s.cur_hysteresis = state.get("hysteresis", s.delayed_shift)  # from torch's: a fresh one

@@ -14,11 +14,12 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 
-from trainer.config import Precision, Sharding
+from trainer.config import Sharding
 from trainer.models.blocks import find_blocks
 from trainer.models.experts import shard_experts
 from trainer.models.weights import allocate, fill
-from trainer.strategies.base import DTYPES, REDUCE_DTYPES, follow_rank0_buffers, hold_in, tensor_bytes, toggled
+from trainer.strategies.base import follow_rank0_buffers, hold_in, tensor_bytes, toggled
+from trainer.strategies.precision import REDUCE_DTYPES
 from trainer.strategies.tensor_parallel import parallelize, tensor_part
 from trainer.strategies.torch_native import TorchStrategy
 
@@ -46,9 +47,9 @@ class FSDPStrategy(TorchStrategy):
             mesh=self.mesh(),
             # Sharded parameters stay fp32 (the master weights); compute in bf16/fp16, reduce in
             # strategy.reduce_dtype (fp32 by default).
-            mp_policy=MixedPrecisionPolicy() if self.precision is Precision.fp32 else
-            MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=REDUCE_DTYPES[s.reduce_dtype]),
-            offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if self.offloaded()
+            mp_policy=MixedPrecisionPolicy() if not self.precision.mixed else
+            MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=REDUCE_DTYPES[s.reduce_dtype]),
+            offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if self._offloaded()
             else OffloadPolicy(),
             reshard_after_forward=Sharding(s.sharding) is not Sharding.SHARD_GRAD_OP,
         )
@@ -60,7 +61,7 @@ class FSDPStrategy(TorchStrategy):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)
         # Built on the meta device: each rank allocates and fills only its own shards.
-        allocate(model, torch.device("cpu") if self.offloaded() else self.env.device)
+        allocate(model, torch.device("cpu") if self._offloaded() else self.env.device)
         fill(model, weights, lambda p: [self.flat_range(p, p)[i] for i in (0, 1, 4)])
         follow_rank0_buffers(model, self.env.device, self.env.world_size)
         return model
@@ -80,14 +81,14 @@ class FSDPStrategy(TorchStrategy):
             # a plain sum, then the division (gloo has no PREMUL_SUM); where the experts are not
             # sharded (ep = world) not set: torch 2.13 would then divide twice
             module.set_force_sum_reduction_for_comms(world > ep)
-        self.experts.add(modules)
+        self._experts.add(modules)
 
     def setup_frozen(self, model, weights):
         # sharded per block like the policy (its shards held in the training dtype), gathered per
         # block in its forward
         model.requires_grad_(False)
-        hold_in(model, DTYPES[self.precision], frozen_only=True)
-        return self.wrap(model, weights).eval()
+        hold_in(model, self.precision.dtype, frozen_only=True)
+        return self.holds(self.wrap(model, weights).eval())
 
     @property
     def module(self):
@@ -137,14 +138,14 @@ class FSDPStrategy(TorchStrategy):
     def micro_step(self, final):
         # step: unsharded gradients accumulate locally, reduce-scatter on the final micro-step;
         # micro_step: FSDP2's default, reduce-scatter every backward into sharded gradients.
-        return toggled(self.model.set_requires_gradient_sync, final or self.reduce_every_micro_step)
+        return toggled(self.model.set_requires_gradient_sync, final or self._reduce_every_micro_step)
 
     def by_mesh(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         """`params` a mesh at a time (one foreach over DTensors of two meshes is refused): strategy.ep's
         experts, strategy.tp's split parameters ("dp", "tp"), the rest."""
         meshes: dict[tuple, list[nn.Parameter]] = {}
         for p in params:
-            meshes.setdefault((p in self.experts, p.device_mesh.mesh_dim_names), []).append(p)
+            meshes.setdefault((p in self._experts, p.device_mesh.mesh_dim_names), []).append(p)
         return list(meshes.values())
 
     def total_norm(self, params):
@@ -155,7 +156,7 @@ class FSDPStrategy(TorchStrategy):
         norms = []
         for same_mesh in self.by_mesh(params):
             norm = super().total_norm(same_mesh).full_tensor()
-            if same_mesh[0] in self.experts:
+            if same_mesh[0] in self._experts:
                 squares = norm ** 2
                 dist.all_reduce(squares, group=self.layout.experts.group)
                 norm = squares.sqrt()
@@ -166,11 +167,11 @@ class FSDPStrategy(TorchStrategy):
         for same_mesh in self.by_mesh(list(self.model.parameters())):
             torch.nn.utils.clip_grads_with_norm_(same_mesh, max_grad_norm, self._norm)
 
-    def offloaded(self):
+    def _offloaded(self):
         # FSDP2's one CPUOffloadPolicy moves params, grads and the optimizer step together: either
         # flag asks for it
         s = self.cfg.strategy
         return ["params", "grads", "optimizer"] if s.offload_params or s.offload_optimizer else []
 
-    def start_words(self):
-        return [f"sharding={Sharding(self.cfg.strategy.sharding).value}"]
+    def start_settings(self):
+        return {"sharding": Sharding(self.cfg.strategy.sharding).value, **super().start_settings()}

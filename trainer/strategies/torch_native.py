@@ -14,10 +14,8 @@ from trainer.distributed import DistEnv
 from trainer.models.weights import Block, WeightSource, canonical_name
 from trainer.strategies.adam_state import AdamState
 from trainer.strategies.base import (
-    DTYPES,
     Strategy,
     hold_in,
-    loss_scale_kept,
     optimizer_state_tensors,
     peak_device_bytes,
     tensor_bytes,
@@ -33,7 +31,8 @@ class TorchStrategy(Strategy):
 
     def __init__(self, cfg: Config, env: DistEnv):
         super().__init__(cfg, env)
-        self.scaler = self.make_grad_scaler() if self.precision is Precision.fp16 else None
+        self.scaler = self.make_grad_scaler() if self.precision.setting is Precision.fp16 else None
+        self.precision.loss_scale = TorchLossScale(self.scaler) if self.scaler else None
 
     def make_grad_scaler(self):
         return torch.amp.GradScaler(self.env.device.type)
@@ -43,8 +42,8 @@ class TorchStrategy(Strategy):
         """The model wrapped/sharded for this backend, with this rank's values from `weights`."""
 
     def setup(self, model, optimizer_factory, weights):
-        if self.precision is not Precision.fp32:
-            hold_in(model, DTYPES[self.precision], frozen_only=True)
+        if self.precision.mixed:
+            hold_in(model, self.precision.dtype, frozen_only=True)
         self.model = self.wrap(model, weights)
         self.optimizer = optimizer_factory(trainable(self.model, self.full_shape))
         # a frozen parameter gets no state
@@ -78,21 +77,10 @@ class TorchStrategy(Strategy):
         torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_grad_norm, self._norm)
 
     def skip(self, finite_gradients):
-        with loss_scale_kept(self, finite_gradients):
+        with self.precision.kept(finite_gradients):
             if self.scaler:  # what it found in unscale_: an overflow backs off, as the scaler's own skip does
                 self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-
-    def loss_scale_state(self):
-        if not self.scaler:
-            return None
-        state = self.scaler.state_dict()
-        return {"scale": float(state["scale"]), "good_steps": int(state["_growth_tracker"])}
-
-    def load_loss_scale_state(self, state):
-        if self.scaler:  # GradScaler and FSDP's ShardedGradScaler alike
-            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": state["scale"],
-                                         "_growth_tracker": state["good_steps"]})
 
     @abstractmethod
     def local_range(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor, int, int, Block | None]:
@@ -113,7 +101,7 @@ class TorchStrategy(Strategy):
         """`local_range` of `tensor` (a parameter, or one of its moments) in the full tensor of `param`:
         strategy.ep's experts begin at this rank's first expert (lora_B's: in its `block`)."""
         start, flat, replicas, index, block = self.local_range(tensor)
-        return start + self.experts.start(param), flat, replicas, index, block or self.experts.block(param)
+        return start + self._experts.start(param), flat, replicas, index, block or self._experts.block(param)
 
     def state_dict(self, model_only=False):
         if not model_only:  # also before the first update (step 1 skipped): moments of zeros, step 0
@@ -138,5 +126,20 @@ class TorchStrategy(Strategy):
 
     def memory_bytes(self):
         params = list(self.model.parameters())
-        return {"params": tensor_bytes(params) + self.held_bytes(), "grads": tensor_bytes(p.grad for p in params),
+        return {"params": tensor_bytes(params) + self._held_bytes(), "grads": tensor_bytes(p.grad for p in params),
                 "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)), "peak": peak_device_bytes(self.env.device)}
+
+
+class TorchLossScale:
+    """torch's GradScaler and FSDP's ShardedGradScaler alike."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def state(self):
+        state = self.scaler.state_dict()
+        return {"scale": float(state["scale"]), "good_steps": int(state["_growth_tracker"])}
+
+    def load(self, state):
+        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": state["scale"],
+                                     "_growth_tracker": state["good_steps"]})

@@ -23,17 +23,18 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.config import Config, ObjectiveName, PeftName
 from trainer.data import data_fingerprint, eval_batches, token_keys
 from trainer.data.tokenized import default_cache_dir
+from trainer.distributed import all_reduced
 from trainer.log import log
 from trainer.losses.objectives import DirectPreference, NextToken, Reference, sequence_logps
 from trainer.models import description, disable_dropout, initial_weights
 from trainer.models.checks import build_as_trained
 from trainer.strategies import Strategy
-from trainer.strategies.base import DTYPES
 from trainer.training.sequence_shares import share
 
 
@@ -70,7 +71,7 @@ def reference_logps(model: nn.Module, strategy: Strategy, rows, micro_batch_size
         if strategy.layout.sequence.rank == 0:  # strategy.sp: the group's ranks have the same sums; one writes them
             table[numbers] = logps.double()
     model.train(was_training)
-    return strategy.all_reduce(table).cpu()
+    return all_reduced(table).cpu()
 
 
 def precomputed(cfg: Config, model: nn.Module, strategy: Strategy, splits: dict,
@@ -89,13 +90,13 @@ def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dic
     tables = {}
     for split, rows in splits.items():
         file = entry / f"{split}.pt"
-        on_rank0 = strategy.all_reduce(torch.tensor(int(strategy.env.is_main and file.is_file()), device=strategy.env.device))
+        on_rank0 = all_reduced(torch.tensor(int(strategy.env.is_main and file.is_file()), device=strategy.env.device))
         if on_rank0.item():
             # one tensor: weights_only, said (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD overrides only the default),
             # so that a file put in the cache by anyone else runs nothing
             table = torch.load(file, weights_only=True) if strategy.env.is_main else torch.zeros(2 * rows.n_pairs,
                                                                                            dtype=torch.float64)
-            tables[split] = strategy.all_reduce(table.to(strategy.env.device)).cpu()  # the others' zeros: rank 0's
+            tables[split] = all_reduced(table.to(strategy.env.device)).cpu()  # the others' zeros: rank 0's
             continue
         log.info(f"objective.precompute_ref: the reference's log-probs of {rows.n_pairs:,} {split} pairs, once")
         tables[split] = reference_logps(model, strategy, rows, micro_batch_size, fused)
@@ -104,7 +105,7 @@ def cached_tables(entry: Path, model: nn.Module, strategy: Strategy, splits: dic
             tmp = file.with_suffix(f".tmp{os.getpid()}")
             torch.save(tables[split], tmp)
             tmp.rename(file)  # whole or absent
-    strategy.barrier()
+    dist.barrier()
     return tables
 
 
@@ -113,9 +114,7 @@ def frozen_copy(cfg: Config, strategy: Strategy) -> nn.Module:
     same loader (model.path's files, or the seeded init), held as the strategy holds a model that
     never trains (Strategy.setup_frozen: replicated, or sharded like the policy)."""
     model = build_as_trained(cfg, strategy.model_init_context())  # as the policy computes (sp, packed rows, fused loss)
-    frozen = strategy.setup_frozen(model, initial_weights(cfg.model, model, cfg.train.seed, shape_of=strategy.full_shape))
-    strategy.holds(frozen)
-    return frozen
+    return strategy.setup_frozen(model, initial_weights(cfg.model, model, cfg.train.seed, shape_of=strategy.full_shape))
 
 
 def starting_adapters(cfg: Config, strategy: Strategy) -> nn.Module:
@@ -123,9 +122,8 @@ def starting_adapters(cfg: Config, strategy: Strategy) -> nn.Module:
     whole, in the training dtype, beside the policy's LoRA layers (models.lora.StartingAdapters)."""
     from trainer.models.lora import StartingAdapters
 
-    adapters = StartingAdapters(strategy.module, Path(cfg.peft.init), DTYPES[strategy.precision], strategy.env.device)
-    strategy.holds(adapters)
-    return adapters
+    adapters = StartingAdapters(strategy.module, Path(cfg.peft.init), strategy.precision.dtype, strategy.env.device)
+    return strategy.holds(adapters)
 
 
 def build_objective(cfg: Config, model: nn.Module, strategy: Strategy, train_rows, val_rows,

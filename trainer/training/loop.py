@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -26,7 +27,7 @@ from trainer.data import (
     sources_of,
     validation_by_source,
 )
-from trainer.distributed import DistEnv, on_main, peak_flops, restart_count, seed_everything
+from trainer.distributed import DistEnv, all_reduced, on_main, peak_flops, restart_count, seed_everything
 from trainer.errors import RunError
 from trainer.log import log, setup_logging
 from trainer.losses.objectives import NextToken, Objective, record, target_count
@@ -72,7 +73,7 @@ def evaluate(model: nn.Module, strategy: Strategy, objective: Objective, batches
         totals += torch.cat([loss.double().view(1), objective.count(whole).double().view(1) * first,
                              stats.double()]) * strategy.layout.counts_loss
     model.train()
-    strategy.all_reduce(totals)
+    all_reduced(totals)
     return (totals[0] / totals[1]).item(), record(objective.stats, totals[2:], totals[1])
 
 
@@ -94,7 +95,7 @@ def micro_steps(model: nn.Module, strategy: Strategy, micro_batches: list[list[t
     first = int(strategy.layout.sequence.rank == 0)
     # strategy.tp: a tensor group's ranks read the same rows and compute the same loss; its first rank counts them
     once = int(strategy.layout.counts_loss)
-    units, targets, inputs = strategy.all_reduce(torch.stack([
+    units, targets, inputs = all_reduced(torch.stack([
         sum(objective.count(batch) for batch in whole) * first, sum(target_count(batch[1]) for batch in micro_batches),
         sum(input_count(batch[1]) for batch in whole) * first]) * once)
     scale = averaged / units
@@ -166,7 +167,7 @@ class Run:
         if resume_from:
             self.step, guard.skipped, guard.scale_skips = state.step, state.skipped, state.scale_skips
             if state.loss_scale:
-                strategy.load_loss_scale_state(state.loss_scale)
+                strategy.precision.load_scale_state(state.loss_scale)
             if position := data_position(state.data, cfg):  # other data start at their beginning
                 stream.load_state_dict(position)
             if state.early_stop:
@@ -210,7 +211,7 @@ class Run:
         # whether a stop signal reached any rank), then the update or the skip.
         with self.watch.during("optimizer step"):  # part-way, some ranks updated: resumed from the checkpoint before
             grad_norm = self.strategy.grad_norm()
-            verdict = self.guard.decide(loss_sum, grad_norm, loss_scaled=self.strategy.loss_scale_state() is not None)
+            verdict = self.guard.decide(loss_sum, grad_norm, loss_scaled=self.strategy.precision.scale_state() is not None)
             if verdict is Verdict.update:
                 self.strategy.apply(self.cfg.train.grad_clip)
             else:
@@ -220,7 +221,7 @@ class Run:
         self.meter.count(sums.targets, sums.inputs)
         if not log_now:
             return None, grad_norm, mem
-        totals = self.strategy.all_reduce(torch.cat([loss_sum.view(1), sums.stats]))
+        totals = all_reduced(torch.cat([loss_sum.view(1), sums.stats]))
         self.stats = record(self.objective.stats, totals[1:], sums.units)
         return totals[0] / sums.units, grad_norm, mem
 
@@ -265,7 +266,7 @@ class Run:
         self.last = {"step": self.step, "epoch": self.stream.epoch, "loss": mean_loss.item(), "lr": self.lr,
                      "grad_norm": float(grad_norm), "skipped": self.guard.skipped, **self.meter.read(), "mem": mem,
                      **self.stats}
-        if (scaler := self.strategy.loss_scale_state()) is not None:  # fp16: the scaler's own skips, apart
+        if (scaler := self.strategy.precision.scale_state()) is not None:  # fp16: the scaler's own skips, apart
             self.last.update(scale_skips=self.guard.scale_skips, loss_scale=scaler["scale"])
         self.last.update(self.stream.counts())  # data=mixture: samples_by_source, tokens_by_source
         self.records.log(self.last)
@@ -283,7 +284,7 @@ class Run:
         o = self.cfg.optim
         state = TrainerState(
             step=self.step, epoch=self.stream.epoch, skipped=self.guard.skipped, scale_skips=self.guard.scale_skips,
-            loss_scale=self.strategy.loss_scale_state(), **self.meter.totals(),
+            loss_scale=self.strategy.precision.scale_state(), **self.meter.totals(),
             data={**self.stream.state_dict(), "fingerprint": data_fingerprint(self.cfg)},
             global_batch=self.global_batch, schedule_steps=o.schedule_steps or self.total_steps,
             run_dir=str(self.run_dir), early_stop=self.early_stop.state_dict(),
@@ -397,5 +398,5 @@ def train(cfg: Config, env: DistEnv, run_dir: Path) -> dict:
                 if stopping_early:
                     run.stop_early()
                     break
-        strategy.barrier()
+        dist.barrier()
         return run.finish()

@@ -28,13 +28,15 @@ def describe(cfg: Config, env: DistEnv, strategy: Strategy, total_steps: int, fa
     # a mixture of experts: all its parameters, and those a token uses
     active = f" ({short_count(facts.params)} parameters, {short_count(facts.active)} active)" \
         if facts.active < facts.params else ""
+    said = strategy.start_settings()
+    offload = said.pop("offload")
     return " ".join([f"strategy={s.name.value} world_size={env.world_size} device={env.device} model={cfg.model.name}{active}",
                      *attention,
-                     f"steps={total_steps} precision={t.precision.value}", *strategy.start_words(), *dpo,
+                     f"steps={total_steps} precision={t.precision.value}", *(f"{key}={value}" for key, value in said.items()), *dpo,
                      # peft=lora and objective=dpo bring their own (conf/peft/lora.yaml, conf/objective/dpo.yaml):
                      # said, so nobody trains at a rate they did not expect
                      f"lr={cfg.optim.lr:g} weight_decay={cfg.optim.weight_decay:g}",
-                     f"offload={'+'.join(strategy.offloaded()) or 'none'}", *save_words(cfg, facts, env.world_size),
+                     f"offload={offload}", *save_words(cfg, facts, env.world_size),
                      f"activation_checkpointing={'on' if t.activation_checkpointing else 'off'}",
                      *(["fused_loss=on"] if t.fused_loss else []),
                      f"global_batch={global_batch} ({t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
