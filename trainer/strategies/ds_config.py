@@ -85,6 +85,12 @@ def build_ds_config(cfg, world_size: int) -> dict:
         "steps_per_print": 2 ** 31,
         "wall_clock_breakdown": False,
     }
+    if s.tp > 1:  # DeepSpeed's AutoTP (ds_tp.py)
+        # the loss reads whole logits: a tied output layer is not split over the vocabulary
+        ours["tensor_parallel"] = {"autotp_size": s.tp, "vocab_parallel_lm_head": False}
+        # with AutoTP, ZeRO-1/2 check train_batch_size against micro x the world, ZeRO-3 against micro x
+        # the data-parallel ranks: no value passes both; left out, each derives its own
+        del ours["train_batch_size"]
     if not s.deepspeed_config:
         return ours
     path = Path(s.deepspeed_config)
