@@ -9,6 +9,8 @@ with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds o
 settings it does not cross with are refused before any work, in one line."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.harness import (
@@ -119,13 +121,17 @@ def test_a_tp2_checkpoint_resumes_at_dp2_tp2(fours):
 
 
 def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
+    assert_holds_one_ranks_tensors(runs["tp2"], runs["one"])
+
+
+def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
     """Every file intact (`trainer.verify`), every key covered whole by the ranks' pieces (rows, blocks of
     columns, packed parts), each within 1e-3 (relative, in norm) of one rank's after the same 2 steps,
     Adam's moments too."""
     from trainer.checkpoint.format import read_step_dir
     from trainer.verify import verify
 
-    split, whole = (runs[run] / "step_00000002" for run in ("tp2", "one"))
+    split, whole = (run / "step_00000002" for run in (split, whole))
     assert verify(split) == []
     split, whole = read_step_dir(split), read_step_dir(whole)
     assert split.weights.keys() == whole.weights.keys() and split.step == whole.step == 2
@@ -137,13 +143,51 @@ def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
             assert (a - b).norm() <= 1e-3 * b.norm(), (name, what, float((a - b).norm() / b.norm()))
 
 
+# -- zero1/2/3: DeepSpeed's AutoTP over the same plan (strategies/ds_tp.py) -----------------------
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """One rank (ddp), and tp=2 on 2 ranks on each ZeRO stage; checkpoints from one to the other, and from
+    zero2's tp=2 to fsdp's. A process keeps DeepSpeed's groups of its first engine: the 2-rank runs are all tp=2."""
+    out = tmp_path_factory.mktemp("tensor_parallel_zero")
+    qwen = qwen3_dir(out)
+    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "zero2_tp2")}
+    on_ranks(1, train_cases, {"one": saving(tp_case("ddp", 8), ckpt["one"], 2),
+                              "one_qwen3": tp_case("ddp", 8, qwen)}, str(out))
+    on_ranks(2, train_cases, {"zero2_tp2": saving(tp_case("zero2", 8, strategy__tp=2), ckpt["zero2_tp2"], 2),
+                              "zero2_tp2_qwen3": tp_case("zero2", 8, qwen, strategy__tp=2),
+                              "zero1_tp2": tp_case("zero1", 8, strategy__tp=2),
+                              "zero3_tp2": tp_case("zero3", 8, strategy__tp=2),
+                              "zero3_tp2_qwen3": tp_case("zero3", 8, qwen, strategy__tp=2),
+                              "zero3_tp2_from_one": resuming(tp_case("zero3", 8, strategy__tp=2), ckpt["one"], 2),
+                              "fsdp_tp2_from_zero2_tp2": resuming(tp_case("fsdp", 8, strategy__tp=2),
+                                                                  ckpt["zero2_tp2"], 2)}, str(out))
+    on_ranks(1, train_cases, {"ddp_from_zero2_tp2": resuming(tp_case("ddp", 8), ckpt["zero2_tp2"], 2)}, str(out))
+    return {**ckpt, "out": out}
+
+
+@pytest.mark.parametrize("name, baseline", [("zero2_tp2", "one"), ("zero2_tp2_qwen3", "one_qwen3"),
+                                            ("zero1_tp2", "one"), ("zero3_tp2", "one"),
+                                            ("zero3_tp2_qwen3", "one_qwen3")])
+def test_zero_tp2_gives_one_ranks_losses_and_norms(zero_runs, name, baseline):
+    assert_same_run(zero_runs["out"], name, baseline)
+
+
+@pytest.mark.parametrize("name, checkpoint", [("zero3_tp2_from_one", "one"), ("ddp_from_zero2_tp2", "zero2_tp2"),
+                                              ("fsdp_tp2_from_zero2_tp2", "zero2_tp2")])
+def test_checkpoints_move_between_zero_tp2_one_rank_and_fsdp_tp2(zero_runs, name, checkpoint):
+    out = zero_runs["out"]
+    assert_resumes(records(out / name), records(out / checkpoint), 2, name, RTOL)
+
+
+def test_a_zero2_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(zero_runs):
+    assert_holds_one_ranks_tensors(zero_runs["zero2_tp2"], zero_runs["one"])
+
+
 # -- refusals: before any work, in one line --------------------------------------------------------
 
 REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
-    "ddp": (dict(name="ddp"), "strategy.tp=2 needs strategy=fsdp"),
-    "zero1": (dict(name="zero1"), "strategy.tp=2 needs strategy=fsdp"),
-    "zero2": (dict(name="zero2"), "strategy.tp=2 needs strategy=fsdp"),
-    "zero3": (dict(name="zero3"), "strategy.tp=2 needs strategy=fsdp"),
+    "ddp": (dict(name="ddp"), "strategy.tp=2 needs strategy=fsdp, zero1, zero2 or zero3"),
     "sp": (dict(sp=2), "strategy.tp=2 with strategy.sp=2"),
     "ep": (dict(ep=2), "strategy.tp=2 with strategy.ep=2"),
     "hsdp": (dict(sharding="HYBRID_SHARD"), "strategy.tp=2 with strategy.sharding=HYBRID_SHARD"),
@@ -157,6 +201,11 @@ REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
     "world": (dict(world=3), "strategy.tp: the world size 3 must be a multiple of strategy.tp=2"),
     "heads": (dict(tp=8, world=8), "strategy.tp=8: Transformer has 4 attention heads"),
     "zero": (dict(tp=0), "strategy.tp: must be >= 1"),
+    "zero2_offload": (dict(name="zero2", offload_optimizer=True), "strategy.tp=2 with offload: strategy=zero2"),
+    "zero3_lora": (dict(name="zero3", peft__name="lora"), "strategy.tp=2 with peft=lora: strategy=zero3"),
+    "zero1_fused_loss": (dict(name="zero1", train__fused_loss=True), "strategy.tp=2 with train.fused_loss=true"),
+    "zero3_dpo": (dict(name="zero3", objective__name="dpo"), "strategy.tp=2 with objective=dpo: strategy=zero3"),
+    "zero2_heads": (dict(name="zero2", tp=8, world=8), "strategy.tp=8: Transformer has 4 attention heads"),
 }
 
 
