@@ -184,6 +184,26 @@ def test_a_zero2_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(zero_r
     assert_holds_one_ranks_tensors(zero_runs["zero2_tp2"], zero_runs["one"])
 
 
+def test_zero_tp_asks_deepspeed_for_autotp_and_a_users_config_cannot_disagree(tmp_path):
+    """strategy.tp=2 on zero: AutoTP at 2, whole logits (no vocabulary-parallel output layer), no
+    train_batch_size (ZeRO-1/2 and ZeRO-3 check it against different ranks); a user's ds_config that
+    turns AutoTP on at strategy.tp=1, or to another degree, is refused in one line."""
+    import json
+
+    from trainer.config import to_config
+    from trainer.strategies.ds_config import build_ds_config
+
+    ours = build_ds_config(to_config(with_overrides(case("zero3"), strategy__tp=2)), world_size=4)
+    assert ours["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+    assert "train_batch_size" not in ours
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"tensor_parallel": {"autotp_size": 2}}))
+    for tp in (1, 4):
+        cfg = to_config(with_overrides(case("zero2", strategy__deepspeed_config=str(ds)), strategy__tp=tp))
+        assert refused_by(build_ds_config, cfg, 4) == (f"strategy.deepspeed_config: tensor_parallel.autotp_size=2 "
+                                                      f"disagrees with strategy.tp={tp}; choose with strategy.tp")
+
+
 def test_under_bf16_zero_tp2_starts_from_the_fp32_masters(tmp_path):
     """lr 0, one step: what each ZeRO stage saves at tp=2 is where it started, the fp32 values themselves
     (DeepSpeed clones its masters from the bf16 slices unless they are set again, through the slice)."""

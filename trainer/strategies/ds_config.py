@@ -103,4 +103,8 @@ def build_ds_config(cfg, world_size: int) -> dict:
             raise ConfigError(f"strategy.deepspeed_config: zero_optimization.{key} turns offload "
                               f"{'on' if theirs else 'off'}, {setting}={str(key in zero).lower()} turns it "
                               f"{'on' if key in zero else 'off'}; choose with {setting}")
+    said = (merged.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if said not in ((0, 1) if s.tp == 1 else (s.tp,)):  # AutoTP splits weights the trainer must know split
+        raise ConfigError(f"strategy.deepspeed_config: tensor_parallel.autotp_size={said} disagrees with "
+                          f"strategy.tp={s.tp}; choose with strategy.tp")
     return merged
