@@ -163,7 +163,18 @@ def zero_runs(tmp_path_factory):
                               "fsdp_tp2_from_zero2_tp2": resuming(tp_case("fsdp", 8, strategy__tp=2),
                                                                   ckpt["zero2_tp2"], 2)}, str(out))
     on_ranks(1, train_cases, {"ddp_from_zero2_tp2": resuming(tp_case("ddp", 8), ckpt["zero2_tp2"], 2)}, str(out))
-    return {**ckpt, "out": out}
+    return {**ckpt, "out": out, "qwen": qwen}
+
+
+@pytest.fixture(scope="module")
+def zero_fours(zero_runs):
+    """dp=2 x tp=2 on 4 ranks: ZeRO partitions over each data-parallel pair (ranks {0, 2} and {1, 3})."""
+    out, qwen = zero_runs["out"], zero_runs["qwen"]
+    on_ranks(4, train_cases, {"zero2_dp2_tp2": tp_case("zero2", 4, strategy__tp=2),
+                              "zero3_dp2_tp2_qwen3": tp_case("zero3", 4, qwen, strategy__tp=2),
+                              "zero3_dp2_tp2_from_zero2_tp2": resuming(tp_case("zero3", 4, strategy__tp=2),
+                                                                       zero_runs["zero2_tp2"], 2)}, str(out))
+    return out
 
 
 @pytest.mark.parametrize("name, baseline", [("zero2_tp2", "one"), ("zero2_tp2_qwen3", "one_qwen3"),
@@ -171,6 +182,18 @@ def zero_runs(tmp_path_factory):
                                             ("zero3_tp2_qwen3", "one_qwen3")])
 def test_zero_tp2_gives_one_ranks_losses_and_norms(zero_runs, name, baseline):
     assert_same_run(zero_runs["out"], name, baseline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, baseline", [("zero2_dp2_tp2", "one"), ("zero3_dp2_tp2_qwen3", "one_qwen3")])
+def test_zero_dp2_tp2_on_4_ranks_gives_one_ranks_losses_and_norms(zero_fours, name, baseline):
+    assert_same_run(zero_fours, name, baseline)
+
+
+@pytest.mark.slow
+def test_a_zero2_tp2_checkpoint_resumes_at_zero3_dp2_tp2(zero_fours):
+    assert_resumes(records(zero_fours / "zero3_dp2_tp2_from_zero2_tp2"), records(zero_fours / "zero2_tp2"), 2,
+                   "zero3 dp2_tp2 from zero2 tp2", RTOL)
 
 
 @pytest.mark.parametrize("name, checkpoint", [("zero3_tp2_from_one", "one"), ("ddp_from_zero2_tp2", "zero2_tp2"),
