@@ -1,7 +1,9 @@
 """DeepSpeed's state in portable form (docs/design.md, Checkpoints). DeepSpeed keeps fp32 masters and Adam moments
 in flat partitions; its fragment APIs tell which range of each parameter this rank owns. ZeRO-1/2:
-the `_hp_mapping` fragment (any range, or none); ZeRO-3: partition `rank` of the flat parameter.
-`ZeroPartitions` is built by DeepSpeedStrategy once its engine exists, with what it reads."""
+the `_hp_mapping` fragment (any range, or none); ZeRO-3: the partition of the flat parameter numbered by
+this rank's place in the parameter's own group. strategy.tp: of this rank's AutoTP slice, which lies in
+the full tensor where ds_tp.py's `tensor_slice` says. `ZeroPartitions` is built by DeepSpeedStrategy once
+its engine exists, with what it reads."""
 from __future__ import annotations
 
 import torch
