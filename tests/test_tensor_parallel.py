@@ -1,12 +1,15 @@
-"""Tensor parallelism (`strategy.tp`, on fsdp; docs/strategies.md, Tensor parallelism). Each layer of the
+"""Tensor parallelism (`strategy.tp`, on fsdp and zero1/2/3; docs/strategies.md, Tensor parallelism). Each layer of the
 model's plan is split over a tensor group that reads the same rows: the losses and gradient norms equal
 one rank's at the same global batch (fp32, clipping active; losses and validation losses within 1e-6,
 gradient norms within 1e-5), the output layer's logits split over the vocabulary (loss_parallel), at tp=2
 on 2 ranks for the built-in transformer (its packed qkv and SwiGLU projections; with accumulation and
 activation checkpointing too) and a Qwen3 with grouped-query attention (its per-head q_norm/k_norm), and
 at dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
-with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors; the
-settings it does not cross with are refused before any work, in one line."""
+with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. On
+zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
+on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
+to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2. The settings it does not cross with are refused before
+any work, in one line."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -157,6 +160,10 @@ def zero_runs(tmp_path_factory):
     on_ranks(2, train_cases, {"zero2_tp2": saving(tp_case("zero2", 8, strategy__tp=2), ckpt["zero2_tp2"], 2),
                               "zero2_tp2_qwen3": tp_case("zero2", 8, qwen, strategy__tp=2),
                               "zero1_tp2": tp_case("zero1", 8, strategy__tp=2),
+                              "zero2_tp2_accum_ac": tp_case("zero2", 4, strategy__tp=2, train__grad_accum_steps=2,
+                                                            train__activation_checkpointing=True),
+                              "zero3_tp2_accum_micro_step": tp_case("zero3", 4, strategy__tp=2, train__grad_accum_steps=2,
+                                                                    strategy__grad_reduce="micro_step"),
                               "zero3_tp2": tp_case("zero3", 8, strategy__tp=2),
                               "zero3_tp2_qwen3": tp_case("zero3", 8, qwen, strategy__tp=2),
                               "zero3_tp2_from_one": resuming(tp_case("zero3", 8, strategy__tp=2), ckpt["one"], 2),
@@ -179,7 +186,8 @@ def zero_fours(zero_runs):
 
 @pytest.mark.parametrize("name, baseline", [("zero2_tp2", "one"), ("zero2_tp2_qwen3", "one_qwen3"),
                                             ("zero1_tp2", "one"), ("zero3_tp2", "one"),
-                                            ("zero3_tp2_qwen3", "one_qwen3")])
+                                            ("zero3_tp2_qwen3", "one_qwen3"), ("zero2_tp2_accum_ac", "one"),
+                                            ("zero3_tp2_accum_micro_step", "one")])
 def test_zero_tp2_gives_one_ranks_losses_and_norms(zero_runs, name, baseline):
     assert_same_run(zero_runs["out"], name, baseline)
 
