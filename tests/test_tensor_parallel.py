@@ -152,11 +152,15 @@ def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
 def zero_runs(tmp_path_factory):
     """One rank (ddp), and tp=2 on 2 ranks on each ZeRO stage; checkpoints from one to the other, and from
     zero2's tp=2 to fsdp's. A process keeps DeepSpeed's groups of its first engine: the 2-rank runs are all tp=2."""
+    from trainer.demo import make_model_dir
+
     out = tmp_path_factory.mktemp("tensor_parallel_zero")
     qwen = qwen3_dir(out)
+    tied = str(make_model_dir(out / "qwen2", "qwen2", weights=False))  # its output layer is its embedding: whole
     ckpt = {name: out / f"ckpt_{name}" for name in ("one", "zero2_tp2")}
     on_ranks(1, train_cases, {"one": saving(tp_case("ddp", 8), ckpt["one"], 2),
-                              "one_qwen3": tp_case("ddp", 8, qwen)}, str(out))
+                              "one_qwen3": tp_case("ddp", 8, qwen),
+                              "one_qwen2": tp_case("ddp", 8, tied)}, str(out))
     on_ranks(2, train_cases, {"zero2_tp2": saving(tp_case("zero2", 8, strategy__tp=2), ckpt["zero2_tp2"], 2),
                               "zero2_tp2_qwen3": tp_case("zero2", 8, qwen, strategy__tp=2),
                               "zero1_tp2": tp_case("zero1", 8, strategy__tp=2),
@@ -166,6 +170,8 @@ def zero_runs(tmp_path_factory):
                                                                     strategy__grad_reduce="micro_step"),
                               "zero3_tp2": tp_case("zero3", 8, strategy__tp=2),
                               "zero3_tp2_qwen3": tp_case("zero3", 8, qwen, strategy__tp=2),
+                              "zero1_tp2_qwen2": tp_case("zero1", 8, tied, strategy__tp=2),
+                              "zero3_tp2_qwen2": tp_case("zero3", 8, tied, strategy__tp=2),
                               "zero3_tp2_from_one": resuming(tp_case("zero3", 8, strategy__tp=2), ckpt["one"], 2),
                               "fsdp_tp2_from_zero2_tp2": resuming(tp_case("fsdp", 8, strategy__tp=2),
                                                                   ckpt["zero2_tp2"], 2)}, str(out))
@@ -187,7 +193,8 @@ def zero_fours(zero_runs):
 @pytest.mark.parametrize("name, baseline", [("zero2_tp2", "one"), ("zero2_tp2_qwen3", "one_qwen3"),
                                             ("zero1_tp2", "one"), ("zero3_tp2", "one"),
                                             ("zero3_tp2_qwen3", "one_qwen3"), ("zero2_tp2_accum_ac", "one"),
-                                            ("zero3_tp2_accum_micro_step", "one")])
+                                            ("zero3_tp2_accum_micro_step", "one"), ("zero1_tp2_qwen2", "one_qwen2"),
+                                            ("zero3_tp2_qwen2", "one_qwen2")])
 def test_zero_tp2_gives_one_ranks_losses_and_norms(zero_runs, name, baseline):
     assert_same_run(zero_runs["out"], name, baseline)
 
