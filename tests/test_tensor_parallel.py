@@ -172,6 +172,11 @@ def zero_runs(tmp_path_factory):
                               "zero3_tp2_qwen3": tp_case("zero3", 8, qwen, strategy__tp=2),
                               "zero1_tp2_qwen2": tp_case("zero1", 8, tied, strategy__tp=2),
                               "zero3_tp2_qwen2": tp_case("zero3", 8, tied, strategy__tp=2),
+                              "zero3_tp2_offload": tp_case("zero3", 8, strategy__tp=2, strategy__offload_params=True,
+                                                           strategy__offload_optimizer=True),
+                              "zero2_tp2_offload_from_one": resuming(tp_case("zero2", 8, strategy__tp=2,
+                                                                             strategy__offload_optimizer=True),
+                                                                     ckpt["one"], 2),
                               "zero3_tp2_from_one": resuming(tp_case("zero3", 8, strategy__tp=2), ckpt["one"], 2),
                               "fsdp_tp2_from_zero2_tp2": resuming(tp_case("fsdp", 8, strategy__tp=2),
                                                                   ckpt["zero2_tp2"], 2)}, str(out))
@@ -194,7 +199,7 @@ def zero_fours(zero_runs):
                                             ("zero1_tp2", "one"), ("zero3_tp2", "one"),
                                             ("zero3_tp2_qwen3", "one_qwen3"), ("zero2_tp2_accum_ac", "one"),
                                             ("zero3_tp2_accum_micro_step", "one"), ("zero1_tp2_qwen2", "one_qwen2"),
-                                            ("zero3_tp2_qwen2", "one_qwen2")])
+                                            ("zero3_tp2_qwen2", "one_qwen2"), ("zero3_tp2_offload", "one")])
 def test_zero_tp2_gives_one_ranks_losses_and_norms(zero_runs, name, baseline):
     assert_same_run(zero_runs["out"], name, baseline)
 
@@ -211,7 +216,8 @@ def test_a_zero2_tp2_checkpoint_resumes_at_zero3_dp2_tp2(zero_fours):
                    "zero3 dp2_tp2 from zero2 tp2", RTOL)
 
 
-@pytest.mark.parametrize("name, checkpoint", [("zero3_tp2_from_one", "one"), ("ddp_from_zero2_tp2", "zero2_tp2"),
+@pytest.mark.parametrize("name, checkpoint", [("zero3_tp2_from_one", "one"), ("zero2_tp2_offload_from_one", "one"),
+                                              ("ddp_from_zero2_tp2", "zero2_tp2"),
                                               ("fsdp_tp2_from_zero2_tp2", "zero2_tp2")])
 def test_checkpoints_move_between_zero_tp2_one_rank_and_fsdp_tp2(zero_runs, name, checkpoint):
     out = zero_runs["out"]
@@ -284,7 +290,6 @@ REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
     "world": (dict(world=3), "strategy.tp: the world size 3 must be a multiple of strategy.tp=2"),
     "heads": (dict(tp=8, world=8), "strategy.tp=8: Transformer has 4 attention heads"),
     "zero": (dict(tp=0), "strategy.tp: must be >= 1"),
-    "zero2_offload": (dict(name="zero2", offload_optimizer=True), "strategy.tp=2 with offload: strategy=zero2"),
     "zero3_lora": (dict(name="zero3", peft__name="lora"), "strategy.tp=2 with peft=lora: strategy=zero3"),
     "zero1_fused_loss": (dict(name="zero1", train__fused_loss=True), "strategy.tp=2 with train.fused_loss=true"),
     "zero3_dpo": (dict(name="zero3", objective__name="dpo"), "strategy.tp=2 with objective=dpo: strategy=zero3"),

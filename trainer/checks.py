@@ -213,8 +213,9 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
         (strategy == "fsdp" and Sharding(s.sharding) in (Sharding.HYBRID_SHARD, Sharding.NO_SHARD),
          f"with strategy.sharding={Sharding(s.sharding).value}: strategy=fsdp splits weights over a tensor group with "
          "FULL_SHARD or SHARD_GRAD_OP only"),
-        (s.offload_params or s.offload_optimizer, f"with offload: strategy={strategy} does not offload tensor-parallel "
-                                                  "weights yet; set strategy.offload_params/offload_optimizer=false"),
+        (strategy == "fsdp" and (s.offload_params or s.offload_optimizer),
+         "with offload: strategy=fsdp does not offload tensor-parallel weights yet; set "
+         "strategy.offload_params/offload_optimizer=false (zero1/2/3 do)"),
         (PeftName(cfg.peft.name) is PeftName.lora, f"with peft=lora: strategy={strategy} does not split LoRA's adapters "
                                                   "over a tensor group yet; use strategy.tp=1"),
         (t.compile, f"with train.compile=true: strategy={strategy} does not compile tensor-parallel blocks yet"),
