@@ -56,9 +56,9 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.utils import groups
 
         groups._init_tp_mesh_device(tensor_model_parallel_size=self.layout.degrees.tp)
-        tp, rank = self.layout.degrees.tp, self.env.rank
-        assert dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) == \
-            list(range(rank - self.layout.tp_rank, rank - self.layout.tp_rank + tp)), "DeepSpeed's tensor group"
+        first, tp = self.env.rank - self.layout.tp_rank, self.layout.degrees.tp
+        assert dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) == list(range(first, first + tp))
+        assert dist.get_rank(groups.get_data_parallel_group()) == self.layout.dp_rank  # the rows it reads
 
     def model_init_context(self):
         if self.stage == 3:  # parameters are partitioned as each module is built
