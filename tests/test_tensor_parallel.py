@@ -1,14 +1,19 @@
-"""Tensor parallelism (`strategy.tp`, on fsdp; docs/strategies.md, Tensor parallelism). Each layer of the
-model's plan is split over a tensor group that reads the same rows, the output layer's logits split over
-the vocabulary (loss_parallel): the losses and gradient norms equal one rank's at the same global batch
-(fp32, clipping active; losses and validation losses within 1e-6, gradient norms within 1e-5) at tp=2 on
-2 ranks for the built-in transformer (its packed qkv and SwiGLU projections; with accumulation and
-activation checkpointing, and with SHARD_GRAD_OP, too; bf16 within 2e-3 of one rank's bf16), a Qwen3
-(its per-head q_norm/k_norm) and a Llama with grouped-query attention, and at dp=2 x tp=2 on 4 ranks;
-checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2, with Adam's state, and a
-tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors; the settings it does not cross
-with are refused before any work, in one line."""
+"""Tensor parallelism (`strategy.tp`, on fsdp and zero1/2/3; docs/strategies.md, Tensor parallelism). Each layer of the
+model's plan is split over a tensor group that reads the same rows: the losses and gradient norms equal
+one rank's at the same global batch (fp32, clipping active; losses and validation losses within 1e-6,
+gradient norms within 1e-5). On fsdp the output layer's logits are split over the vocabulary
+(loss_parallel), at tp=2 on 2 ranks for the built-in transformer (its packed qkv and SwiGLU projections;
+with accumulation and activation checkpointing, and with SHARD_GRAD_OP, too; bf16 within 2e-3 of one
+rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query attention, and at
+dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
+with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. On
+zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
+on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
+to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2. The settings it does not cross with are refused before
+any work, in one line."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -149,13 +154,17 @@ def test_a_tp2_checkpoint_resumes_at_dp2_tp2(fours):
 
 
 def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
+    assert_holds_one_ranks_tensors(runs["tp2"], runs["one"])
+
+
+def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
     """Every file intact (`trainer.verify`), every key covered whole by the ranks' pieces (rows, blocks of
     columns, packed parts), each within 1e-3 (relative, in norm) of one rank's after the same 2 steps,
     Adam's moments too."""
     from trainer.checkpoint.format import read_step_dir
     from trainer.verify import verify
 
-    split, whole = (runs[run] / "step_00000002" for run in ("tp2", "one"))
+    split, whole = (run / "step_00000002" for run in (split, whole))
     assert verify(split) == []
     split, whole = read_step_dir(split), read_step_dir(whole)
     assert split.weights.keys() == whole.weights.keys() and split.step == whole.step == 2
@@ -167,13 +176,137 @@ def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
             assert (a - b).norm() <= 1e-3 * b.norm(), (name, what, float((a - b).norm() / b.norm()))
 
 
+# -- zero1/2/3: DeepSpeed's AutoTP over the same plan (strategies/ds_tp.py) -----------------------
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """One rank (ddp), and tp=2 on 2 ranks on each ZeRO stage; checkpoints from one to the other, and from
+    zero2's tp=2 to fsdp's. A process keeps DeepSpeed's groups of its first engine: the 2-rank runs are all tp=2."""
+    from trainer.demo import make_model_dir
+
+    out = tmp_path_factory.mktemp("tensor_parallel_zero")
+    qwen = model_dir(out, "qwen3")
+    tied = str(make_model_dir(out / "qwen2", "qwen2", weights=False))  # its output layer is its embedding: whole
+    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "zero2_tp2")}
+    on_ranks(1, train_cases, {"one": saving(tp_case("ddp", 8), ckpt["one"], 2),
+                              "one_qwen3": tp_case("ddp", 8, qwen),
+                              "one_qwen2": tp_case("ddp", 8, tied)}, str(out))
+    on_ranks(2, train_cases, {"zero2_tp2": saving(tp_case("zero2", 8, strategy__tp=2), ckpt["zero2_tp2"], 2),
+                              "zero2_tp2_qwen3": tp_case("zero2", 8, qwen, strategy__tp=2),
+                              "zero1_tp2": tp_case("zero1", 8, strategy__tp=2),
+                              "zero2_tp2_accum_ac": tp_case("zero2", 4, strategy__tp=2, train__grad_accum_steps=2,
+                                                            train__activation_checkpointing=True),
+                              "zero3_tp2_accum_micro_step": tp_case("zero3", 4, strategy__tp=2, train__grad_accum_steps=2,
+                                                                    strategy__grad_reduce="micro_step"),
+                              "zero3_tp2": tp_case("zero3", 8, strategy__tp=2),
+                              "zero3_tp2_qwen3": tp_case("zero3", 8, qwen, strategy__tp=2),
+                              "zero1_tp2_qwen2": tp_case("zero1", 8, tied, strategy__tp=2),
+                              "zero3_tp2_qwen2": tp_case("zero3", 8, tied, strategy__tp=2),
+                              "zero3_tp2_offload": tp_case("zero3", 8, strategy__tp=2, strategy__offload_params=True,
+                                                           strategy__offload_optimizer=True),
+                              "zero2_tp2_offload_from_one": resuming(tp_case("zero2", 8, strategy__tp=2,
+                                                                             strategy__offload_optimizer=True),
+                                                                     ckpt["one"], 2),
+                              "zero3_tp2_from_one": resuming(tp_case("zero3", 8, strategy__tp=2), ckpt["one"], 2),
+                              "fsdp_tp2_from_zero2_tp2": resuming(tp_case("fsdp", 8, strategy__tp=2),
+                                                                  ckpt["zero2_tp2"], 2)}, str(out))
+    on_ranks(1, train_cases, {"ddp_from_zero2_tp2": resuming(tp_case("ddp", 8), ckpt["zero2_tp2"], 2)}, str(out))
+    return {**ckpt, "out": out, "qwen": qwen}
+
+
+@pytest.fixture(scope="module")
+def zero_fours(zero_runs):
+    """dp=2 x tp=2 on 4 ranks: ZeRO partitions over each data-parallel pair (ranks {0, 2} and {1, 3})."""
+    out, qwen = zero_runs["out"], zero_runs["qwen"]
+    on_ranks(4, train_cases, {"zero2_dp2_tp2": tp_case("zero2", 4, strategy__tp=2),
+                              "zero3_dp2_tp2_qwen3": tp_case("zero3", 4, qwen, strategy__tp=2),
+                              "zero3_dp2_tp2_from_zero2_tp2": resuming(tp_case("zero3", 4, strategy__tp=2),
+                                                                       zero_runs["zero2_tp2"], 2)}, str(out))
+    return out
+
+
+@pytest.mark.parametrize("name, baseline", [("zero2_tp2", "one"), ("zero2_tp2_qwen3", "one_qwen3"),
+                                            ("zero1_tp2", "one"), ("zero3_tp2", "one"),
+                                            ("zero3_tp2_qwen3", "one_qwen3"), ("zero2_tp2_accum_ac", "one"),
+                                            ("zero3_tp2_accum_micro_step", "one"), ("zero1_tp2_qwen2", "one_qwen2"),
+                                            ("zero3_tp2_qwen2", "one_qwen2"), ("zero3_tp2_offload", "one")])
+def test_zero_tp2_gives_one_ranks_losses_and_norms(zero_runs, name, baseline):
+    assert_same_run(zero_runs["out"], name, baseline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, baseline", [("zero2_dp2_tp2", "one"), ("zero3_dp2_tp2_qwen3", "one_qwen3")])
+def test_zero_dp2_tp2_on_4_ranks_gives_one_ranks_losses_and_norms(zero_fours, name, baseline):
+    assert_same_run(zero_fours, name, baseline)
+
+
+@pytest.mark.slow
+def test_a_zero2_tp2_checkpoint_resumes_at_zero3_dp2_tp2(zero_fours):
+    assert_resumes(records(zero_fours / "zero3_dp2_tp2_from_zero2_tp2"), records(zero_fours / "zero2_tp2"), 2,
+                   "zero3 dp2_tp2 from zero2 tp2", RTOL)
+
+
+@pytest.mark.parametrize("name, checkpoint", [("zero3_tp2_from_one", "one"), ("zero2_tp2_offload_from_one", "one"),
+                                              ("ddp_from_zero2_tp2", "zero2_tp2"),
+                                              ("fsdp_tp2_from_zero2_tp2", "zero2_tp2")])
+def test_checkpoints_move_between_zero_tp2_one_rank_and_fsdp_tp2(zero_runs, name, checkpoint):
+    out = zero_runs["out"]
+    assert_resumes(records(out / name), records(out / checkpoint), 2, name, RTOL)
+
+
+def test_a_zero2_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(zero_runs):
+    assert_holds_one_ranks_tensors(zero_runs["zero2_tp2"], zero_runs["one"])
+
+
+def test_zero_tp_asks_deepspeed_for_autotp_and_a_users_config_cannot_disagree(tmp_path):
+    """strategy.tp=2 on zero: AutoTP at 2, whole logits (no vocabulary-parallel output layer), no
+    train_batch_size (ZeRO-1/2 and ZeRO-3 check it against different ranks); a user's ds_config that
+    turns AutoTP on at strategy.tp=1, or to another degree, is refused in one line."""
+    import json
+
+    from trainer.config import to_config
+    from trainer.strategies.ds_config import build_ds_config
+
+    ours = build_ds_config(to_config(with_overrides(case("zero3"), strategy__tp=2)), world_size=4)
+    assert ours["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+    assert "train_batch_size" not in ours
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"tensor_parallel": {"autotp_size": 2}}))
+    for tp in (1, 4):
+        cfg = to_config(with_overrides(case("zero2", strategy__deepspeed_config=str(ds)), strategy__tp=tp))
+        assert refused_by(build_ds_config, cfg, 4) == (f"strategy.deepspeed_config: tensor_parallel.autotp_size=2 "
+                                                      f"disagrees with strategy.tp={tp}; choose with strategy.tp")
+
+
+def test_under_bf16_zero_tp2_starts_from_the_fp32_masters(tmp_path):
+    """lr 0, one step: what each ZeRO stage saves at tp=2 is where it started, the fp32 values themselves
+    (DeepSpeed clones its masters from the bf16 slices unless they are set again, through the slice)."""
+    import torch
+
+    from trainer.checkpoint.format import PieceReader, read_manifest
+    from trainer.config import to_config
+    from trainer.models.builtin import Transformer, shape_of
+    from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
+
+    configs = {s: with_overrides(case(s, steps=1), strategy__tp=2, train__precision="bf16", optim__lr=0.0,
+                                 checkpoint__dir=str(tmp_path / s)) for s in ("zero1", "zero2", "zero3")}
+    on_ranks(2, train_cases, configs, str(tmp_path / "runs"))
+    cfg = to_config(configs["zero2"])
+    with params_on_meta():
+        model = Transformer(shape_of(cfg.model))
+    allocate(model, torch.device("cpu"))
+    fill(model, InitWeights(model, cfg.train.seed))
+    for s in configs:
+        path = tmp_path / s / "step_00000001"
+        reader = PieceReader(path, read_manifest(path))
+        for name, value in model.named_parameters():
+            assert torch.equal(reader.read_full(f"model.{name}"), value.detach()), (s, name)
+
+
 # -- refusals: before any work, in one line --------------------------------------------------------
 
 REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
-    "ddp": (dict(name="ddp"), "strategy.tp=2 needs strategy=fsdp"),
-    "zero1": (dict(name="zero1"), "strategy.tp=2 needs strategy=fsdp"),
-    "zero2": (dict(name="zero2"), "strategy.tp=2 needs strategy=fsdp"),
-    "zero3": (dict(name="zero3"), "strategy.tp=2 needs strategy=fsdp"),
+    "ddp": (dict(name="ddp"), "strategy.tp=2 needs strategy=fsdp, zero1, zero2 or zero3"),
     "sp": (dict(sp=2), "strategy.tp=2 with strategy.sp=2"),
     "ep": (dict(ep=2), "strategy.tp=2 with strategy.ep=2"),
     "hsdp": (dict(sharding="HYBRID_SHARD"), "strategy.tp=2 with strategy.sharding=HYBRID_SHARD"),
@@ -187,6 +320,10 @@ REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
     "world": (dict(world=3), "strategy.tp: the world size 3 must be a multiple of strategy.tp=2"),
     "heads": (dict(tp=8, world=8), "strategy.tp=8: Transformer has 4 attention heads"),
     "zero": (dict(tp=0), "strategy.tp: must be >= 1"),
+    "zero3_lora": (dict(name="zero3", peft__name="lora"), "strategy.tp=2 with peft=lora: strategy=zero3"),
+    "zero1_fused_loss": (dict(name="zero1", train__fused_loss=True), "strategy.tp=2 with train.fused_loss=true"),
+    "zero3_dpo": (dict(name="zero3", objective__name="dpo"), "strategy.tp=2 with objective=dpo: strategy=zero3"),
+    "zero2_heads": (dict(name="zero2", tp=8, world=8), "strategy.tp=8: Transformer has 4 attention heads"),
 }
 
 

@@ -196,8 +196,8 @@ def check_sequence_parallel(cfg: Config, world_size: int, model: Any) -> None:
 
 def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
     """strategy.tp=N (docs/strategies.md, Tensor parallelism): the world splits into tensor groups, the
-    backend is fsdp, no setting it does not yet cross with is on, and the model splits (its plan, its
-    heads); `model` the run's, built on the meta device. Each refusal one line."""
+    backend splits weights (fsdp, zero1/2/3), no setting it does not yet cross with is on, and the model
+    splits (its plan, its heads); `model` the run's, built on the meta device. Each refusal one line."""
     s, t, tp = cfg.strategy, cfg.train, cfg.strategy.tp
     _require(tp >= 1, "strategy.tp", f"must be >= 1 (1: every rank holds every weight whole), got {tp}")
     if tp == 1:
@@ -206,24 +206,26 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
              "the world is data-parallel x tensor-parallel ranks")
     strategy = StrategyName(s.name).value
     not_yet = [
-        (strategy != "fsdp", f"needs strategy=fsdp (FSDP2 over the data-parallel ranks, each weight split over "
-                             f"the tensor group); {strategy} does not split weights over a tensor group yet"),
+        (strategy == "ddp", "needs strategy=fsdp, zero1, zero2 or zero3 (each weight split over the tensor group, "
+                            "sharded over the data-parallel ranks); ddp holds every weight whole on every rank"),
         (s.sp > 1, f"with strategy.sp={s.sp}: sequence and tensor parallelism do not cross yet; use one of them"),
         (s.ep > 1, f"with strategy.ep={s.ep}: expert and tensor parallelism do not cross yet; use one of them"),
-        (Sharding(s.sharding) in (Sharding.HYBRID_SHARD, Sharding.NO_SHARD),
+        (strategy == "fsdp" and Sharding(s.sharding) in (Sharding.HYBRID_SHARD, Sharding.NO_SHARD),
          f"with strategy.sharding={Sharding(s.sharding).value}: strategy=fsdp splits weights over a tensor group with "
          "FULL_SHARD or SHARD_GRAD_OP only"),
-        (s.offload_params or s.offload_optimizer, "with offload: strategy=fsdp does not offload tensor-parallel "
-                                                  "weights yet; set strategy.offload_params/offload_optimizer=false"),
-        (PeftName(cfg.peft.name) is PeftName.lora, "with peft=lora: strategy=fsdp does not split LoRA's adapters over "
-                                                  "a tensor group yet; use strategy.tp=1"),
-        (t.compile, "with train.compile=true: strategy=fsdp does not compile tensor-parallel blocks yet"),
-        (t.fused_loss, "with train.fused_loss=true: the output layer's logits are split over the tensor group, which "
-                       "the fused loss does not take yet (strategy=fsdp)"),
-        (Precision(t.precision) is Precision.fp16, "with train.precision=fp16: strategy=fsdp's loss scaler does not "
-                                                   "take tensor-parallel gradients yet; use bf16 or fp32"),
-        (ObjectiveName(cfg.objective.name) is ObjectiveName.dpo, "with objective=dpo: strategy=fsdp does not split "
-                                                                 "the policy and its reference over a tensor group yet"),
+        (strategy == "fsdp" and (s.offload_params or s.offload_optimizer),
+         "with offload: strategy=fsdp does not offload tensor-parallel weights yet; set "
+         "strategy.offload_params/offload_optimizer=false (zero1/2/3 do)"),
+        (PeftName(cfg.peft.name) is PeftName.lora, f"with peft=lora: strategy={strategy} does not split LoRA's adapters "
+                                                  "over a tensor group yet; use strategy.tp=1"),
+        (t.compile, f"with train.compile=true: strategy={strategy} does not compile tensor-parallel blocks yet"),
+        (t.fused_loss, "with train.fused_loss=true: the output layer is split over the tensor group, which the fused "
+                       f"loss does not take yet (strategy={strategy})"),
+        (Precision(t.precision) is Precision.fp16, f"with train.precision=fp16: strategy={strategy}'s loss scaler does "
+                                                   "not take tensor-parallel gradients yet; use bf16 or fp32"),
+        (ObjectiveName(cfg.objective.name) is ObjectiveName.dpo, f"with objective=dpo: strategy={strategy} does not "
+                                                                 "split the policy and its reference over a tensor "
+                                                                 "group yet"),
     ]
     refused = next((why for wrong, why in not_yet if wrong), None)
     if refused:

@@ -170,7 +170,7 @@ class StrategyConfig:
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # the dtype gradients are reduced in, on every backend
     sp: int = 1  # sequence parallelism: ranks that split each sequence (Ulysses attention); the world is dp x sp
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts, tokens sent to them (fsdp, zero1/2/3)
-    tp: int = 1  # tensor parallelism: ranks that split each layer's weights and read the same rows (fsdp); the world is dp x tp
+    tp: int = 1  # tensor parallelism: ranks that split each layer's weights and read the same rows (fsdp, zero1/2/3); the world is dp x tp
 
 
 @dataclass

@@ -65,16 +65,18 @@ def normal_unless_meta(weight: torch.Tensor, std: float) -> None:
 class CausalSelfAttention(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
-        self.n_heads = shape.n_heads
+        # the head's width, not the head count: DeepSpeed's AutoTP (strategy.tp on zero) divides a layer's
+        # `n_heads` by the tensor degree, as it splits its weights
+        self.head_dim = shape.d_model // shape.n_heads
         self.qkv = Linear(shape.d_model, 3 * shape.d_model, shape.bias)
         self.proj = Linear(shape.d_model, shape.d_model, shape.bias, std=residual_std(shape))
 
     def forward(self, x: torch.Tensor, documents: sequence.VarlenDocuments | None = None) -> torch.Tensor:
         """Causal, within each packed document of `documents` (in a sequence-parallel forward, over
         the whole rows: models/sequence.py)."""
-        b, t, d = x.shape
+        b, t, _ = x.shape
         # heads: -1, as many as qkv gives (strategy.tp: this rank's share of them)
-        q, k, v = self.qkv(x).view(b, t, 3, -1, d // self.n_heads).transpose(1, 3).unbind(2)
+        q, k, v = self.qkv(x).view(b, t, 3, -1, self.head_dim).transpose(1, 3).unbind(2)
         y = sequence.attention(q, k, v, documents=documents)
         return self.proj(y.transpose(1, 2).flatten(2))
 

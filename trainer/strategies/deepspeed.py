@@ -12,6 +12,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+import torch.distributed as dist
 
 from trainer.config import Precision
 from trainer.log import chatter
@@ -29,6 +30,7 @@ from trainer.strategies.base import (
 )
 from trainer.strategies.ds_config import build_ds_config
 from trainer.strategies.ds_state import ZeroPartitions, named_params, z3_local, z3_range
+from trainer.strategies.ds_tp import partition_config, tensor_slice
 
 
 class DeepSpeedStrategy(Strategy):
@@ -38,12 +40,25 @@ class DeepSpeedStrategy(Strategy):
         with chatter():
             deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
         self.ds_config = build_ds_config(cfg, env.world_size)
+        if self.layout.degrees.tp > 1:
+            self._tensor_groups()
         self.stage = self.ds_config["zero_optimization"]["stage"]
         self.engine = None
         self.frozen_engines = []  # setup_frozen's, destroyed with the policy's
         self.zero: ZeroPartitions | None = None  # the portable state of the engine's partitions, after setup
         self._coalescing = None
         self._gradient_peak = 0  # bytes of gradients at the end of autograd's pass (measure_memory)
+
+    def _tensor_groups(self) -> None:
+        """strategy.tp: DeepSpeed's (dp, tp) groups, made now (ZeRO-3's zero.Init partitions over its
+        data-parallel group; `deepspeed.initialize` takes them as made). Its tensor groups are consecutive
+        ranks, as the layout's (layout.py): the rows a rank reads are those its tensor group's ranks read."""
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=self.layout.degrees.tp)
+        first, tp = self.env.rank - self.layout.tp_rank, self.layout.degrees.tp
+        assert dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) == list(range(first, first + tp))
+        assert dist.get_rank(groups.get_data_parallel_group()) == self.layout.dp_rank  # the rows it reads
 
     def model_init_context(self):
         if self.stage == 3:  # parameters are partitioned as each module is built
@@ -52,8 +67,13 @@ class DeepSpeedStrategy(Strategy):
 
     @contextmanager
     def _partitioned_build(self):
+        from deepspeed.utils import groups
+
         # setup (and setup_frozen) fill every rank's partition: rank 0's initial values are not sent
-        with zero3_start_build(), deepspeed.zero.Init(config_dict_or_path=self.ds_config):
+        # strategy.tp: over the data-parallel group, as AutoTP partitions the slices it makes (without it,
+        # the parameters it leaves whole would stay partitioned over the world)
+        group = {"data_parallel_group": groups.get_data_parallel_group()} if self.layout.degrees.tp > 1 else {}
+        with zero3_start_build(), deepspeed.zero.Init(config_dict_or_path=self.ds_config, **group):
             yield
 
     def setup(self, model, optimizer_factory, weights):
@@ -68,7 +88,7 @@ class DeepSpeedStrategy(Strategy):
             experts = []
         if self.stage == 3:  # each rank fills its own partition of every parameter
             self._experts.add(experts)
-            fill(model, weights, partial(z3_local, rank=self.env.rank, experts=self._experts))
+            fill(model, weights, partial(z3_local, experts=self._experts))
         else:  # every rank holds the whole model, in the training dtype (the fp32 masters are DeepSpeed's
             # partitions, set below): allocated so where it trains and filled a tensor at a time, so that
             # no rank's host holds a full fp32 copy (a 7B model: 28 GB per local rank)
@@ -88,10 +108,12 @@ class DeepSpeedStrategy(Strategy):
             d = optimizer.defaults
             optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                                          weight_decay=d["weight_decay"], adamw_mode=True)
+        config = self.ds_config
+        if self.layout.degrees.tp > 1:  # AutoTP splits the layers of the model's plan, as fsdp does
+            config = {**config, "tensor_parallel": {**config["tensor_parallel"], "partition_config": partition_config(model)}}
         with zero3_start_hooks():  # ZeRO-3's optimizer: its gradient hooks on the partitioned parameters
-            self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                                   config=self.ds_config)
-        self.zero = ZeroPartitions(self.engine, self.stage, self.env.rank, self.env.world_size, self._experts)
+            self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.zero = ZeroPartitions(self.engine, self.stage, self.layout, self._experts)
         if self.precision.mixed:
             self._set_masters(weights)
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
@@ -108,7 +130,7 @@ class DeepSpeedStrategy(Strategy):
         # holds a ZeRO-3 model in DeepSpeedZeRoOffload, the hooks that do that (engine.py's
         # _configure_zero_optimizer(None), DeepSpeed 0.19.8; TRL's reference under ZeRO-3 too).
         model.requires_grad_(False)
-        fill(model, weights, partial(z3_local, rank=self.env.rank))
+        fill(model, weights, z3_local)
         engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
         self.frozen_engines.append(engine)
         engine.eval()  # DeepSpeedEngine.eval returns None
@@ -123,17 +145,18 @@ class DeepSpeedStrategy(Strategy):
         for name, p in named_params(self.module):
             if not p.requires_grad:
                 continue
+            read = partial(weights.read, name)
+            at, block = self.zero.place(p)  # strategy.ep, strategy.tp: this rank's part of the full tensor
             if self.stage == 3:
-                start, numel = z3_range(p, self.env.rank, self._experts)
+                start, numel = z3_range(p, self._experts)
                 if numel:
                     padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
-                    padded[:numel] = weights.read(name, start, numel)
+                    padded[:numel] = read_block(read, at + start, numel, block)
                     safe_set_local_fp32_param(p, padded)
             elif getattr(p, "_hp_mapping", None) is not None:
                 fragment = p._hp_mapping.lp_fragment_address
-                start = self._experts.start(p) + fragment.start
-                read = partial(weights.read, name)
-                p._hp_mapping.get_hp_fragment().copy_(read_block(read, start, fragment.numel, self._experts.block(p)))
+                start = at + self._experts.start(p) + fragment.start
+                p._hp_mapping.get_hp_fragment().copy_(read_block(read, start, fragment.numel, block))
 
     @contextmanager
     def micro_step(self, final):
@@ -254,7 +277,10 @@ class DeepSpeedStrategy(Strategy):
         self.engine.save_checkpoint(str(directory), tag=tag)
 
     def full_shape(self, p):
-        # ZeRO-3 partitions parameters as they are built; strategy.ep: this rank's experts' rows
+        # ZeRO-3 partitions parameters as they are built; strategy.ep: this rank's experts' rows;
+        # strategy.tp: AutoTP's slice
+        if self.layout.degrees.tp > 1:
+            return tensor_slice(p, self.layout.tp_rank).full_shape
         return self._experts.full_shape(p, tuple(getattr(p, "ds_shape", p.shape)))
 
     def teardown(self):

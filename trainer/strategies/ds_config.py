@@ -85,6 +85,12 @@ def build_ds_config(cfg, world_size: int) -> dict:
         "steps_per_print": 2 ** 31,
         "wall_clock_breakdown": False,
     }
+    if s.tp > 1:  # DeepSpeed's AutoTP (ds_tp.py)
+        # the loss reads whole logits: a tied output layer is not split over the vocabulary
+        ours["tensor_parallel"] = {"autotp_size": s.tp, "vocab_parallel_lm_head": False}
+        # with AutoTP, ZeRO-1/2 check train_batch_size against micro x the world, ZeRO-3 against micro x
+        # the data-parallel ranks: no value passes both; left out, each derives its own
+        del ours["train_batch_size"]
     if not s.deepspeed_config:
         return ours
     path = Path(s.deepspeed_config)
@@ -97,4 +103,8 @@ def build_ds_config(cfg, world_size: int) -> dict:
             raise ConfigError(f"strategy.deepspeed_config: zero_optimization.{key} turns offload "
                               f"{'on' if theirs else 'off'}, {setting}={str(key in zero).lower()} turns it "
                               f"{'on' if key in zero else 'off'}; choose with {setting}")
+    said = (merged.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if said not in ((0, 1) if s.tp == 1 else (s.tp,)):  # AutoTP splits weights the trainer must know split
+        raise ConfigError(f"strategy.deepspeed_config: tensor_parallel.autotp_size={said} disagrees with "
+                          f"strategy.tp={s.tp}; choose with strategy.tp")
     return merged
