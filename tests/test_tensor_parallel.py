@@ -286,7 +286,7 @@ def test_under_bf16_zero_tp2_starts_from_the_fp32_masters(tmp_path):
     from trainer.checkpoint.format import PieceReader, read_manifest
     from trainer.config import to_config
     from trainer.models.builtin import Transformer, shape_of
-    from trainer.models.weights import InitWeights, allocate, fill, params_on_meta
+    from trainer.models.weights import InitWeights, allocate_params, fill, params_on_meta
 
     configs = {s: with_overrides(case(s, steps=1), strategy__tp=2, train__precision="bf16", optim__lr=0.0,
                                  checkpoint__dir=str(tmp_path / s)) for s in ("zero1", "zero2", "zero3")}
@@ -294,7 +294,7 @@ def test_under_bf16_zero_tp2_starts_from_the_fp32_masters(tmp_path):
     cfg = to_config(configs["zero2"])
     with params_on_meta():
         model = Transformer(shape_of(cfg.model))
-    allocate(model, torch.device("cpu"))
+    allocate_params(model, torch.device("cpu"))
     fill(model, InitWeights(model, cfg.train.seed))
     for s in configs:
         path = tmp_path / s / "step_00000001"
