@@ -14,10 +14,8 @@ each run gives one table row:
   first (the trainer's own `tokens_per_s` counts a tensor group's rows once);
 - state: the bytes rank 0 holds (`mem` of the last step record: params + grads + optimizer state);
 - activations: the bytes rank 0's forward saves for backward in the last step, as the rank holds
-  them: the step records' `mem.activations` (trainer/saved_bytes.py) with two corrections for
-  tensor-parallel layers (`local_activation_bytes`): a saved DTensor counts its local tensor (SavedBytes
-  takes the DTensor's own storage, the global tensor's size) and a weight's share made by
-  `DTensor.to_local` is a parameter, not an activation; the step records' figure in brackets;
+  them: the step records' `mem.activations` (trainer/saved_bytes.py: a saved DTensor by its local
+  tensor, a weight's share made by `DTensor.to_local` a parameter, not an activation);
 - peak RSS: the largest VmHWM of the ranks' processes at the end (torch, the model, the gathered
   parameters, the collectives' buffers: everything a process holds);
 - moved per step: the bytes a rank's collectives carry in the second step, counted at the dispatcher,
@@ -95,67 +93,24 @@ def run_config(strategy: str, tp: int, args) -> dict:
             "optim": {"warmup_steps": 1}, "logger": {"jsonl": {}}}
 
 
-def parameter_share(t: torch.Tensor) -> bool:
-    """A parameter, or what casts, views or `to_local` make of one: a tensor-parallel layer that computes on
-    local tensors (strategies/tensor_parallel.py's LocalStyle) saves its weight's share through
-    `DTensor.to_local`, whose node (`_ToTorchTensorBackward`) trainer/saved_bytes.py's walk does not pass."""
-    from trainer.saved_bytes import _CAST_OR_VIEW
-
-    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-        return True
-    node = t.grad_fn
-    while node is not None and type(node).__name__ in _CAST_OR_VIEW | {"_ToTorchTensorBackward"}:
-        inputs = [n for n, _ in node.next_functions if n is not None]
-        node = inputs[0] if len(inputs) == 1 else None
-    return node is not None and type(node).__name__ == "AccumulateGrad" and isinstance(node.variable, torch.nn.Parameter)
-
-
-def local_activation_bytes(saved) -> int:
-    """What a SavedBytes counted, as this rank holds it: a saved DTensor by its local tensor's storage
-    (SavedBytes takes the storage of the DTensor itself, which is the global tensor's size), and
-    parameter shares left out (`parameter_share`); each storage once."""
-    from torch.distributed.tensor import DTensor
-
-    from trainer.saved_bytes import storage_key
-
-    held = {}
-    for refs in saved.saved.values():
-        for t in (ref() for ref in refs):
-            if t is None:
-                continue
-            local = t._local_tensor if isinstance(t, DTensor) else t
-            if not parameter_share(local):
-                held[storage_key(local)] = local.untyped_storage().nbytes()
-    return sum(held.values())
-
-
 def rank(env, cfg: dict, run_dir: str) -> dict:
-    """Train `cfg`, its second step under the counter; this rank's bytes moved then, its peak RSS and, per
-    step, the bytes its forwards saved for backward as it holds them (`local_activation_bytes`, beside the
-    step records' `mem.activations`)."""
+    """Train `cfg`, its second step under the counter; this rank's bytes moved then, and its peak RSS."""
     from trainer.config import to_config
-    from trainer.saved_bytes import SavedBytes
     from trainer.training import loop
 
-    counter, step, local = AllCollectiveBytes(), loop.Run.train_step, []
+    counter, step = AllCollectiveBytes(), loop.Run.train_step
 
     def counted(self, log_now):
-        local.append(0)
         if self.step != 1:
             return step(self, log_now)
         with counter:
             return step(self, log_now)
 
-    class LocalSavedBytes(SavedBytes):
-        def kept_by_functions(self, output):
-            super().kept_by_functions(output)
-            local[-1] = max(local[-1], local_activation_bytes(self))  # the largest of the step's micro-batches
-
-    loop.Run.train_step, loop.SavedBytes = counted, LocalSavedBytes
+    loop.Run.train_step = counted
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     loop.train(to_config(cfg), env, Path(run_dir))
     return {"moved": sum(counter.bytes.values()), "bytes": counter.bytes, "by_group": counter.by_group,
-            "peak_rss_mib": peak_rss_mib(), "local_activation_bytes": local}
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def refused(cfg: dict, world: int) -> str | None:
@@ -199,8 +154,7 @@ def one_run(strategy: str, tp: int, world: int, args) -> dict:
     tokens = world // tp * args.micro_batch * args.seq_len
     return {**row, "seconds": time.perf_counter() - started, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
             "global_batch_tokens": tokens, "state_bytes": sum(mem[k] for k in ("params", "grads", "optim")),
-            "mem": mem, "activation_bytes": by_rank[0]["local_activation_bytes"][-1],
-            "recorded_activation_bytes": mem.get("activations"),
+            "mem": mem, "activation_bytes": mem.get("activations"),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in by_rank.values()),
             "moved_bytes": statistics.mean(r["moved"] for r in by_rank.values()),
             # a tensor group: tp consecutive ranks (trainer/layout.py's ("dp", "tp") mesh)
@@ -220,7 +174,7 @@ def table_row(r: dict) -> str:
     tp_group = f"{r['moved_tp_group_bytes'] / 1e6:,.1f}" if r["moved_tp_group_bytes"] is not None else (
         "all" if r["tp"] > 1 else "-")
     return (f"| {r['ranks']} | {label} | {r['tokens_per_s']:,.0f} | {r['state_bytes'] / 1e6:,.1f} | "
-            f"{r['activation_bytes'] / 1e6:,.1f} ({r['recorded_activation_bytes'] / 1e6:,.1f}) | {r['peak_rss_mib']:,.0f} | {r['moved_bytes'] / 1e6:,.1f} | "
+            f"{r['activation_bytes'] / 1e6:,.1f} | {r['peak_rss_mib']:,.0f} | {r['moved_bytes'] / 1e6:,.1f} | "
             f"{tp_group} |")
 
 
@@ -244,7 +198,7 @@ def main() -> None:
           f"d_ff {MODEL['d_ff']}, vocabulary {MODEL['vocab_size']}: {facts.params / 1e6:.1f} M parameters; fp32, "
           f"{args.micro_batch} x {args.seq_len} tokens a rank and step, {args.steps} steps; load average "
           f"{os.getloadavg()[0]:.1f} at the start", flush=True)
-    print("| ranks | strategy | tokens/s | state MB/rank | activations MB/rank (mem.activations) | peak RSS MiB/rank | moved MB/step/rank "
+    print("| ranks | strategy | tokens/s | state MB/rank | activations MB/rank | peak RSS MiB/rank | moved MB/step/rank "
           "| of which tensor group MB |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     results = {"model": MODEL, "params": facts.params, "args": vars(args), "torch": torch.__version__,

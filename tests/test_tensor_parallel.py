@@ -120,6 +120,15 @@ def test_tp2_gives_one_ranks_losses_and_norms(runs, name, baseline):
     assert_same_run(runs["out"], name, baseline)
 
 
+def test_tp2_holds_fewer_activation_bytes_than_one_rank(runs):
+    """mem.activations counts what a rank holds: a saved DTensor by its local part, a weight's local
+    share (`to_local`) as the weight (bench/tensor_parallel.py found both counted whole: 175 MB at
+    tp=2 against 161 MB at one rank)."""
+    held = {name: [r["mem"]["activations"] for r in records(runs["out"] / name) if "mem" in r] for name in ("one", "tp2")}
+    assert held["one"] and held["tp2"], held
+    assert max(held["tp2"]) < 0.8 * min(held["one"]), held
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, baseline", [("tp2_llama", "one_llama"), ("tp2_accum_ac", "one"),
                                             ("tp2_grad_op", "one")])

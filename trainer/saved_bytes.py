@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 # Autograd nodes that only cast or re-view one tensor: a saved tensor reached through them from a
-# parameter is that parameter (autocast's copies of weights, the transposed weight of a matmul).
+# parameter is that parameter (autocast's copies of weights, the transposed weight of a matmul, a
+# tensor-parallel weight's local share, `DTensor.to_local`).
 _CAST_OR_VIEW = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
                  "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "AliasBackward0",
-                 "UnsafeViewBackward0", "ReshapeAliasBackward0"}
+                 "UnsafeViewBackward0", "ReshapeAliasBackward0", "_ToTorchTensorBackward"}
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -63,6 +64,7 @@ class SavedBytes:
         return t
 
     def _count(self, t: torch.Tensor) -> None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor (strategy.tp): what this rank holds of it, not its global size
         key = storage_key(t)
         if key in self.storages and not self._alive(key):
             self._forget(key)
