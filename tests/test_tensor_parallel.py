@@ -166,6 +166,22 @@ def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
     assert_holds_one_ranks_tensors(runs["tp2"], runs["one"])
 
 
+def test_a_tp2_checkpoint_exports_whole_weights(runs, tmp_path):
+    """trainer.export of a tp=2 checkpoint writes every weight whole (rows, blocks of columns and packed
+    parts joined): one rank's export after the same 2 steps, each within 1e-3 (relative, in norm)."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint.export import export
+
+    exported = {}
+    for name in ("tp2", "one"):
+        export(runs[name] / "step_00000002", tmp_path / f"{name}.safetensors")
+        exported[name] = load_file(str(tmp_path / f"{name}.safetensors"))
+    split, whole = exported["tp2"], exported["one"]
+    assert split.keys() == whole.keys() and all(split[k].shape == whole[k].shape for k in whole)
+    assert all((split[k] - whole[k]).norm() <= 1e-3 * whole[k].norm() for k in whole)
+
+
 def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
     """Every file intact (`trainer.verify`), every key covered whole by the ranks' pieces (rows, blocks of
     columns, packed parts), each within 1e-3 (relative, in norm) of one rank's after the same 2 steps,
