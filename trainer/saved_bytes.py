@@ -14,6 +14,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Autograd nodes that only cast or re-view one tensor: a saved tensor reached through them from a
 # parameter is that parameter (autocast's copies of weights, the transposed weight of a matmul).
@@ -63,12 +64,14 @@ class SavedBytes:
         return t
 
     def _count(self, t: torch.Tensor) -> None:
-        key = storage_key(t)
+        # a DTensor (strategy.tp) has a storage of its whole shape, held nowhere: a rank holds its local tensor
+        held = t._local_tensor if isinstance(t, DTensor) else t
+        key = storage_key(held)
         if key in self.storages and not self._alive(key):
             self._forget(key)
         if key not in self.storages:
-            self.storages[key] = t.untyped_storage().nbytes()
-            self.elements[key] = self.storages[key] // t.element_size()
+            self.storages[key] = held.untyped_storage().nbytes()
+            self.elements[key] = self.storages[key] // held.element_size()
             self.where[key] = self.part
             self.saved[key] = []
         self.saved[key].append(weakref.ref(t))
