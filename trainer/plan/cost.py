@@ -272,8 +272,9 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         from trainer.models.blocks import find_blocks
 
         model = meta_model(m, cfg.peft)
+        blocks = find_blocks(model, cfg.strategy.wrap)
         for tp in tensor_parallel_sizes(cfg, world_size):
-            split = tensor_split(model, find_blocks(model, cfg.strategy.wrap), tp, precision)
+            split = tensor_split(model, blocks, tp, precision)
             for checkpointing in (False, True):
                 plan.options.append(tensor_parallel_option(cfg, facts, split, world_size, checkpointing, save_copy,
                                                            gpu_memory_bytes))
@@ -306,8 +307,9 @@ def tensor_parallel_option(cfg: Config, facts: ModelFacts, split: TensorSplit, w
     gpu["total"] = sum(gpu.values())
     data_parallel = step_traffic(StrategyName.fsdp, local, 0, dp, precision, t.grad_accum_steps,
                                  cfg.strategy.grad_reduce, False, cfg.strategy.reduce_dtype)
+    reductions = t.grad_accum_steps if GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step else 1
     tensor = {"tensor_all_reduce": split.traffic(t.micro_batch_size * cfg.model.seq_len, t.grad_accum_steps,
-                                                 checkpointing)}
+                                                 reductions, checkpointing)}
     attention_flops = 12 * facts.n_layers * facts.d_model * cfg.model.seq_len
     flops_per_token = facts.flops_per_token - (1 - 1 / tp) * (6 * split.split_matmul_params + attention_flops)
     flops = flops_per_token * t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len * (

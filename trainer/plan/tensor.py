@@ -36,19 +36,20 @@ class TensorSplit:
     loss_per_token: int  # loss_parallel's exchange (the output layer's logits stay split)
     replicated_gradients: int  # elements of replicated_with_grad_allreduce parameters, their gradients summed
 
-    def traffic(self, tokens: int, micro_steps: int, checkpointing: bool) -> int:
+    def traffic(self, tokens: int, micro_steps: int, reductions: int, checkpointing: bool) -> int:
         """All-reduce payload per optimizer step of `micro_steps` micro-batches of `tokens` tokens each,
-        on one rank of the group (fp32 gradients of the replicated parameters once a micro-step)."""
+        on one rank of the group; the replicated parameters' fp32 gradients summed where FSDP2 reduces
+        gradients (`reductions` times a step)."""
         per_token = self.forward_per_token + self.backward_per_token + self.loss_per_token \
             + (self.recomputed_per_token if checkpointing else 0)
-        return (per_token * tokens + 4 * self.replicated_gradients) * micro_steps
+        return per_token * tokens * micro_steps + 4 * self.replicated_gradients * reductions
 
 
 def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: Precision) -> TensorSplit:
     """`model`'s plan at strategy.tp=`tp` (on meta); `blocks` its blocks (what checkpointing recomputes)."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
-    split = matmul = forward = recomputed = backward = replicated = 0
+    split = matmul = forward = recomputed = backward = replicated = loss = 0
     for _, module, value in planned_modules(model):
         style, _ = style_and_parts(value)
         count = sum(p.numel() for p in module.parameters(recurse=False))
@@ -63,8 +64,8 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: 
             recomputed += out * element if id(module) in inside else 0
         else:
             backward += module.weight.shape[1] * element
-    loss = LOSS_PARALLEL_BYTES_PER_TOKEN if any(style_and_parts(v)[0] == "colwise_gather_output"
-                                                for _, _, v in planned_modules(model)) else 0
+        if style == "colwise_gather_output":  # its logits stay split: the loss is computed where they are
+            loss = LOSS_PARALLEL_BYTES_PER_TOKEN
     return TensorSplit(tp, split, matmul, forward, recomputed, backward, loss, replicated)
 
 
