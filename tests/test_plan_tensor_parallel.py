@@ -135,3 +135,12 @@ def test_a_70b_model_at_32k_tokens_on_8_gpus_does_not_fit_by_tensor_parallelism(
     assert all(not o.fits and sum(o.per_gpu_bytes[k] for k in ("params", "grads", "optim")) >= state > 80 * GB
                for o in split)
     assert all(o.per_gpu_bytes["activations"] > 43 * GB for o in split if o.activation_checkpointing)
+
+
+def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree():
+    from trainer.plan import strategy_fallbacks
+
+    # fsdp at tp=2 on 2 ranks: its only later option is itself with checkpointing, which is no change of
+    # strategy; sequence parallelism, which does not cross with tp, is not offered
+    cfg = to_config({"strategy": {"name": "fsdp", "tp": 2}, "train": {"micro_batch_size": 64}})
+    assert strategy_fallbacks(cfg, 2, missing=1) == []

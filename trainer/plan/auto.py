@@ -66,8 +66,9 @@ def own_option(plan: Plan, cfg: Config) -> Option:
 def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
     """train.on_oom's strategy fallbacks for cfg, which ran out of memory `missing` bytes short (the
     bytes asked less those free, measured; None: unknown): in the decision order, strategy.sp where
-    the world and the heads divide, then the options after cfg's own (the later stages, then CPU
-    offload), each with activation checkpointing and cfg's strategy.ep; those the planner says fit: holding at least the
+    the world and the heads divide (not at strategy.tp > 1), then the options after cfg's own (the later
+    stages, then CPU offload), each with activation checkpointing and cfg's strategy.ep and strategy.tp;
+    those the planner says fit: holding at least the
     missing bytes (at least one) less per device than cfg's own option, as it counts them. Each as
     the strategy settings it takes ({"name", "sp", "offload_optimizer", "offload_params"}) and why."""
     budget = memory_budget(cfg)
@@ -78,7 +79,7 @@ def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> lis
     settings = {"name": StrategyName(s.name).value, "sp": s.sp, "offload_optimizer": s.offload_optimizer,
                 "offload_params": s.offload_params}
     candidates = []
-    for sp in sequence_parallel_sizes(cfg, world_size):
+    for sp in sequence_parallel_sizes(cfg, world_size) if s.tp == 1 else []:  # sp and tp do not cross
         if sp > s.sp:
             trial = dataclasses.replace(cfg, strategy=dataclasses.replace(s, sp=sp))
             candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
