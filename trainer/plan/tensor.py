@@ -26,7 +26,7 @@ LOSS_PARALLEL_BYTES_PER_TOKEN = 3 * 4
 @dataclass(frozen=True)
 class TensorSplit:
     """What the model's plan splits over a tensor group of `tp` ranks, and the payload of the group's
-    all-reduces per token of a micro-batch row, in the training dtype (torch's parallel styles):"""
+    all-reduces per token of a micro-batch row, in the training dtype (torch's parallel styles)."""
     tp: int
     split_params: int  # elements of the split layers' parameters (all of them: a rank holds 1 / tp)
     split_matmul_params: int  # of split_params, those that multiply (not an embedding's lookups)
@@ -52,7 +52,9 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: 
     split = matmul = forward = recomputed = backward = replicated = loss = 0
     for _, module, value in planned_modules(model):
         style, _ = style_and_parts(value)
-        count = sum(p.numel() for p in module.parameters(recurse=False))
+        # a rowwise layer's bias is added once the outputs are summed: whole on every rank
+        count = sum(p.numel() for name, p in module.named_parameters(recurse=False)
+                    if not (style == "rowwise" and name == "bias"))
         if style == "replicated_with_grad_allreduce":
             replicated += count
             continue
