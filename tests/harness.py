@@ -170,11 +170,14 @@ def run_cli(*overrides: str, launcher: list[str] | None = None, timeout: int = 6
 
 class CollectiveBytes(TorchDispatchMode):
     """Counts the payload of every c10d collective dispatched inside (DDP's reducer, FSDP2 and
-    DeepSpeed alike): a tensor's full size per all-reduce, reduce-scatter, all-gather or broadcast."""
+    DeepSpeed alike, and DTensor's functional collectives: strategy.tp's): a tensor's full size per
+    all-reduce, reduce-scatter, all-gather or broadcast."""
 
     KINDS = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "_allgather_base_": "all_gather",
              "allgather_into_tensor_coalesced_": "all_gather", "broadcast_": "broadcast"}
+    FUNCTIONAL_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+                        "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
 
     def __init__(self):
         super().__init__()
@@ -188,6 +191,11 @@ class CollectiveBytes(TorchDispatchMode):
                            for t in (t if isinstance(t, (list, tuple)) else [t]) if isinstance(t, torch.Tensor)]
                 sizes.append(sum(t.numel() * t.element_size() for t in tensors))
             self.bytes[self.KINDS.get(func.__name__.split(".")[0], "other")] += max(sizes, default=0)
+        elif func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in self.FUNCTIONAL_KINDS:
+            out = func(*args, **(kwargs or {}))  # the larger of its input and output is the full tensor
+            self.bytes[self.FUNCTIONAL_KINDS[func.__name__.split(".")[0]]] += max(
+                args[0].numel() * args[0].element_size(), out.numel() * out.element_size())
+            return out
         return func(*args, **(kwargs or {}))
 
 

@@ -417,9 +417,8 @@ def test_a_tied_output_layer_and_an_embedding_with_a_padding_row_stay_whole(tmp_
     assert "model.embed_tokens" not in names and "lm_head" in names
 
 
-def test_the_command_line_refuses_tp_on_ddp_and_auto_before_any_rank_starts(tmp_path):
+def test_the_command_line_refuses_tp_on_ddp_before_any_rank_starts(tmp_path):
     from tests.harness import refusal
 
+    # strategy=auto with strategy.tp: the planner's (tests/test_plan_tensor_parallel.py)
     assert refusal(tmp_path, "nproc=2", "strategy.tp=2").startswith("strategy.tp=2 needs strategy=fsdp")
-    assert refusal(tmp_path, "nproc=2", "strategy=auto", "strategy.tp=2").startswith(
-        "strategy=auto: the planner does not count strategy.tp=2 yet; name strategy=fsdp")

@@ -2,6 +2,7 @@
 
 - cost.py: what each option holds per GPU and moves per step, the fastest that fits (`make_plan`);
 - activations.py: the activation bytes of a micro-batch, traced on the meta device;
+- tensor.py: what strategy.tp splits, keeps and all-reduces, read from the model's plan on the meta device;
 - auto.py: `strategy=auto` (`resolve_auto`) and train.on_oom's strategy fallbacks (`strategy_fallbacks`);
 - report.py: the table, its JSON and the command (`main`).
 """

@@ -35,6 +35,7 @@ from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.checks import attends_packed_rows
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.lora import output_layer
+from trainer.plan.tensor import hold_local_shares
 from trainer.saved_bytes import SavedBytes
 
 
@@ -317,20 +318,24 @@ def first_blocks(stack: nn.ModuleList, n: int):
 _COUNTS: dict[str, ActivationCount] = {}
 
 
-def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int = 64) -> ActivationCount:
+def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int = 64, tp: int = 1) -> ActivationCount:
     """The activations of `cfg`'s model (a Config) per micro-batch and rank, counted on the meta
     device in the training dtype, built as the trainer builds it: activation checkpointing per
     block, with train.fused_loss the output layer that gives each token's loss
     (models/fused_loss.py), at strategy.sp=`sp` the rank's share of each row through Ulysses
-    attention (the all-to-alls exchanged for a copy of the same shape, their bytes counted), on rows
+    attention (the all-to-alls exchanged for a copy of the same shape, their bytes counted), at
+    strategy.tp=`tp` as a rank of the tensor group (each split layer holding its share of the weights:
+    its heads, its features, its logits; what the group sums is whole, as the blocks' inputs), on rows
     of packed documents where the data packs them (`rows_carry_positions`)."""
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
     packed = rows_carry_positions(cfg)
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
-                      sp, packed], default=str)
+                      sp, packed, tp], default=str)
     if key not in _COUNTS:
         attended = packed and attends_packed_rows(cfg.model)  # else transformers' own, with its packed mask
         model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, attended).to(dtype)
+        if tp > 1:
+            hold_local_shares(model, tp)
         if fused_loss:
             fuse_output_layer(model, cfg.model.vocab_size)
         blocks = find_blocks(model, cfg.strategy.wrap)
@@ -353,7 +358,8 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
         stack = alike_stack(model, blocks)
         traced = blocks[:2] if stack else blocks
         with first_blocks(stack, 2) if stack else nullcontext():
-            counts = {n: Saves.of(trace(model, traced, loss_of, n, sp, packed), n, vocab).deeper(len(blocks) - len(traced))
+            # strategy.tp: a rank's logits are its 1 / tp of the vocabulary
+            counts = {n: Saves.of(trace(model, traced, loss_of, n, sp, packed), n, vocab // tp).deeper(len(blocks) - len(traced))
                       for n in lengths}
         _COUNTS[key] = dataclasses.replace(fit(counts, len(blocks), logits=not fused_loss),
                                            sp=sp, exchanged_per_token=counts[short].exchanged / short,

@@ -19,21 +19,20 @@ def resolve_auto(cfg, world_size: int) -> None:
     from trainer.log import log
 
     typed = to_config(cfg)
-    if typed.strategy.tp > 1:  # its options would be planned without the tensor group's split
-        raise ConfigError(f"strategy=auto: the planner does not count strategy.tp={typed.strategy.tp} yet; name "
-                          "strategy=fsdp with it")
     planned_world = typed.plan.world_size or world_size
     plan = make_plan(typed, planned_world, *memory_budget(typed))
     log.info(f"strategy=auto:\n{format_plan(plan)}")
     long_context = {}
-    if not plan.choice:  # the sequence does not fit: the fused loss, then sequence parallelism, where they make it fit
+    # the sequence does not fit without strategy.tp: the fused loss, then sequence parallelism, where they make it
+    # fit (the fused loss moves nothing; sp divides every activation, tp only its layers' inner ones); else tp
+    if not plan.choice or plan.choice.tp > 1:
         plan, long_context = plan_for_the_sequence(typed, planned_world, plan)
     if not plan.choice:
         raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
                           f"({plan.memory_source})")
     chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
               **{("strategy", key): on for key, on in offload_settings(plan.choice).items()},
-              ("strategy", "ep"): plan.choice.ep, **long_context}
+              ("strategy", "ep"): plan.choice.ep, ("strategy", "tp"): plan.choice.tp, **long_context}
     replaced = []
     for (group, key), value in chosen.items():
         if cfg[group][key] != value:
@@ -44,6 +43,7 @@ def resolve_auto(cfg, world_size: int) -> None:
         replaced.append(f"planned for plan.world_size={planned_world}, this run has {world_size} rank"
                         f"{'s' if world_size > 1 else ''}")
     log.info(f"strategy=auto chose {plan.choice.name}{f' ep={plan.choice.ep}' if plan.choice.ep > 1 else ''}"
+             f"{f' tp={plan.choice.tp}' if plan.choice.tp > 1 else ''}"
              f"{' + activation checkpointing' if plan.choice.activation_checkpointing else ''}"
              f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
 
@@ -55,9 +55,10 @@ def offload_settings(option: Option) -> dict[str, bool]:
 
 
 def own_option(plan: Plan, cfg: Config) -> Option:
-    """The option of `plan` that cfg runs: its strategy, strategy.ep, activation checkpointing and offload."""
+    """The option of `plan` that cfg runs: its strategy, strategy.ep and strategy.tp, activation
+    checkpointing and offload."""
     s = cfg.strategy
-    return next(o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep
+    return next(o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep and o.tp == s.tp
                 and o.activation_checkpointing == cfg.train.activation_checkpointing
                 and o.offload == (s.offload_optimizer or s.offload_params))
 
@@ -65,8 +66,9 @@ def own_option(plan: Plan, cfg: Config) -> Option:
 def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
     """train.on_oom's strategy fallbacks for cfg, which ran out of memory `missing` bytes short (the
     bytes asked less those free, measured; None: unknown): in the decision order, strategy.sp where
-    the world and the heads divide, then the options after cfg's own (the later stages, then CPU
-    offload), each with activation checkpointing and cfg's strategy.ep; those the planner says fit: holding at least the
+    the world and the heads divide (not at strategy.tp > 1), then the options after cfg's own (the later
+    stages, then CPU offload), each with activation checkpointing and cfg's strategy.ep and strategy.tp;
+    those the planner says fit: holding at least the
     missing bytes (at least one) less per device than cfg's own option, as it counts them. Each as
     the strategy settings it takes ({"name", "sp", "offload_optimizer", "offload_params"}) and why."""
     budget = memory_budget(cfg)
@@ -77,12 +79,13 @@ def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> lis
     settings = {"name": StrategyName(s.name).value, "sp": s.sp, "offload_optimizer": s.offload_optimizer,
                 "offload_params": s.offload_params}
     candidates = []
-    for sp in sequence_parallel_sizes(cfg, world_size):
+    for sp in sequence_parallel_sizes(cfg, world_size) if s.tp == 1 else []:  # sp and tp do not cross
         if sp > s.sp:
             trial = dataclasses.replace(cfg, strategy=dataclasses.replace(s, sp=sp))
             candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
     candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
-                   for o in here.options[here.options.index(own) + 1:] if o.activation_checkpointing and o.ep == s.ep]
+                   for o in here.options[here.options.index(own) + 1:]
+                   if o.activation_checkpointing and o.ep == s.ep and o.tp == s.tp]
     # the run's own strategy with activation checkpointing (a set-up out of memory comes before that
     # fallback) is no change of strategy
     candidates = [(fallback, option) for fallback, option in candidates if fallback != settings]

@@ -1,7 +1,7 @@
 """The planner's cost model: what each memory strategy holds per GPU and moves per step, and the
 fastest option that fits (options in the decision order DDP -> activation checkpointing ->
-ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties), and the longest seq_len per
-sequence-parallel degree.
+ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties; then FSDP2 at each strategy.tp, chosen
+only where nothing without it fits), and the longest seq_len per sequence-parallel degree.
 
 The parameter count comes from the real model built on the meta device. Bytes per parameter
 follow trainer/memory.py (what our backends keep; `plan.master_weights=false` for pure bf16).
@@ -22,6 +22,7 @@ import torch
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
 from trainer.memory import DTYPE_BYTES, SHARDED, async_save_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
 from trainer.plan.activations import ActivationCount, planned
+from trainer.plan.tensor import TensorSplit, tensor_parallel_sizes, tensor_split
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Option:
     chosen: bool = False
     longest_seq_len: int = 0  # the longest model.seq_len whose activations fit beside the rest (0: none)
     ep: int = 1  # strategy.ep: ranks that split each MoE layer's experts
+    tp: int = 1  # strategy.tp: ranks that split each planned layer's weights and read the same rows
 
 
 @dataclass
@@ -72,6 +74,11 @@ class Plan:
     @property
     def choice(self) -> Option | None:
         return next((o for o in self.options if o.chosen), None)
+
+    def seconds_per_row(self, option: Option) -> float:
+        """An option's step time per row the world trains a step (strategy.tp: world / tp data-parallel
+        ranks read micro-batches; the others' steps train as many rows as there are ranks)."""
+        return option.step_s / (self.world_size // option.tp)
 
 
 def count_params(cfg: Config) -> int:
@@ -143,14 +150,16 @@ def step_seconds(traffic: list[tuple[dict[str, int], int]], compute_flops: float
     no overlap assumed, so an upper bound. Each traffic comes with the ranks its collectives join (the
     world; strategy.ep's experts: the world / ep ranks that hold the same ones): rings, where an
     all-reduce moves 2 (N-1)/N of its payload per rank, the others (N-1)/N; an all-to-all within a
-    sequence group of sp ranks (sp-1)/sp; the experts' all-to-all is counted as what leaves the rank."""
+    sequence group of sp ranks (sp-1)/sp; the experts' all-to-all is counted as what leaves the rank;
+    strategy.tp's all-reduces (`tensor_all_reduce`) as rings of its tensor group's tp ranks."""
     sp = cfg.strategy.sp
     moved = host = 0.0
     for part, ranks in traffic:
         ring = (ranks - 1) / ranks
-        moved += 2 * ring * part["all_reduce"] + ring * (part["reduce_scatter"] + part["all_gather"]) \
+        moved += 2 * ring * (part.get("all_reduce", 0) + part.get("tensor_all_reduce", 0)) \
+            + ring * (part.get("reduce_scatter", 0) + part.get("all_gather", 0)) \
             + (sp - 1) / sp * part.get("all_to_all", 0) + part.get("expert_all_to_all", 0)
-        host += part["host"]
+        host += part.get("host", 0)
     return (compute_flops / cfg.plan.flops_per_s + moved * 8 / (cfg.plan.link_gbps * 1e9)
             + host * 8 / (cfg.plan.pcie_gbps * 1e9))
 
@@ -258,23 +267,67 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         option.longest_seq_len = need.longest(gpu_memory_bytes - gpu["total"] + gpu["activations"],
                                               t.micro_batch_size) // (2 if dpo else 1)
         plan.options.append(option)
-    # The fastest that fits; within 1 % of it, the decision order (the options' order) decides.
-    fitting = [o for o in plan.options if o.fits]
+    if n_params == facts.params:  # strategy.tp: what the model's own plan splits (not of another count)
+        from trainer.models import meta_model
+        from trainer.models.blocks import find_blocks
+
+        model = meta_model(m, cfg.peft)
+        blocks = find_blocks(model, cfg.strategy.wrap)
+        for tp in tensor_parallel_sizes(cfg, world_size):
+            split = tensor_split(model, blocks, tp, precision)
+            for checkpointing in (False, True):
+                plan.options.append(tensor_parallel_option(cfg, facts, split, world_size, checkpointing, save_copy,
+                                                           gpu_memory_bytes))
+    # The fastest that fits, per row the world trains; within 1 % of it, the decision order (the options'
+    # order) decides. strategy.tp only where nothing without it fits: its tensor group reads the same
+    # rows, so a step trains tp times fewer of them than the run asked for.
+    fitting = [o for o in plan.options if o.fits and o.tp == 1] or [o for o in plan.options if o.fits]
     if fitting:
-        fastest = min(o.step_s for o in fitting)
-        next(o for o in fitting if o.step_s <= fastest * 1.01).chosen = True
+        fastest = min(plan.seconds_per_row(o) for o in fitting)
+        next(o for o in fitting if plan.seconds_per_row(o) <= fastest * 1.01).chosen = True
     plan.activations = planned(cfg, False, t.fused_loss)
     plan_long_context(plan, cfg, world_size, 2 if dpo else 1)
     return plan
 
 
-def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool, sp: int = 1) -> ActivationCount:
+def tensor_parallel_option(cfg: Config, facts: ModelFacts, split: TensorSplit, world_size: int, checkpointing: bool,
+                           save_copy: int, gpu_memory_bytes: int) -> Option:
+    """FSDP2 at strategy.tp=`split.tp`: a rank holds 1 / tp of each split parameter and the others whole,
+    FSDP2 shards them over the world / tp data-parallel ranks (trainer/memory.py's bytes per parameter
+    there), the activations as a rank of the tensor group keeps them (counted on meta); per step, FSDP2's
+    gathers and reduce-scatters of those parameters among the data-parallel ranks, and the tensor group's
+    all-reduces (`TensorSplit.traffic`) among its tp ranks. A rank computes 1 / tp of the split layers'
+    and of attention's FLOPs (its heads), the rest whole."""
+    t, tp, precision = cfg.train, split.tp, Precision(cfg.train.precision)
+    dp = world_size // tp
+    local = facts.params - split.split_params + split.split_params // tp
+    gpu = held_bytes(StrategyName.fsdp, local, dp, cfg)
+    need = activation_need(cfg, checkpointing, t.fused_loss, 1, tp)
+    gpu["activations"] = need.bytes(cfg.model.seq_len, t.micro_batch_size)
+    gpu["total"] = sum(gpu.values())
+    data_parallel = step_traffic(StrategyName.fsdp, local, 0, dp, precision, t.grad_accum_steps,
+                                 cfg.strategy.grad_reduce, False, cfg.strategy.reduce_dtype)
+    reductions = t.grad_accum_steps if GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step else 1
+    tensor = {"tensor_all_reduce": split.traffic(t.micro_batch_size * cfg.model.seq_len, t.grad_accum_steps,
+                                                 reductions, checkpointing)}
+    attention_flops = 12 * facts.n_layers * facts.d_model * cfg.model.seq_len
+    flops_per_token = facts.flops_per_token - (1 - 1 / tp) * (6 * split.split_matmul_params + attention_flops)
+    flops = flops_per_token * t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len * (
+        8 / 6 if checkpointing else 1)
+    option = Option(StrategyName.fsdp.value, checkpointing, False, gpu, save_copy, {**data_parallel, **tensor},
+                    step_seconds([(data_parallel, dp), (tensor, tp)], flops, cfg), tp=tp)
+    option.fits = gpu["total"] <= gpu_memory_bytes
+    option.longest_seq_len = need.longest(gpu_memory_bytes - gpu["total"] + gpu["activations"], t.micro_batch_size)
+    return option
+
+
+def activation_need(cfg: Config, checkpointing: bool, fused_loss: bool, sp: int = 1, tp: int = 1) -> ActivationCount:
     """The activation bytes an option needs per rank (trainer/plan/activations.py counts them on the
     meta device) at the peak of backward: those kept for backward, and beside them the larger of the
     output layer's and loss's gradients (at backward's start) and, with checkpointing, one block's
     activations, recomputed in backward (later, when the former are gone)."""
-    kept = planned(cfg, checkpointing, fused_loss, sp)
-    recomputed = planned(cfg, False, fused_loss, sp).per_token_per_layer if checkpointing else 0.0
+    kept = planned(cfg, checkpointing, fused_loss, sp, tp=tp)
+    recomputed = planned(cfg, False, fused_loss, sp, tp=tp).per_token_per_layer if checkpointing else 0.0
     return dataclasses.replace(kept, per_token=kept.per_token + max(recomputed, kept.output_backward_per_token))
 
 
@@ -296,12 +349,13 @@ def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequenc
     offload (nothing chosen: the one that leaves activations the most room)."""
     base = plan.choice or min(plan.options, key=lambda o: o.per_gpu_bytes["total"] - o.per_gpu_bytes["activations"])
     rest = base.per_gpu_bytes["total"] - base.per_gpu_bytes["activations"]
-    plan.room_for = f"{base.name}{' + CPU offload' if base.offload else ''}"
+    plan.room_for = f"{base.name}{f' tp={base.tp}' if base.tp > 1 else ''}{' + CPU offload' if base.offload else ''}"
     t = cfg.train
-    for sp in sequence_parallel_sizes(cfg, world_size):
-        for fused in (False, True):
+    # strategy.tp crosses neither with strategy.sp nor with the fused loss
+    for sp in sequence_parallel_sizes(cfg, world_size) if base.tp == 1 else [1]:
+        for fused in (False, True) if base.tp == 1 else (False,):
             for checkpointing in (False, True):
-                need = activation_need(cfg, checkpointing, fused, sp)
+                need = activation_need(cfg, checkpointing, fused, sp, base.tp)
                 longest = need.longest(plan.gpu_memory_bytes - rest, t.micro_batch_size) // rows_per_sequence
                 plan.long_context.append((sp, fused, checkpointing, longest))
 

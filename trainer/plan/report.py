@@ -20,23 +20,25 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{plan.params:,} parameters{trainable}, world size {plan.world_size}, {plan.gpu_memory_bytes / size:.1f} {unit} "
              f"per GPU{f' ({plan.memory_source})' if plan.memory_source else ''}, {plan.precision}"
              f"{' with fp32 master weights' if plan.master_weights else ', no fp32 master weights'}; {unit} per GPU:",
-             f"  {'strategy':<8}{'ep':>4}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
+             f"  {'strategy':<8}{'ep':>4}{'tp':>4}{'AC':>4}{'offload':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
              f"{'total':>9}{'host':>9}{'comm':>9}{'step s':>9}{'max seq':>10}  fits"]
     # one format for the whole column: seconds to the millisecond, or in exponent form for tiny models
     step_format = ".3f" if max((o.step_s for o in plan.options), default=0) >= 0.01 else ".2e"
     for o in plan.options:
         g = {k: v / size for k, v in o.per_gpu_bytes.items()}
-        lines.append(f"  {o.name:<8}{o.ep:>4}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
+        lines.append(f"  {o.name:<8}{o.ep:>4}{o.tp:>4}{'yes' if o.activation_checkpointing else '-':>4}{'yes' if o.offload else '-':>9}"
                      f"{g['params']:>9.2f}{g['grads']:>9.2f}{g['optim']:>9.2f}{g['activations']:>9.2f}"
                      f"{g['total']:>9.2f}{o.host_bytes / size:>9.2f}{sum(o.comm_bytes.values()) / size:>9.2f}"
                      f"{o.step_s:>9{step_format}}{o.longest_seq_len:>10}  {'yes' if o.fits else 'no':<3}"
                      + ("  <- chosen" if o.chosen else ""))
     if not plan.choice:
         lines.append("  nothing fits: more GPUs, a smaller micro batch, or a smaller model")
-    lines.append(f"  ep: strategy.ep; comm: collective payload per step (offload copies, strategy.sp's all-to-alls and "
-                 "the hidden vectors strategy.ep's all-to-alls send to other ranks included); step s: estimated at "
+    lines.append(f"  ep: strategy.ep; tp: strategy.tp (chosen only where nothing without it fits; strategy=auto "
+                 "tries the fused loss and strategy.sp first); comm: collective payload per step (offload copies, "
+                 "strategy.sp's all-to-alls, the hidden vectors strategy.ep's all-to-alls send to other ranks and "
+                 "strategy.tp's all-reduces included); step s: estimated at "
                  f"{plan.flops_per_s:.3g} FLOP/s, {plan.link_gbps:g} Gbit/s links, {plan.pcie_gbps:g} Gbit/s PCIe, "
-                 "without overlap; chosen: the fastest that fits, the first of those within 1 %; "
+                 "without overlap; chosen: the fastest per row trained that fits, the first of those within 1 %; "
                  "max seq: the longest model.seq_len whose activations fit beside the rest")
     return "\n".join(lines + long_context_lines(plan))
 
@@ -64,7 +66,7 @@ def plan_as_json(plan: Plan) -> dict:
             "gpu_memory_bytes": plan.gpu_memory_bytes, "memory_source": plan.memory_source,
             "precision": plan.precision, "master_weights": plan.master_weights,
             "flops_per_s": plan.flops_per_s, "link_gbps": plan.link_gbps, "pcie_gbps": plan.pcie_gbps,
-            "options": [{"name": o.name, "ep": o.ep, "activation_checkpointing": o.activation_checkpointing,
+            "options": [{"name": o.name, "ep": o.ep, "tp": o.tp, "activation_checkpointing": o.activation_checkpointing,
                          "offload": o.offload,
                          "per_gpu_bytes": o.per_gpu_bytes, "host_bytes": o.host_bytes, "comm_bytes": o.comm_bytes,
                          "step_s": o.step_s, "fits": o.fits, "chosen": o.chosen,

@@ -1,0 +1,146 @@
+"""The planner at strategy.tp (docs/planning.md, Tensor parallelism): its bytes per rank against a tp=2
+run's, what it splits and moves as the model's plan says, its table, and strategy=auto's choice."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import CollectiveBytes, case, on_ranks, records, train_cases
+from tests.test_plan import RUNTIME_MODEL
+from trainer.config import to_config
+from trainer.plan import make_plan
+from trainer.plan.activations import planned
+from trainer.strategies.base import optimizer_step
+
+GB = 1e9
+TP_WORLD = 4  # dp=2 x tp=2: split by the tensor group, then sharded by FSDP2 over the data-parallel ranks
+
+
+def tensor_parallel_case(tp: int) -> dict:
+    return case("fsdp", steps=2, train__micro_batch_size=2, strategy__tp=tp, **RUNTIME_MODEL)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_bytes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan_tp")
+    on_ranks(TP_WORLD, train_cases, {"tp2": tensor_parallel_case(2)}, str(out))
+    return records(out / "tp2")[-1]["mem"]
+
+
+@pytest.mark.slow
+def test_runtime_bytes_agree_with_the_plan_at_tp2(tensor_parallel_bytes):
+    plan = make_plan(to_config(tensor_parallel_case(2)), TP_WORLD, gpu_memory_bytes=int(80 * GB))
+    options = {o.tp: o.per_gpu_bytes for o in plan.options
+               if o.name == "fsdp" and not o.activation_checkpointing and not o.offload}
+    cfg = to_config(tensor_parallel_case(2))
+    # mem.activations is what autograd keeps (the plan's column adds the output layer's backward beside it)
+    kept = {tp: planned(cfg, False, False, tp=tp).bytes(cfg.model.seq_len, cfg.train.micro_batch_size) for tp in (1, 2)}
+    expected, got = {**options[2], "activations": kept[2]}, tensor_parallel_bytes
+    for key in ("params", "grads", "optim", "activations"):
+        assert got[key] == pytest.approx(expected[key], rel=0.10), (key, got[key], expected[key])
+        print(f"fsdp tp=2@{TP_WORLD} {key}: runtime {got[key]} plan {expected[key]} = {got[key] / expected[key]:.4f}")
+    # what tp changes, seen in the run: fewer activation bytes than one rank holding every head
+    assert got["activations"] < kept[1]
+
+
+TRAFFIC_CASE = case("fsdp", strategy__tp=2, train__micro_batch_size=2)  # tiny, 64 tokens a row, fp32
+
+
+def tensor_traffic_per_step(env) -> dict:
+    """The collectives' payload of a tp=2 run's second step (the first sets things up), at 2 ranks (dp=1:
+    only the tensor group's)."""
+    from tests.test_core_behaviour import build, loss_of
+
+    strategy, model, _ = build(env, TRAFFIC_CASE)
+    x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        counter = CollectiveBytes()
+        with counter:
+            with strategy.micro_step(final=True):
+                with strategy.autocast():
+                    loss = loss_of(model, x)
+                strategy.backward(loss)
+            optimizer_step(strategy, 1.0)
+    strategy.teardown()
+    return counter.bytes
+
+
+@pytest.mark.slow
+def test_the_planned_tensor_traffic_is_what_the_collectives_carry():
+    measured = on_ranks(2, tensor_traffic_per_step)[0]
+    plan = make_plan(to_config(TRAFFIC_CASE), 2, gpu_memory_bytes=int(80 * GB))
+    option = next(o for o in plan.options if o.tp == 2 and not o.activation_checkpointing)
+    assert option.comm_bytes["all_gather"] == option.comm_bytes["reduce_scatter"] == 0  # dp=1: FSDP2 moves nothing
+    print(f"tp=2@2 all-reduce: measured {measured['all_reduce']} planned {option.comm_bytes['tensor_all_reduce']}")
+    # the counter, a dispatch mode, does not see the collectives DTensor issues inside its own dispatch:
+    # loss_parallel's exchange (planned: 12 bytes a token, 1,536 here) and the gradient norm's
+    assert measured["all_reduce"] == pytest.approx(option.comm_bytes["tensor_all_reduce"], rel=0.02, abs=256), measured
+
+
+def test_the_plan_chooses_tensor_parallelism_only_where_nothing_without_it_fits():
+    from trainer.plan.report import format_plan
+
+    # tiny, 64 rows of 64 tokens a micro-batch at 2 ranks: the logits' backward dominates, and tp=2 halves it
+    cfg = to_config({"train": {"micro_batch_size": 64}})
+    tight = make_plan(cfg, 2, int(0.02 * GB))
+    assert not any(o.fits for o in tight.options if o.tp == 1)  # offload with checkpointing: 25 MB
+    assert (tight.choice.name, tight.choice.tp, tight.choice.activation_checkpointing) == ("fsdp", 2, True)
+    table = format_plan(tight).splitlines()
+    assert table[1].split()[:3] == ["strategy", "ep", "tp"]
+    assert next(line for line in table if "<- chosen" in line).split()[:4] == ["fsdp", "1", "2", "yes"]
+    # where an option without tp fits, it is chosen, though a tp option fits too
+    roomy = make_plan(cfg, 2, int(0.06 * GB))
+    assert roomy.choice.tp == 1 and any(o.fits for o in roomy.options if o.tp == 2)
+
+
+def test_strategy_auto_takes_strategy_tp_and_tries_the_fused_loss_and_sequence_parallelism_before_it(caplog):
+    import logging
+
+    from hydra import compose, initialize_config_module
+
+    from trainer.__main__ import resolve_settings
+    from trainer.config import CONFIG_MODULE
+
+    overrides = ["strategy=auto", "strategy.tp=2", "train.micro_batch_size=64", "plan.gpu_memory_gb=0.02",
+                 "plan.world_size=2"]
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        resolved = resolve_settings(cfg, 2)
+    # the plan above: only tp=2 fits; the fused loss alone does not, sp=2 (every activation halved) does, on ddp
+    assert (resolved.strategy.name.value, resolved.strategy.tp, resolved.strategy.sp) == ("ddp", 1, 2)
+    said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
+    assert said == ("strategy=auto chose ddp + activation checkpointing; train.activation_checkpointing=true (was "
+                    "false); strategy.tp=1 (was 2); strategy.sp=2 (was 1)"), said
+
+
+@pytest.mark.slow
+def test_a_70b_model_at_32k_tokens_on_8_gpus_does_not_fit_by_tensor_parallelism():
+    # Llama-2-70B's shape on the built-in transformer (no grouped key-value heads: 78.6 B parameters),
+    # bf16, one row of 32,768 tokens, 8 cards of 80 GB
+    llama_70b = {"name": "llama2_70b", "vocab_size": 32000, "seq_len": 32768, "d_model": 8192, "n_layers": 80,
+                 "n_heads": 64, "d_ff": 28672, "mlp": "swiglu", "norm": "rmsnorm", "bias": False}
+    plan = make_plan(to_config({"model": llama_70b, "train": {"precision": "bf16", "micro_batch_size": 1}}), 8,
+                     int(80 * GB))
+    assert {o.tp for o in plan.options} == {1, 2, 4, 8}
+    # only CPU offload fits: FSDP2 shards every parameter over the 8 ranks already (157 GB of state a rank
+    # otherwise), tp only moves 1/8 from the data-parallel axis to the tensor one; and what checkpointing
+    # keeps, each block's input (32,768 x 8,192 in bf16, 80 blocks: 43 GB), tp does not divide
+    assert (plan.choice.name, plan.choice.tp, plan.choice.offload, plan.choice.activation_checkpointing) == (
+        "fsdp", 1, True, True)
+    fsdp = next(o for o in plan.options if (o.name, o.tp, o.offload, o.activation_checkpointing) == ("fsdp", 1, False,
+                                                                                                     True))
+    state = sum(fsdp.per_gpu_bytes[k] for k in ("params", "grads", "optim"))
+    split = [o for o in plan.options if o.tp > 1]
+    assert all(not o.fits and sum(o.per_gpu_bytes[k] for k in ("params", "grads", "optim")) >= state > 80 * GB
+               for o in split)
+    assert all(o.per_gpu_bytes["activations"] > 43 * GB for o in split if o.activation_checkpointing)
+
+
+def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree():
+    from trainer.plan import strategy_fallbacks
+
+    # fsdp at tp=2 on 2 ranks: its only later option is itself with checkpointing, which is no change of
+    # strategy; sequence parallelism, which does not cross with tp, is not offered
+    cfg = to_config({"strategy": {"name": "fsdp", "tp": 2}, "train": {"micro_batch_size": 64}})
+    assert strategy_fallbacks(cfg, 2, missing=1) == []

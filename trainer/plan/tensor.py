@@ -1,0 +1,111 @@
+"""What tensor parallelism (`strategy.tp`, docs/strategies.md, Tensor parallelism) changes for the planner,
+read from the model's own plan (models/tensor_plan.py's `planned_modules`) on the meta device: the
+parameter elements it splits, the activations a rank keeps (the model traced with each split layer
+holding a rank's share of its weights), and the bytes its tensor group all-reduces per token.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.config import Config, Precision, StrategyName
+from trainer.errors import ConfigError
+from trainer.memory import DTYPE_BYTES
+from trainer.models.tensor_plan import planned_modules, style_and_parts
+
+# the styles whose layer's output features (rows of the weight) a rank keeps 1 / tp of
+SPLIT_ROWS = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
+# torch's loss_parallel all-reduces, per token, the logits' max, the sum of their exponentials and the
+# target's logit, in fp32 (the loss casts the logits to fp32)
+LOSS_PARALLEL_BYTES_PER_TOKEN = 3 * 4
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """What the model's plan splits over a tensor group of `tp` ranks, and the payload of the group's
+    all-reduces per token of a micro-batch row, in the training dtype (torch's parallel styles)."""
+    tp: int
+    split_params: int  # elements of the split layers' parameters (all of them: a rank holds 1 / tp)
+    split_matmul_params: int  # of split_params, those that multiply (not an embedding's lookups)
+    forward_per_token: int  # rowwise and embedding_rowwise outputs, summed over the group
+    recomputed_per_token: int  # of forward_per_token, the blocks' (their forward runs again with checkpointing)
+    backward_per_token: int  # the colwise layers' inputs' gradients, summed over the group
+    loss_per_token: int  # loss_parallel's exchange (the output layer's logits stay split)
+    replicated_gradients: int  # elements of replicated_with_grad_allreduce parameters, their gradients summed
+
+    def traffic(self, tokens: int, micro_steps: int, reductions: int, checkpointing: bool) -> int:
+        """All-reduce payload per optimizer step of `micro_steps` micro-batches of `tokens` tokens each,
+        on one rank of the group; the replicated parameters' fp32 gradients summed where FSDP2 reduces
+        gradients (`reductions` times a step)."""
+        per_token = self.forward_per_token + self.backward_per_token + self.loss_per_token \
+            + (self.recomputed_per_token if checkpointing else 0)
+        return per_token * tokens * micro_steps + 4 * self.replicated_gradients * reductions
+
+
+def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: Precision) -> TensorSplit:
+    """`model`'s plan at strategy.tp=`tp` (on meta); `blocks` its blocks (what checkpointing recomputes)."""
+    element = DTYPE_BYTES[precision]
+    inside = {id(m) for block in blocks for m in block.modules()}
+    split = matmul = forward = recomputed = backward = replicated = loss = 0
+    for _, module, value in planned_modules(model):
+        style, _ = style_and_parts(value)
+        # a rowwise layer's bias is added once the outputs are summed: whole on every rank
+        count = sum(p.numel() for name, p in module.named_parameters(recurse=False)
+                    if not (style == "rowwise" and name == "bias"))
+        if style == "replicated_with_grad_allreduce":
+            replicated += count
+            continue
+        split += count
+        matmul += count if style != "embedding_rowwise" else 0
+        if style in ("rowwise", "embedding_rowwise"):
+            out = module.weight.shape[1] if style == "embedding_rowwise" else module.weight.shape[0]
+            forward += out * element
+            recomputed += out * element if id(module) in inside else 0
+        else:
+            backward += module.weight.shape[1] * element
+        if style == "colwise_gather_output":  # its logits stay split: the loss is computed where they are
+            loss = LOSS_PARALLEL_BYTES_PER_TOKEN
+    return TensorSplit(tp, split, matmul, forward, recomputed, backward, loss, replicated)
+
+
+def hold_local_shares(model: nn.Module, tp: int) -> None:
+    """On meta: each layer the plan splits holds one rank's share of its weights (rows for the colwise
+    styles, columns for rowwise; a rowwise bias whole), so that a forward makes and keeps what a rank
+    of the tensor group does (its heads, its features; the split logits)."""
+    for _, module, value in planned_modules(model):
+        style, _ = style_and_parts(value)
+        if style not in SPLIT_ROWS and style != "rowwise":
+            continue
+        for name, p in list(module.named_parameters(recurse=False)):
+            if style == "rowwise":
+                shape = (p.shape[0], p.shape[1] // tp) if p.dim() == 2 else tuple(p.shape)
+            else:
+                shape = (p.shape[0] // tp, *p.shape[1:])
+            share = torch.empty(shape, dtype=p.dtype, device="meta")
+            module.register_parameter(name, nn.Parameter(share, requires_grad=p.requires_grad))
+
+
+def tensor_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
+    """strategy.tp values above 1 that this run may take on fsdp: every size dividing the world that the
+    trainer's checks accept (the model's plan, its split dimensions, heads and key-value heads; the
+    settings tensor parallelism crosses with), without offload; none where they refuse every size."""
+    from trainer.checks import check_tensor_parallel
+    from trainer.models import meta_model
+
+    model = meta_model(cfg.model, cfg.peft)
+    strategy = dataclasses.replace(cfg.strategy, name=StrategyName.fsdp, offload_params=False,
+                                   offload_optimizer=False)
+    sizes = []
+    for tp in range(2, world_size + 1):
+        if world_size % tp:
+            continue
+        try:
+            check_tensor_parallel(dataclasses.replace(cfg, strategy=dataclasses.replace(strategy, tp=tp)), world_size,
+                                  model)
+        except ConfigError:
+            continue
+        sizes.append(tp)
+    return sizes
