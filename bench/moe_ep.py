@@ -89,12 +89,12 @@ def run_config(folder: Path, strategy: str, ep: int, steps: int) -> dict:
                       "vocab_size": QWEN3_MOE["vocab_size"]}}
 
 
-def rank(env, cfg: dict, run_dir: str) -> dict:
-    """Train `cfg`, its second step under the counter; this rank's bytes moved then, and its peak RSS."""
+def train_counting_second_step(env, cfg: dict, run_dir: str, counter: CollectiveBytes) -> None:
+    """Train `cfg`, its second step under `counter`."""
     from trainer.config import to_config
     from trainer.training import loop
 
-    counter, step = CollectiveBytes(), loop.Run.train_step
+    step = loop.Run.train_step
 
     def counted(self, log_now):
         if self.step != 1:
@@ -105,6 +105,12 @@ def rank(env, cfg: dict, run_dir: str) -> dict:
     loop.Run.train_step = counted
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     loop.train(to_config(cfg), env, Path(run_dir))
+
+
+def rank(env, cfg: dict, run_dir: str) -> dict:
+    """Train `cfg`, its second step under the counter; this rank's bytes moved then, and its peak RSS."""
+    counter = CollectiveBytes()
+    train_counting_second_step(env, cfg, run_dir, counter)
     return {**counter.bytes, "peak_rss_mib": peak_rss_mib()}
 
 

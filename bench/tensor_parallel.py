@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))  # `bench.moe_ep` importable here and in the spawn
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.moe_ep import CollectiveBytes, flat, peak_rss_mib, process_group  # noqa: E402
+from bench.moe_ep import CollectiveBytes, flat, peak_rss_mib, process_group, train_counting_second_step  # noqa: E402
 
 MODEL = dict(name="small", vocab_size=8192, seq_len=256, d_model=768, n_layers=12, n_heads=12, d_ff=3072)
 RUNS = "fsdp:1,fsdp:2,zero2:2,zero3:2"
@@ -95,20 +95,8 @@ def run_config(strategy: str, tp: int, args) -> dict:
 
 def rank(env, cfg: dict, run_dir: str) -> dict:
     """Train `cfg`, its second step under the counter; this rank's bytes moved then, and its peak RSS."""
-    from trainer.config import to_config
-    from trainer.training import loop
-
-    counter, step = AllCollectiveBytes(), loop.Run.train_step
-
-    def counted(self, log_now):
-        if self.step != 1:
-            return step(self, log_now)
-        with counter:
-            return step(self, log_now)
-
-    loop.Run.train_step = counted
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    loop.train(to_config(cfg), env, Path(run_dir))
+    counter = AllCollectiveBytes()
+    train_counting_second_step(env, cfg, run_dir, counter)
     return {"moved": sum(counter.bytes.values()), "bytes": counter.bytes, "by_group": counter.by_group,
             "peak_rss_mib": peak_rss_mib()}
 
