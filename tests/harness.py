@@ -255,3 +255,23 @@ def assert_refused(result: subprocess.CompletedProcess, *fragments: str, prog: s
     for fragment in fragments:
         assert fragment in error, f"{fragment!r} not in: {error}"
     return error
+
+
+def assert_saved_the_fp32_start(configs: dict[str, dict], root: Path) -> None:
+    """Each run of `configs` (the built-in model, lr 0, one step, its checkpoint in root / name) saved
+    its parameters' fp32 starting values themselves, bit for bit."""
+    from trainer.checkpoint.format import PieceReader, read_manifest
+    from trainer.config import to_config
+    from trainer.models.builtin import Transformer, shape_of
+    from trainer.models.weights import InitWeights, allocate_params, fill, params_on_meta
+
+    cfg = to_config(next(iter(configs.values())))
+    with params_on_meta():
+        model = Transformer(shape_of(cfg.model))
+    allocate_params(model, torch.device("cpu"))
+    fill(model, InitWeights(model, cfg.train.seed))
+    for name in configs:
+        path = Path(root) / name / "step_00000001"
+        reader = PieceReader(path, read_manifest(path))
+        for key, value in model.named_parameters():
+            assert torch.equal(reader.read_full(f"model.{key}"), value.detach()), (name, key)

@@ -10,8 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.harness import case, on_ranks, refusal, train_cases, with_overrides
-from trainer.config import to_config
+from tests.harness import assert_saved_the_fp32_start, case, on_ranks, refusal, train_cases, with_overrides
 
 FRESH_INIT_FAMILIES = {
     # 12 layers: GPT-2's residual projections are scaled by 1/sqrt(2 x 12) from their parent module.
@@ -132,21 +131,7 @@ STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 def test_under_bf16_every_strategy_starts_from_the_same_fp32_masters(tmp_path):
     # lr 0, one step: what each saves is where it started. DeepSpeed clones its masters from the
     # bf16 parameters unless they are set again from the fp32 values.
-    from trainer.checkpoint.format import PieceReader, read_manifest
-    from trainer.models.builtin import Transformer, shape_of
-    from trainer.models.weights import InitWeights, allocate_params, fill, params_on_meta
-
     configs = {s: with_overrides(case(s, steps=1), train__precision="bf16", optim__lr=0.0,
                                  checkpoint__dir=str(tmp_path / s)) for s in STRATEGIES}
     on_ranks(2, train_cases, configs, str(tmp_path / "runs"))
-    cfg = to_config(configs["ddp"])
-    with params_on_meta():
-        model = Transformer(shape_of(cfg.model))
-    allocate_params(model, torch.device("cpu"))
-    fill(model, InitWeights(model, cfg.train.seed))
-    start = dict(model.named_parameters())
-    for s in STRATEGIES:
-        path = tmp_path / s / "step_00000001"
-        reader = PieceReader(path, read_manifest(path))
-        for name, value in start.items():
-            assert torch.equal(reader.read_full(f"model.{name}"), value.detach()), (s, name)
+    assert_saved_the_fp32_start(configs, tmp_path)

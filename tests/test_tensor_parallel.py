@@ -20,6 +20,7 @@ import pytest
 from tests.harness import (
     assert_close,
     assert_resumes,
+    assert_saved_the_fp32_start,
     case,
     losses,
     on_ranks,
@@ -306,26 +307,10 @@ def test_zero_tp_asks_deepspeed_for_autotp_and_a_users_config_cannot_disagree(tm
 def test_under_bf16_zero_tp2_starts_from_the_fp32_masters(tmp_path):
     """lr 0, one step: what each ZeRO stage saves at tp=2 is where it started, the fp32 values themselves
     (DeepSpeed clones its masters from the bf16 slices unless they are set again, through the slice)."""
-    import torch
-
-    from trainer.checkpoint.format import PieceReader, read_manifest
-    from trainer.config import to_config
-    from trainer.models.builtin import Transformer, shape_of
-    from trainer.models.weights import InitWeights, allocate_params, fill, params_on_meta
-
     configs = {s: with_overrides(case(s, steps=1), strategy__tp=2, train__precision="bf16", optim__lr=0.0,
                                  checkpoint__dir=str(tmp_path / s)) for s in ("zero1", "zero2", "zero3")}
     on_ranks(2, train_cases, configs, str(tmp_path / "runs"))
-    cfg = to_config(configs["zero2"])
-    with params_on_meta():
-        model = Transformer(shape_of(cfg.model))
-    allocate_params(model, torch.device("cpu"))
-    fill(model, InitWeights(model, cfg.train.seed))
-    for s in configs:
-        path = tmp_path / s / "step_00000001"
-        reader = PieceReader(path, read_manifest(path))
-        for name, value in model.named_parameters():
-            assert torch.equal(reader.read_full(f"model.{name}"), value.detach()), (s, name)
+    assert_saved_the_fp32_start(configs, tmp_path)
 
 
 # -- refusals: before any work, in one line --------------------------------------------------------
