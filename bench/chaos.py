@@ -29,7 +29,8 @@ then decided from what was seen at the moment of the signal, not from what was a
   - step: during a training step otherwise.
   - async_write: the step dir of a step before the last recorded one was still being written
     (checkpoint.async=true's background writer; never so while saves block training). Run it
-    with `--override checkpoint.async=true` once the trainer has that option.
+    with `--override checkpoint.async=true --write-delay 1`: a tiny model's save is written in
+    milliseconds, so the writer holds each step dir 1 s longer (bench/slow_writer) for kills to land in.
 
 After each kill: the job must be gone within --exit-timeout s (else: a hang, counted and
 killed), no process of it left behind (alive --exit-timeout s after its launcher left; one alive
@@ -195,13 +196,16 @@ class Start:
 
 
 def launch(index: int, mode: str, data: dict[str, Path], root: Path, steps: int, every: int, ckpt: Path,
-           threads: int, extra: list[str] = ()) -> Start:
+           threads: int, extra: list[str] = (), write_delay: float = 0.0) -> Start:
     strategy, world = CYCLE[index % len(CYCLE)]
     run_dir = root / f"start_{index:04d}_{strategy}@{world}"
     if mode == "dpo":
         clear_reference_cache(data)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore",
            "TRAINER_RUN_DIR": str(run_dir)}
+    if write_delay:  # bench/slow_writer: the background writer holds each step dir open this much longer
+        env.update(CHAOS_WRITE_DELAY_S=str(write_delay),
+                   PYTHONPATH=os.pathsep.join([str(REPO / "bench" / "slow_writer"), env.get("PYTHONPATH", "")]))
     out = open(run_dir.with_suffix(".out"), "w")
     wall = time.time()
     process = subprocess.Popen([sys.executable, "-m", "trainer", *overrides(mode, data, strategy, world, steps, ckpt,
@@ -269,12 +273,13 @@ class Aim:
     delay: float  # seconds after the trigger
 
 
-def aim(rng: random.Random, mode: str) -> Aim:
+def aim(rng: random.Random, mode: str, write_delay: float = 0.0) -> Aim:
     targets = ["anytime", "save", "epoch_change", "startup"] + (["precompute"] * 3 if mode == "dpo" else [])
     weights = [0.35, 0.3, 0.3, 0.05] + ([0.3] * 3 if mode == "dpo" else [])
     target = rng.choices(targets, weights)[0]
     kind = rng.choice(KINDS)
-    delay = {"anytime": rng.uniform(0.0, 3.0), "save": rng.uniform(0.0, 0.03), "epoch_change": rng.uniform(0.0, 0.05),
+    delay = {"anytime": rng.uniform(0.0, 3.0), "save": rng.uniform(0.0, 0.03 + write_delay),
+             "epoch_change": rng.uniform(0.0, 0.05),
              "precompute": rng.uniform(0.0, 1.0), "startup": rng.uniform(0.0, 8.0)}[target]
     return Aim(target, kind, delay)
 
@@ -369,10 +374,10 @@ def verify_checkpoints(ckpt: Path) -> str | None:
 # -- the runs -----------------------------------------------------------------------------------------------------
 
 def reference_run(mode: str, data: dict[str, Path], root: Path, steps: int, every: int, threads: int,
-                  timeout: float, extra: list[str] = ()) -> tuple[dict[int, dict], float]:
+                  timeout: float, extra: list[str] = (), write_delay: float = 0.0) -> tuple[dict[int, dict], float]:
     """The uninterrupted run (fsdp at 2 ranks): its record per step, and its wall time."""
     ckpt = root / "ckpt"
-    start = launch(0, mode, data, root, steps, every, ckpt, threads, extra)
+    start = launch(0, mode, data, root, steps, every, ckpt, threads, extra, write_delay)
     try:
         start.process.wait(timeout=timeout)
     finally:
@@ -446,9 +451,9 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
     ended = False
     while True:
         start = CURRENT["start"] = launch(index, mode, data, run_root, args.steps, args.every, ckpt, args.threads,
-                                          args.override)
+                                          args.override, args.write_delay)
         tally.starts += 1
-        a = aim(rng, mode) if made < kills_left and not ended else None
+        a = aim(rng, mode, args.write_delay) if made < kills_left and not ended else None
         fired, deadline = None, time.monotonic() + args.start_timeout
         while start.process.poll() is None and time.monotonic() < deadline:
             start.poll()
@@ -558,7 +563,7 @@ def chaos(args) -> dict:
             shutil.rmtree(ref_root)
         ref_root.mkdir(parents=True)
         references[mode] = reference_run(mode, data, ref_root, args.steps, args.every, args.threads,
-                                         args.start_timeout, args.override)
+                                         args.start_timeout, args.override, args.write_delay)
         tally.reference_s[mode] = round(references[mode][1], 1)
         print(f"uninterrupted {mode} run: {args.steps} steps in {references[mode][1]:.1f} s", flush=True)
     made, run = 0, 0
@@ -604,6 +609,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="a line per kill")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="one more trainer override for every start (e.g. checkpoint.async=true)")
+    p.add_argument("--write-delay", type=float, default=0.0, metavar="S",
+                   help="with checkpoint.async=true: the background writer holds each step dir S s longer "
+                        "(bench/slow_writer), so that kills land mid-write")
     return p.parse_args(argv)
 
 
