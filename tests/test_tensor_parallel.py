@@ -9,7 +9,8 @@ dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, z
 with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. On
 zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
 on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
-to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2. The settings it does not cross with are refused before
+to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2; each rank's logits are its half of the vocabulary, their
+loss and its gradient the whole logits' cross-entropy's. The settings it does not cross with are refused before
 any work, in one line."""
 from __future__ import annotations
 
@@ -285,8 +286,8 @@ def test_a_zero2_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(zero_r
 
 
 def test_zero_tp_asks_deepspeed_for_autotp_and_a_users_config_cannot_disagree(tmp_path):
-    """strategy.tp=2 on zero: AutoTP at 2, whole logits (no vocabulary-parallel output layer), no
-    train_batch_size (ZeRO-1/2 and ZeRO-3 check it against different ranks); a user's ds_config that
+    """strategy.tp=2 on zero: AutoTP at 2, its own vocabulary-parallel head off (it would split a tied output
+    layer and replace a Hugging Face model's loss; the plan splits an untied one), no train_batch_size (ZeRO-1/2 and ZeRO-3 check it against different ranks); a user's ds_config that
     turns AutoTP on at strategy.tp=1, or to another degree, is refused in one line."""
     import json
 
@@ -302,6 +303,84 @@ def test_zero_tp_asks_deepspeed_for_autotp_and_a_users_config_cannot_disagree(tm
         cfg = to_config(with_overrides(case("zero2", strategy__deepspeed_config=str(ds)), strategy__tp=tp))
         assert refused_by(build_ds_config, cfg, 4) == (f"strategy.deepspeed_config: tensor_parallel.autotp_size=2 "
                                                       f"disagrees with strategy.tp={tp}; choose with strategy.tp")
+
+
+def split_logits_and_their_loss(env, cfg: dict) -> dict:
+    """One forward at zero tp=2 on rows with unlabelled positions: the logits' columns on this rank, and
+    the vocabulary-parallel loss and its gradient to this rank's logits against the cross-entropy of
+    the whole logits (gathered here, for the comparison only)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from trainer.config import to_config
+    from trainer.data import IGNORE_INDEX
+    from trainer.losses.objectives import forward, token_loss_sum
+    from trainer.strategies import build_strategy
+    from trainer.training.setup import setup_model
+
+    config = to_config(cfg)
+    strategy = build_strategy(config, env)
+    model, _, _, _ = setup_model(config, strategy)
+    vocab = config.model.vocab_size
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = ids.roll(-1, 1)
+    targets[:, ::3] = IGNORE_INDEX  # no target: counts zero
+    with torch.no_grad():
+        logits = forward(model, [ids, targets])
+    if not isinstance(logits, DTensor):  # gathered whole
+        return {"columns": logits.shape[-1], "vocab": vocab}
+    # a leaf: the loss's own gradient, without the model's backward (DeepSpeed's reduction after it)
+    logits = DTensor.from_local(logits.to_local().requires_grad_(), logits.device_mesh, logits.placements)
+    with strategy.autocast():
+        loss = token_loss_sum(logits, targets)
+        grad, = torch.autograd.grad(loss, logits)
+    whole = logits.full_tensor().detach().requires_grad_()
+    expected = F.cross_entropy(whole.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    expected.backward()
+    columns = logits.to_local().shape[-1]
+    own = whole.grad[..., strategy.layout.tp_rank * columns:(strategy.layout.tp_rank + 1) * columns]
+    facts = {"columns": columns, "vocab": vocab, "loss": loss.item(), "expected": expected.item(),
+             "grad_error": (grad.to_local() - own).abs().max().item()}
+    strategy.teardown()
+    return facts
+
+
+@pytest.mark.parametrize("strategy, family", [("zero2", None), ("zero3", "qwen3")])
+def test_zero_tp2_keeps_the_logits_split_and_its_loss_is_the_whole_logits_cross_entropy(tmp_path, strategy, family):
+    """zero at tp=2 (the built-in on zero2; Qwen3 on zero3, its output layer partitioned too): each rank
+    computes the logits of its half of the vocabulary only, never the whole, and the vocabulary-parallel
+    cross-entropy over them is the whole logits' (positions without a target count zero), in value and
+    in its gradient to each rank's half."""
+    model = model_dir(tmp_path, family) if family else None
+    facts = on_ranks(2, split_logits_and_their_loss, tp_case(strategy, 2, model, strategy__tp=2))
+    for rank, f in facts.items():
+        assert f["columns"] == f["vocab"] // 2, (rank, f)
+        assert f["loss"] == pytest.approx(f["expected"], rel=RTOL), (rank, f)
+        assert f["grad_error"] <= 1e-7, (rank, f)
+
+
+def setup_refusal(env, cfg: dict) -> str | None:
+    from trainer.config import to_config
+    from trainer.strategies import build_strategy
+    from trainer.training.setup import setup_model
+
+    config = to_config(cfg)
+    return refused_by(setup_model, config, build_strategy(config, env))
+
+
+def test_zero_tp2_refuses_an_output_layer_that_autotp_splits_unevenly(tmp_path):
+    """A ds_config's tp_grain_size can make AutoTP split the vocabulary unevenly (the built-in's 256 rows
+    in grains of 96: 96 and 160), which the vocabulary-parallel loss (torch's equal shards) would misread:
+    refused in one line on every rank."""
+    import json
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"tensor_parallel": {"tp": {"tp_grain_size": 96}}}))
+    said = on_ranks(2, setup_refusal, tp_case("zero2", 8, strategy__tp=2, strategy__deepspeed_config=str(ds)))
+    assert set(said.values()) == {"strategy.tp=2: AutoTP split lm_head's vocabulary unevenly ([96, 160] rows), "
+                                  "which the vocabulary-parallel loss does not take; leave the ds_config's "
+                                  "tensor_parallel.tp.tp_grain_size unset"}, said
 
 
 def test_under_bf16_zero_tp2_starts_from_the_fp32_masters(tmp_path):

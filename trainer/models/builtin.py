@@ -116,7 +116,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.shape = shape
         # strategy.tp (models/tensor_plan.py): qkv packs q, k and v, the SwiGLU up packs gate and up, so each
-        # rank keeps its heads' (its features') share of each; the output layer's logits gathered whole
+        # rank keeps its heads' (its features') share of each; the output layer split by vocabulary rows
         self._tp_plan = {"tok_emb": "embedding_rowwise", "blocks.*.attn.qkv": "packed_colwise:3",
                          "blocks.*.attn.proj": "rowwise",
                          "blocks.*.mlp.up": "packed_colwise:2" if shape.mlp == "swiglu" else "colwise",

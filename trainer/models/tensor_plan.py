@@ -11,7 +11,7 @@ splits (strategies/tensor_parallel.py turns them into torch's):
 - colwise: a Linear's output features split, the input whole (each rank: its heads, its features);
 - rowwise: a Linear's input features split, the outputs summed over the group;
 - colwise_gather_output: the output layer, colwise (transformers gathers its logits whole; here they stay
-  split over the vocabulary, and the loss is computed where they are: strategies/fsdp.py's loss_parallel);
+  split over the vocabulary, and the loss is computed where they are: the strategy's loss_parallel);
 - embedding_rowwise: an Embedding's rows (tokens) split, the lookups summed over the group;
 - packed_colwise[:K]: a Linear whose output packs K projections of equal size one after another (2 if
   not given: transformers' gate and up; the built-in qkv: 3): each rank keeps its share of each;

@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.checkpoint.format import Piece
 from trainer.config import Config, GradReduce, Precision
@@ -147,9 +148,10 @@ class Strategy(ABC):
         return [what for what, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on]
 
     def autocast(self) -> AbstractContextManager:
-        """Around the forward and its loss; backends that cast parameters themselves need none
-        (fsdp at strategy.tp > 1: its loss over logits split by vocabulary, `loss_parallel`)."""
-        return nullcontext()
+        """Around the forward and its loss, and the backward; backends that cast parameters themselves
+        need no autocast. strategy.tp: the output layer's logits stay split over the vocabulary (a DTensor
+        of the tensor group); torch's loss_parallel computes their cross-entropy where they are."""
+        return loss_parallel() if self.layout.degrees.tp > 1 else nullcontext()
 
     @abstractmethod
     def micro_step(self, final: bool) -> AbstractContextManager:

@@ -13,6 +13,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.config import Precision
 from trainer.log import chatter
@@ -30,7 +31,7 @@ from trainer.strategies.base import (
 )
 from trainer.strategies.ds_config import build_ds_config
 from trainer.strategies.ds_state import ZeroPartitions, named_params, z3_local, z3_range
-from trainer.strategies.ds_tp import partition_config, tensor_slice
+from trainer.strategies.ds_tp import output_layers, partition_config, split_logits, tensor_slice
 
 
 class DeepSpeedStrategy(Strategy):
@@ -59,6 +60,8 @@ class DeepSpeedStrategy(Strategy):
         first, tp = self.env.rank - self.layout.tp_rank, self.layout.degrees.tp
         assert dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()) == list(range(first, first + tp))
         assert dist.get_rank(groups.get_data_parallel_group()) == self.layout.dp_rank  # the rows it reads
+        # the logits' tensor group, for their vocabulary-parallel loss (ds_tp.split_logits)
+        self.tensor_mesh = DeviceMesh.from_group(groups.get_tensor_model_parallel_group(), self.env.device.type)
 
     def model_init_context(self):
         if self.stage == 3:  # parameters are partitioned as each module is built
@@ -108,11 +111,14 @@ class DeepSpeedStrategy(Strategy):
             d = optimizer.defaults
             optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                                          weight_decay=d["weight_decay"], adamw_mode=True)
-        config = self.ds_config
+        config, split_outputs = self.ds_config, []
         if self.layout.degrees.tp > 1:  # AutoTP splits the layers of the model's plan, as fsdp does
             config = {**config, "tensor_parallel": {**config["tensor_parallel"], "partition_config": partition_config(model)}}
+            split_outputs = output_layers(model)
         with zero3_start_hooks():  # ZeRO-3's optimizer: its gradient hooks on the partitioned parameters
             self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        if split_outputs:
+            split_logits(self.engine.module, split_outputs, self.tensor_mesh)
         self.zero = ZeroPartitions(self.engine, self.stage, self.layout, self._experts)
         if self.precision.mixed:
             self._set_masters(weights)
@@ -180,7 +186,8 @@ class DeepSpeedStrategy(Strategy):
             # partitions in DeepSpeed's backward epilogue: measured at that end, their peak.
             engine = torch.autograd.Variable._execution_engine
             loss.register_hook(lambda grad: engine.queue_callback(self._note_gradient_peak) or grad)
-        self.engine.backward(loss, scale_wrt_gas=False)
+        with self.autocast():
+            self.engine.backward(loss, scale_wrt_gas=False)
 
     def _note_gradient_peak(self) -> None:
         self._gradient_peak = max(self._gradient_peak, self._gradient_bytes())

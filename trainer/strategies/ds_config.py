@@ -86,7 +86,8 @@ def build_ds_config(cfg, world_size: int) -> dict:
         "wall_clock_breakdown": False,
     }
     if s.tp > 1:  # DeepSpeed's AutoTP (ds_tp.py)
-        # the loss reads whole logits: a tied output layer is not split over the vocabulary
+        # AutoTP's own vocabulary-parallel head stays off: it would split a tied output layer with its
+        # embedding and replace a Hugging Face model's loss; ds_tp.py splits an untied one's logits
         ours["tensor_parallel"] = {"autotp_size": s.tp, "vocab_parallel_lm_head": False}
         # with AutoTP, ZeRO-1/2 check train_batch_size against micro x the world, ZeRO-3 against micro x
         # the data-parallel ranks: no value passes both; left out, each derives its own

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from functools import cached_property
 
 import torch
@@ -12,7 +11,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import Sharding
 from trainer.models.blocks import find_blocks
@@ -125,11 +123,6 @@ class FSDPStrategy(TorchStrategy):
                     unsharded.append(fsdp_param._unsharded_param.grad)
         held["grads"] += tensor_bytes(unsharded)
         return held
-
-    def autocast(self):
-        # strategy.tp: the output layer's logits stay split over the vocabulary; torch's loss_parallel
-        # computes their cross-entropy where they are, in the forward and in the backward
-        return loss_parallel() if self.layout.degrees.tp > 1 else nullcontext()
 
     def backward(self, loss, measure_memory=False):
         with self.autocast():
