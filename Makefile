@@ -61,10 +61,10 @@ train: $(VENV)/.core
 test: setup  # every unit test, one multi-process run of each strategy, parity and resume (minutes)
 	TEST_BUDGET_S=$(TEST_BUDGET_S) $(PYTEST) $(QUICK)
 
-test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults); what CI runs
-	TEST_BUDGET_S=$(TEST_BUDGET_S) $(PYTEST) -m "not docs_in_order and not chaos"
+test-all: setup  # everything: also the tests marked slow (HF families, launchers, faults, 20 chaos kills); what CI runs
+	TEST_BUDGET_S=$(TEST_BUDGET_S) $(PYTEST) -m "not docs_in_order"
 
-test-chaos: setup  # bench/chaos.py's 20 kills, each resumed under another strategy (tests/test_chaos.py, ~7 min)
+test-chaos: setup  # only bench/chaos.py's 20 kills (in make test-all too), each resumed under another strategy (tests/test_chaos.py, ~7 min)
 	$(PY) -m pytest -q -p no:cacheprovider -m chaos
 
 test-latest: | $(UV)  # make test on the newest releases pyproject's ranges admit (not uv.lock's; torch stays 2.13.0), in .venv-latest
@@ -79,7 +79,7 @@ lock: | $(UV)  # uv.lock to the newest releases the ranges admit: run after make
 	$(UV) lock --upgrade
 
 test-matrix: setup  # test-all with every crossing a test lists pairs of as the full product (tests/harness.py: crossings)
-	TRAINER_TEST_FULL_MATRIX=1 $(PYTEST) -m "not docs_in_order and not chaos"
+	TRAINER_TEST_FULL_MATRIX=1 $(PYTEST) -m "not docs_in_order"
 
 test-docs: setup  # the docs' commands in reading order in one fresh dir, as a new user runs them (tests/test_docs_in_order.py)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m docs_in_order
