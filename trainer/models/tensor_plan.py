@@ -89,13 +89,12 @@ LAYERS = {"embedding_rowwise": nn.Embedding, "replicated_with_grad_allreduce": n
 
 def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int, int]]:
     """(what, size, ways) that a style splits `ways` ways per rank of the group (size % (ways x tp) == 0)."""
-    weight = module.weight
     if style in ("colwise", "colwise_gather_output", "embedding_rowwise"):
-        return [("rows", weight.shape[0], 1)]
+        return [("rows", module.weight.shape[0], 1)]
     if style == "rowwise":
-        return [("columns", weight.shape[1], 1)]
+        return [("columns", module.weight.shape[1], 1)]
     if style == "packed_colwise":
-        return [("rows", weight.shape[0], parts)]
+        return [("rows", module.weight.shape[0], parts)]
     return []
 
 
