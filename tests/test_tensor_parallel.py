@@ -357,8 +357,7 @@ REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
                                 "strategy.tp_sequence_parallel: true needs strategy=fsdp, strategy.tp > 1 (got zero3"),
     "sequence_parallel_tp1": (dict(tp=1, tp_sequence_parallel=True),
                               "strategy.tp_sequence_parallel: true needs strategy=fsdp, strategy.tp > 1 (got fsdp, tp=1"),
-    # the sequence split as the position embedding's rows: 1/tp each
-    "sequence_parallel_seq_len": (dict(model__seq_len=63), "strategy.tp=2: Transformer's pos_emb has 63 rows"),
+    "sequence_parallel_seq_len": (dict(model__seq_len=63), "strategy.tp=2: Transformer's pos_emb has 63 positions"),
 }
 
 

@@ -121,9 +121,9 @@ class Transformer(nn.Module):
                          "blocks.*.attn.proj": "rowwise",
                          "blocks.*.mlp.up": "packed_colwise:2" if shape.mlp == "swiglu" else "colwise",
                          "blocks.*.mlp.down": "rowwise", "lm_head": "colwise_gather_output"}
-        # strategy.tp_sequence_parallel: the residual stream and the norms on each rank's share of the sequence;
-        # the position embedding split as the token embedding is, so their sums are the rank's tokens alike
-        self._tp_sequence_plan = {"pos_emb": "embedding_rowwise", "blocks.*.attn_norm": "sequence_parallel",
+        # strategy.tp_sequence_parallel: the residual stream and the norms on each rank's share of the sequence,
+        # the positions looked up for it
+        self._tp_sequence_plan = {"pos_emb": "sequence_positions", "blocks.*.attn_norm": "sequence_parallel",
                                   "blocks.*.attn": "sequence_gathered", "blocks.*.mlp_norm": "sequence_parallel",
                                   "blocks.*.mlp": "sequence_gathered", "norm": "sequence_parallel"}
         self.tok_emb = Embedding(shape.vocab_size, shape.d_model)

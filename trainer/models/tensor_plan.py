@@ -22,12 +22,11 @@ A model may declare, beside it, `_tp_sequence_plan`: the modules of sequence par
 plan; `strategy.tp_sequence_parallel`, fsdp only), where the tensors between the split layers (the residual
 stream, the norms) are split over the sequence (dim 1) instead of whole on every rank. With it the plan's
 rowwise and embedding_rowwise layers scatter their sums over the sequence, and the output layer gathers its
-input; its own styles:
+input; its own styles, each whole on every rank of the group, its gradient summed over it:
 
-- sequence_parallel: a norm computing on its rank's tokens, its weights whole, their gradients summed over the
-  group;
-- sequence_gathered: a module (attention, the MLP) whose first input, its rank's tokens, is gathered whole;
-- embedding_rowwise, as above (the built-in's position embedding).
+- sequence_parallel: a norm, computing on its rank's tokens;
+- sequence_positions: an Embedding of positions (the built-in's), looking up its rank's share of them;
+- sequence_gathered: a module (attention, the MLP) whose first input, its rank's tokens, is gathered whole.
 
 Only the built-in transformer declares one.
 
@@ -48,7 +47,7 @@ from trainer.models.weights import canonical_name
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise",
           "replicated_with_grad_allreduce")
-SEQUENCE_STYLES = ("sequence_parallel", "sequence_gathered", "embedding_rowwise")
+SEQUENCE_STYLES = ("sequence_parallel", "sequence_positions", "sequence_gathered")
 
 
 def style_and_parts(value: str) -> tuple[str, int]:
@@ -84,7 +83,7 @@ def planned_modules(model: nn.Module, plan_name: str = "_tp_plan") -> list[tuple
 
 # the layer each style splits (torch's parallel styles take Linear and Embedding layers); the others: a Linear
 LAYERS = {"embedding_rowwise": nn.Embedding, "replicated_with_grad_allreduce": nn.Module, "sequence_parallel": nn.Module,
-          "sequence_gathered": nn.Module}
+          "sequence_positions": nn.Embedding, "sequence_gathered": nn.Module}
 
 
 def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int, int]]:
@@ -95,6 +94,8 @@ def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int
         return [("columns", module.weight.shape[1], 1)]
     if style == "packed_colwise":
         return [("rows", module.weight.shape[0], parts)]
+    if style == "sequence_positions":  # the sequence, split as its positions
+        return [("positions", module.weight.shape[0], 1)]
     return []
 
 

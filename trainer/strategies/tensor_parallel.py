@@ -96,6 +96,14 @@ class ReplicatedGradientSummed(LocalStyle):
         return p.to_local(grad_placements=[Partial()])
 
 
+class SequencePositions(ReplicatedGradientSummed):
+    """sequence_positions: an embedding of the whole sequence's positions looking up its rank's share of
+    them, its tokens' (no exchange, as the position embedding of a Megatron rank)."""
+
+    def local_input(self, x, mesh):
+        return x.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+
+
 class SequenceGathered(ParallelStyle):
     """sequence_gathered: the module's first input, its rank's tokens, all-gathered whole as a Replicate
     DTensor (its split layers take it as their whole input; their gradients reduce-scattered back)."""
@@ -125,6 +133,7 @@ def parallel_style(value: str, sequence_parallel: bool = False) -> ParallelStyle
             "replicated_with_grad_allreduce": lambda: ReplicatedGradientSummed(),
             # a norm on its rank's tokens: its gradient is theirs, summed over the group as a replicated weight's
             "sequence_parallel": lambda: ReplicatedGradientSummed(),
+            "sequence_positions": lambda: SequencePositions(),
             "sequence_gathered": lambda: SequenceGathered()}[style]()
 
 
