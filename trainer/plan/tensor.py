@@ -98,10 +98,10 @@ def hold_local_shares(model: nn.Module, tp: int) -> None:
 
 def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
     """On meta, with the model's `_tp_sequence_plan` (strategy.tp_sequence_parallel): what runs between the
-    split layers holds a rank's 1 / tp of the sequence (the rowwise layers' and embeddings' sums keep their
-    first 1 / tp, a reduce-scatter's share; the positions' lookups are those of the first 1 / tp) and attention's, the MLP's and the output layer's inputs are
-    whole again (an all-gather's copy), so that a forward keeps what a rank of the tensor group does.
-    Returns the hooks that do it."""
+    split layers holds a rank's 1 / tp of the sequence (the rowwise layers', embeddings' and positions'
+    outputs keep their first 1 / tp, a reduce-scatter's share) and attention's, the MLP's and the output
+    layer's inputs are whole again (an all-gather's copy), so that a forward keeps what a rank of the
+    tensor group does. Returns the hooks that do it."""
     sequence_plan = planned_modules(model, "_tp_sequence_plan")
     if not sequence_plan:  # a model that declares none keeps its stream whole
         return []

@@ -97,8 +97,8 @@ class ReplicatedGradientSummed(LocalStyle):
 
 
 class SequencePositions(ReplicatedGradientSummed):
-    """sequence_positions: an embedding of the whole sequence's positions looking up its rank's share of
-    them, its tokens' (no exchange, as the position embedding of a Megatron rank)."""
+    """sequence_positions: an embedding given the whole sequence's positions, looking up its rank's share
+    of them, its tokens' (no exchange)."""
 
     def local_input(self, x, mesh):
         return x.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
