@@ -39,7 +39,7 @@ from trainer.models.blocks import find_blocks
 from trainer.models.checks import check_model_sequence_parallel, check_output_layer
 from trainer.models.experts import check_expert_parallel
 from trainer.models.lora import read_adapter_folder
-from trainer.models.tensor_plan import check_model_tensor_parallel
+from trainer.models.tensor_plan import check_model_tensor_parallel, uses_sequence_parallel
 from trainer.strategies import preflight
 
 
@@ -200,6 +200,10 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
     splits (its plan, its heads); `model` the run's, built on the meta device. Each refusal one line."""
     s, t, tp = cfg.strategy, cfg.train, cfg.strategy.tp
     _require(tp >= 1, "strategy.tp", f"must be >= 1 (1: every rank holds every weight whole), got {tp}")
+    _require(not s.tp_sequence_parallel or uses_sequence_parallel(s, model), "strategy.tp_sequence_parallel",
+             f"true needs strategy=fsdp, strategy.tp > 1 (got {StrategyName(s.name).value}, tp={tp}) and a model whose "
+             "plan declares it (`_tp_sequence_plan`: the built-in transformer's; Hugging Face families declare none); "
+             "use null (where the plan declares it) or false")
     if tp == 1:
         return
     _require(world_size % tp == 0, "strategy.tp", f"the world size {world_size} must be a multiple of strategy.tp={tp}: "
@@ -230,7 +234,7 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
     refused = next((why for wrong, why in not_yet if wrong), None)
     if refused:
         raise ConfigError(f"strategy.tp={tp} {refused}")
-    check_model_tensor_parallel(tp, model)
+    check_model_tensor_parallel(tp, model, uses_sequence_parallel(s, model))
 
 
 def check_validation_rows(cfg: Config, rows: int) -> None:

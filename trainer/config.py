@@ -171,6 +171,10 @@ class StrategyConfig:
     sp: int = 1  # sequence parallelism: ranks that split each sequence (Ulysses attention); the world is dp x sp
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts, tokens sent to them (fsdp, zero1/2/3)
     tp: int = 1  # tensor parallelism: ranks that split each layer's weights and read the same rows (fsdp, zero1/2/3); the world is dp x tp
+    # strategy.tp on fsdp: the norms (and what runs between the split layers) on each rank's 1/tp of the sequence
+    # (Megatron's sequence parallelism, not strategy.sp); null: where the model's plan declares it, true: refused
+    # where it does not, false: off
+    tp_sequence_parallel: Optional[bool] = None
 
 
 @dataclass

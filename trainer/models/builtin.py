@@ -121,6 +121,11 @@ class Transformer(nn.Module):
                          "blocks.*.attn.proj": "rowwise",
                          "blocks.*.mlp.up": "packed_colwise:2" if shape.mlp == "swiglu" else "colwise",
                          "blocks.*.mlp.down": "rowwise", "lm_head": "colwise_gather_output"}
+        # strategy.tp_sequence_parallel: the residual stream and the norms on each rank's share of the sequence,
+        # the positions looked up for it
+        self._tp_sequence_plan = {"pos_emb": "sequence_positions", "blocks.*.attn_norm": "sequence_parallel",
+                                  "blocks.*.attn": "sequence_gathered", "blocks.*.mlp_norm": "sequence_parallel",
+                                  "blocks.*.mlp": "sequence_gathered", "norm": "sequence_parallel"}
         self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
         self.pos_emb = Embedding(shape.seq_len, shape.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
@@ -134,7 +139,8 @@ class Transformer(nn.Module):
         rows, and attention keeps the documents of the whole rows' apart (models/sequence.py)."""
         documents = sequence.documents_for(position_ids)
         if position_ids is None:
-            position_ids = torch.arange(idx.shape[1], device=idx.device)
+            # [1, t]: the rows' dimension kept, which strategy.tp_sequence_parallel splits the positions' lookups over
+            position_ids = torch.arange(idx.shape[1], device=idx.device)[None]
         x = self.tok_emb(idx) + self.pos_emb(position_ids)
         for block in self.blocks:
             x = block(x, documents)

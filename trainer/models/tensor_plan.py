@@ -18,6 +18,18 @@ splits (strategies/tensor_parallel.py turns them into torch's):
 - replicated_with_grad_allreduce: whole on every rank, its gradient summed over the group (Qwen3's
   per-head q_norm/k_norm, which each rank applies to its own heads only).
 
+A model may declare, beside it, `_tp_sequence_plan`: the modules of sequence parallelism (Megatron's, torchtitan's
+plan; `strategy.tp_sequence_parallel`, fsdp only), where the tensors between the split layers (the residual
+stream, the norms) are split over the sequence (dim 1) instead of whole on every rank. With it the plan's
+rowwise and embedding_rowwise layers scatter their sums over the sequence, and the output layer gathers its
+input; its own styles, each whole on every rank of the group, its gradient summed over it:
+
+- sequence_parallel: a norm, computing on its rank's tokens;
+- sequence_positions: an Embedding of positions (the built-in's), looking up its rank's share of them;
+- sequence_gathered: a module (attention, the MLP) whose first input, its rank's tokens, is gathered whole.
+
+Only the built-in transformer declares one.
+
 A tied output layer (its matrix is the embedding's) stays whole on every rank of the group: both its
 entries leave the plan. So does an embedding with a `padding_idx`: its backward skips that row by the
 index it sees, which on a rank holding other rows is another token's.
@@ -28,12 +40,14 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from trainer.config import StrategyConfig, StrategyName
 from trainer.errors import ConfigError
 from trainer.models.builtin import Transformer
 from trainer.models.weights import canonical_name
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise",
           "replicated_with_grad_allreduce")
+SEQUENCE_STYLES = ("sequence_parallel", "sequence_positions", "sequence_gathered")
 
 
 def style_and_parts(value: str) -> tuple[str, int]:
@@ -48,11 +62,11 @@ def matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
 
 
-def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(canonical name, module, style value) of every module the model's plan splits, in model order;
-    a module whose parameter another module shares (a tied output layer and its embedding), and an
-    embedding with a padding row, are left whole."""
-    plan = getattr(model, "_tp_plan", None) or {}
+def planned_modules(model: nn.Module, plan_name: str = "_tp_plan") -> list[tuple[str, nn.Module, str]]:
+    """(canonical name, module, style value) of every module the model's plan (`plan_name`: its
+    `_tp_sequence_plan`) splits, in model order; a module whose parameter another module shares (a tied
+    output layer and its embedding), and an embedding with a padding row, are left whole."""
+    plan = getattr(model, plan_name, None) or {}
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -68,18 +82,20 @@ def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
 
 
 # the layer each style splits (torch's parallel styles take Linear and Embedding layers); the others: a Linear
-LAYERS = {"embedding_rowwise": nn.Embedding, "replicated_with_grad_allreduce": nn.Module}
+LAYERS = {"embedding_rowwise": nn.Embedding, "replicated_with_grad_allreduce": nn.Module, "sequence_parallel": nn.Module,
+          "sequence_positions": nn.Embedding, "sequence_gathered": nn.Module}
 
 
 def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int, int]]:
     """(what, size, ways) that a style splits `ways` ways per rank of the group (size % (ways x tp) == 0)."""
-    weight = module.weight
     if style in ("colwise", "colwise_gather_output", "embedding_rowwise"):
-        return [("rows", weight.shape[0], 1)]
+        return [("rows", module.weight.shape[0], 1)]
     if style == "rowwise":
-        return [("columns", weight.shape[1], 1)]
+        return [("columns", module.weight.shape[1], 1)]
     if style == "packed_colwise":
-        return [("rows", weight.shape[0], parts)]
+        return [("rows", module.weight.shape[0], parts)]
+    if style == "sequence_positions":  # the sequence, split as its positions
+        return [("positions", module.weight.shape[0], 1)]
     return []
 
 
@@ -92,9 +108,17 @@ def attention_heads(model: nn.Module) -> dict[str, int | None]:
             "key-value heads": getattr(text, "num_key_value_heads", None)}
 
 
-def check_model_tensor_parallel(tp: int, model: nn.Module) -> None:
+def uses_sequence_parallel(strategy: StrategyConfig, model: nn.Module) -> bool:
+    """strategy.tp_sequence_parallel as a run takes it: on fsdp at strategy.tp > 1 where the model declares a
+    `_tp_sequence_plan`, unless set false."""
+    return (strategy.tp > 1 and StrategyName(strategy.name) is StrategyName.fsdp
+            and strategy.tp_sequence_parallel is not False and bool(getattr(model, "_tp_sequence_plan", None)))
+
+
+def check_model_tensor_parallel(tp: int, model: nn.Module, sequence_parallel: bool = False) -> None:
     """strategy.tp=`tp` > 1: the model declares a plan (`_tp_plan`), in styles this trainer splits, and
-    every split dimension, and its attention heads, divide by `tp`. `model` built on the meta device."""
+    every split dimension, and its attention heads, divide by `tp`; so does its `_tp_sequence_plan` where
+    `sequence_parallel`. `model` built on the meta device."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None) or type(model).__name__
     if not getattr(model, "_tp_plan", None):
@@ -110,11 +134,22 @@ def check_model_tensor_parallel(tp: int, model: nn.Module) -> None:
     if not planned:
         raise ConfigError(f"strategy.tp={tp}: {family}'s tensor-parallel plan matches none of its modules; "
                           "use strategy.tp=1")
+    check_styles(tp, family, planned, STYLES)
+    if sequence_parallel:
+        check_styles(tp, family, planned_modules(model, "_tp_sequence_plan"), SEQUENCE_STYLES)
+    for what, n in attention_heads(model).items():
+        if isinstance(n, int) and n % tp:
+            raise ConfigError(f"strategy.tp={tp}: {family} has {n} {what}, which strategy.tp={tp} must divide "
+                              "(each rank attends with its own heads); use a strategy.tp that divides them")
+
+
+def check_styles(tp: int, family: str, planned: list[tuple[str, nn.Module, str]], styles: tuple[str, ...]) -> None:
+    """Each planned module's style is one of `styles`, on the layer it takes, its split dimensions dividing."""
     for name, module, value in planned:
         style, parts = style_and_parts(value)
-        if style not in STYLES:
+        if style not in styles:
             raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which this trainer "
-                              f"does not split (it splits {', '.join(STYLES)}); use strategy.tp=1")
+                              f"does not split (it splits {', '.join(styles)}); use strategy.tp=1")
         layer = LAYERS.get(style, nn.Linear)
         if not isinstance(module, layer):
             raise ConfigError(f"strategy.tp={tp}: {family}'s plan splits {name} as {value!r}, which takes a torch "
@@ -124,7 +159,3 @@ def check_model_tensor_parallel(tp: int, model: nn.Module) -> None:
                 raise ConfigError(f"strategy.tp={tp}: {family}'s {name} has {size} {what}, which {ways} x "
                                   f"strategy.tp={tp} must divide (each rank holds 1/{tp} of each); use a strategy.tp "
                                   "that divides them")
-    for what, n in attention_heads(model).items():
-        if isinstance(n, int) and n % tp:
-            raise ConfigError(f"strategy.tp={tp}: {family} has {n} {what}, which strategy.tp={tp} must divide "
-                              "(each rank attends with its own heads); use a strategy.tp that divides them")

@@ -35,7 +35,7 @@ from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.checks import attends_packed_rows
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.lora import output_layer
-from trainer.plan.tensor import hold_local_shares
+from trainer.plan.tensor import hold_local_shares, hold_sequence_shares
 from trainer.saved_bytes import SavedBytes
 
 
@@ -325,17 +325,20 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     (models/fused_loss.py), at strategy.sp=`sp` the rank's share of each row through Ulysses
     attention (the all-to-alls exchanged for a copy of the same shape, their bytes counted), at
     strategy.tp=`tp` as a rank of the tensor group (each split layer holding its share of the weights:
-    its heads, its features, its logits; what the group sums is whole, as the blocks' inputs), on rows
+    its heads, its features, its logits; what the group sums is whole, as the blocks' inputs, or with
+    strategy.tp_sequence_parallel and the model's `_tp_sequence_plan` its 1 / tp of the sequence), on rows
     of packed documents where the data packs them (`rows_carry_positions`)."""
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
     packed = rows_carry_positions(cfg)
+    sequence_parallel = tp > 1 and cfg.strategy.tp_sequence_parallel is not False  # fsdp's, where the plan declares it
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
-                      sp, packed, tp], default=str)
+                      sp, packed, tp, sequence_parallel], default=str)
     if key not in _COUNTS:
         attended = packed and attends_packed_rows(cfg.model)  # else transformers' own, with its packed mask
         model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, attended).to(dtype)
         if tp > 1:
             hold_local_shares(model, tp)
+        exchanges = hold_sequence_shares(model, tp) if sequence_parallel else []
         if fused_loss:
             fuse_output_layer(model, cfg.model.vocab_size)
         blocks = find_blocks(model, cfg.strategy.wrap)
@@ -361,6 +364,8 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
             # strategy.tp: a rank's logits are its 1 / tp of the vocabulary
             counts = {n: Saves.of(trace(model, traced, loss_of, n, sp, packed), n, vocab // tp).deeper(len(blocks) - len(traced))
                       for n in lengths}
+        for exchange in exchanges:  # the output layer's backward below takes its input whole
+            exchange.remove()
         _COUNTS[key] = dataclasses.replace(fit(counts, len(blocks), logits=not fused_loss),
                                            sp=sp, exchanged_per_token=counts[short].exchanged / short,
                                            output_backward_per_token=output_backward_per_token(model, vocab, fused_loss, short))

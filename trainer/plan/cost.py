@@ -274,7 +274,7 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         model = meta_model(m, cfg.peft)
         blocks = find_blocks(model, cfg.strategy.wrap)
         for tp in tensor_parallel_sizes(cfg, world_size):
-            split = tensor_split(model, blocks, tp, precision)
+            split = tensor_split(model, blocks, tp, precision, cfg.strategy.tp_sequence_parallel is not False)
             for checkpointing in (False, True):
                 plan.options.append(tensor_parallel_option(cfg, facts, split, world_size, checkpointing, save_copy,
                                                            gpu_memory_bytes))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from trainer.config import Config, Precision, StrategyName
 from trainer.errors import ConfigError
@@ -45,18 +46,25 @@ class TensorSplit:
         return per_token * tokens * micro_steps + 4 * self.replicated_gradients * reductions
 
 
-def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: Precision) -> TensorSplit:
-    """`model`'s plan at strategy.tp=`tp` (on meta); `blocks` its blocks (what checkpointing recomputes)."""
+def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: Precision,
+                 sequence_parallel: bool = False) -> TensorSplit:
+    """`model`'s plan at strategy.tp=`tp` (on meta); `blocks` its blocks (what checkpointing recomputes);
+    `sequence_parallel`: with its `_tp_sequence_plan`, whose reduce-scatters and all-gathers move, as a
+    ring, what the all-reduces they replace do (each rowwise sum a reduce-scatter and its gradient's
+    all-gather, each colwise input an all-gather and its gradient's reduce-scatter): counted as those."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
     split = matmul = forward = recomputed = backward = replicated = loss = 0
-    for _, module, value in planned_modules(model):
+    sequence_plan = planned_modules(model, "_tp_sequence_plan") if sequence_parallel else []
+    for _, module, value in planned_modules(model) + sequence_plan:
         style, _ = style_and_parts(value)
         # a rowwise layer's bias is added once the outputs are summed: whole on every rank
         count = sum(p.numel() for name, p in module.named_parameters(recurse=False)
                     if not (style == "rowwise" and name == "bias"))
-        if style == "replicated_with_grad_allreduce":
+        if style in ("replicated_with_grad_allreduce", "sequence_parallel", "sequence_positions"):
             replicated += count
+            continue
+        if style == "sequence_gathered":  # its gather and the colwise layers' gradients: counted as theirs
             continue
         split += count
         matmul += count if style != "embedding_rowwise" else 0
@@ -86,6 +94,25 @@ def hold_local_shares(model: nn.Module, tp: int) -> None:
                 shape = (p.shape[0] // tp, *p.shape[1:])
             share = torch.empty(shape, dtype=p.dtype, device="meta")
             module.register_parameter(name, nn.Parameter(share, requires_grad=p.requires_grad))
+
+
+def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
+    """On meta, with the model's `_tp_sequence_plan` (strategy.tp_sequence_parallel): what runs between the
+    split layers holds a rank's 1 / tp of the sequence (the rowwise layers', embeddings' and positions'
+    outputs keep their first 1 / tp, a reduce-scatter's share) and attention's, the MLP's and the output
+    layer's inputs are whole again (an all-gather's copy), so that a forward keeps what a rank of the
+    tensor group does. Returns the hooks that do it."""
+    sequence_plan = planned_modules(model, "_tp_sequence_plan")
+    if not sequence_plan:  # a model that declares none keeps its stream whole
+        return []
+    exchanges = []
+    for _, module, value in planned_modules(model) + sequence_plan:
+        style, _ = style_and_parts(value)
+        if style in ("rowwise", "embedding_rowwise", "sequence_positions"):
+            exchanges.append(module.register_forward_hook(lambda _, args, y: y[:, :y.shape[1] // tp].clone()))
+        elif style in ("sequence_gathered", "colwise_gather_output"):
+            exchanges.append(module.register_forward_pre_hook(lambda _, args: (args[0].repeat(1, tp, 1), *args[1:])))
+    return exchanges
 
 
 def tensor_parallel_sizes(cfg: Config, world_size: int) -> list[int]:

@@ -15,6 +15,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from trainer.config import Sharding
 from trainer.models.blocks import find_blocks
 from trainer.models.experts import shard_experts
+from trainer.models.tensor_plan import uses_sequence_parallel
 from trainer.models.weights import allocate_params, fill
 from trainer.strategies.base import follow_rank0_buffers, hold_in, tensor_bytes, toggled
 from trainer.strategies.precision import REDUCE_DTYPES
@@ -54,7 +55,7 @@ class FSDPStrategy(TorchStrategy):
         if self.layout.experts.size > 1:
             self.shard_experts(model, kwargs)
         if self.layout.degrees.tp > 1:  # split over "tp" first, then sharded over "dp" (torchtitan's order)
-            parallelize(model, self.tensor_mesh["tp"])
+            parallelize(model, self.tensor_mesh["tp"], uses_sequence_parallel(s, model))
         for block in find_blocks(model, s.wrap):
             fully_shard(block, **kwargs)
         model = fully_shard(model, **kwargs)

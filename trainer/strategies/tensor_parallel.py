@@ -5,6 +5,12 @@ torchtitan's recipe). Each split parameter becomes a DTensor of the tensor group
 embedding_rowwise), Shard(1) (rowwise), _StridedShard(0, K) (packed_colwise: rank t keeps chunk t of
 each of K parts, transformers' own placement of it) or Replicate; `tensor_part` says which block of
 the full tensor a rank holds, for the checkpoint's pieces.
+
+With sequence parallelism (`strategy.tp_sequence_parallel`, the model's `_tp_sequence_plan`; torchtitan's
+apply_tp) the tensors between the split layers are each rank's 1/tp of the sequence (dim 1): the
+embeddings' and rowwise layers' sums reduce-scattered over it, the norms computing on their rank's tokens,
+attention's and the MLP's inputs all-gathered whole, and their input gradients reduce-scattered back
+(Megatron's g and its conjugate).
 """
 from __future__ import annotations
 
@@ -24,9 +30,11 @@ from trainer.models.weights import Block
 
 
 def replicated_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """`x`, whole on every rank of the group, as a local tensor whose gradient is summed over the group in
-    backward (each rank's is the part through its own share of the weights: Megatron's f)."""
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    """`x`, whole on every rank of the group (a local tensor, or sequence_gathered's Replicate DTensor), as a
+    local tensor whose gradient is summed over the group in backward (each rank's is the part through its
+    own share of the weights: Megatron's f; after a gather, reduce-scattered over the sequence)."""
+    whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return whole.to_local(grad_placements=[Partial()])
 
 
 class LocalStyle(ParallelStyle):
@@ -88,23 +96,53 @@ class ReplicatedGradientSummed(LocalStyle):
         return p.to_local(grad_placements=[Partial()])
 
 
-def parallel_style(value: str) -> ParallelStyle:
-    """torch's style for a plan's style name (models/tensor_plan.py lists them)."""
+class SequencePositions(ReplicatedGradientSummed):
+    """sequence_positions: an embedding given the whole sequence's positions, looking up its rank's share
+    of them, its tokens' (no exchange)."""
+
+    def local_input(self, x, mesh):
+        return x.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+
+
+class SequenceGathered(ParallelStyle):
+    """sequence_gathered: the module's first input, its rank's tokens, all-gathered whole as a Replicate
+    DTensor (its split layers take it as their whole input; their gradients reduce-scattered back)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_, args):
+            tokens = DTensor.from_local(args[0], device_mesh, [Shard(1)], run_check=False)
+            return tokens.redistribute(device_mesh, [Replicate()]), *args[1:]
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+def parallel_style(value: str, sequence_parallel: bool = False) -> ParallelStyle:
+    """torch's style for a plan's style name (models/tensor_plan.py lists them); `sequence_parallel`: the
+    tensors between the split layers are split over the sequence, not whole."""
     style, parts = style_and_parts(value)
+    between = Shard(1) if sequence_parallel else Replicate()
     return {"colwise": lambda: ColwiseParallel(),
-            "rowwise": lambda: RowwiseParallel(),
+            "rowwise": lambda: RowwiseParallel(output_layouts=between),
             # the output layer: its logits stay split over the vocabulary, a DTensor for the loss (fsdp.py's
             # loss_parallel), never gathered
-            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "colwise_gather_output": lambda: ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                                                             use_local_output=False),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
             "packed_colwise": lambda: PackedColwise(parts),
-            "replicated_with_grad_allreduce": lambda: ReplicatedGradientSummed()}[style]()
+            "replicated_with_grad_allreduce": lambda: ReplicatedGradientSummed(),
+            # a norm on its rank's tokens: its gradient is theirs, summed over the group as a replicated weight's
+            "sequence_parallel": lambda: ReplicatedGradientSummed(),
+            "sequence_positions": lambda: SequencePositions(),
+            "sequence_gathered": lambda: SequenceGathered()}[style]()
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split the modules of the model's plan over `mesh` (the "tp" dimension), on the meta model."""
-    for _, module, value in planned_modules(model):
-        parallelize_module(module, mesh, parallel_style(value))
+def parallelize(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Split the modules of the model's plan over `mesh` (the "tp" dimension), on the meta model; with
+    `sequence_parallel`, those of its `_tp_sequence_plan` too."""
+    sequence_plan = planned_modules(model, "_tp_sequence_plan") if sequence_parallel else []
+    for _, module, value in planned_modules(model) + sequence_plan:
+        parallelize_module(module, mesh, parallel_style(value, sequence_parallel))
 
 
 class Part(NamedTuple):
