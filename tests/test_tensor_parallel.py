@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import (
     assert_close,
@@ -44,19 +45,27 @@ GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_la
            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
 
 
-def model_dir(root, family: str) -> str:
+def model_dir(root, family: str, weights: bool = False) -> str:
     """A tiny Qwen3 or Llama (grouped-query attention: 4 heads, 2 key-value heads; Qwen3's per-head q_norm
-    and k_norm), config only: the model's own init gives its first weights."""
-    from transformers import AutoConfig
+    and k_norm), config only: the model's own init gives its first weights; `weights`: saved with them (a
+    LoRA run's pretrained base, which its checkpoints leave out)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    AutoConfig.for_model(family, **GQA).save_pretrained(str(root / family))
-    return str(root / family)
+    path = root / (f"{family}_weights" if weights else family)
+    config = AutoConfig.for_model(family, **GQA)
+    if weights:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    else:
+        config.save_pretrained(str(path))
+    return str(path)
 
 
 def tp_case(strategy: str, micro: int, model: str | None = None, **overrides) -> dict:
     """Global batch 8 (micro x data-parallel ranks), clipping active, validation after steps 2 and 4."""
-    cfg = with_overrides(case(strategy, steps=STEPS), train__micro_batch_size=micro, train__grad_clip=CLIP,
-                         optim__lr=1e-2, data__val_fraction=0.1, eval__every_steps=2, **overrides)
+    cfg = with_overrides(case(strategy, steps=STEPS), **{"train__micro_batch_size": micro, "train__grad_clip": CLIP,
+                                                         "optim__lr": 1e-2, "data__val_fraction": 0.1,
+                                                         "eval__every_steps": 2, **overrides})
     if model is None:
         return cfg
     return {**cfg, "model": {"name": "hf", "kind": "hf", "path": model, "seq_len": 32, "vocab_size": VOCAB}}
@@ -104,13 +113,13 @@ def fours(runs):
     return out
 
 
-def assert_same_run(runs, name: str, baseline: str) -> None:
+def assert_same_run(runs, name: str, baseline: str, clip: float = CLIP) -> None:
     base, run = ([r for r in records(runs / which) if "split" not in r] for which in (baseline, name))
     validation = [[r["loss"] for r in records(runs / which) if "split" in r] for which in (name, baseline)]
     assert len(validation[1]) == 2, "evaluated after steps 2 and 4"
     assert_close(*validation, f"{name}: val loss", RTOL)
     assert len(base) == STEPS and [r["step"] for r in run] == [r["step"] for r in base], (name, run)
-    assert all(r["grad_norm"] > CLIP for r in base[:1]), "clipped: a wrong norm would change the losses"
+    assert all(r["grad_norm"] > clip for r in base[:1]), "clipped: a wrong norm would change the losses"
     assert_close(losses(run), losses(base), name, RTOL)
     assert_close([r["grad_norm"] for r in run], [r["grad_norm"] for r in base], f"{name}: grad_norm", NORM_RTOL)
     assert [r["tokens"] for r in run] == [r["tokens"] for r in base], f"{name}: a tensor group counts its rows once"
@@ -169,16 +178,23 @@ def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
 
 def test_a_tp2_checkpoint_exports_whole_weights(runs, tmp_path):
     """trainer.export of a tp=2 checkpoint writes every weight whole (rows, blocks of columns and packed
-    parts joined): one rank's export after the same 2 steps, each within 1e-3 (relative, in norm)."""
+    parts joined), as one rank's export after the same 2 steps."""
+    assert_exports_alike(runs["tp2"], runs["one"], tmp_path)
+
+
+def assert_exports_alike(split: Path, whole: Path, out: Path, merge: bool = False, folder_file: str = "") -> None:
+    """trainer.export of two checkpoints' step 2 (a file; `folder_file`: that file of an exported folder):
+    the same tensors, of the same shapes, each within 1e-3 (relative, in norm)."""
     from safetensors.torch import load_file
 
     from trainer.checkpoint.export import export
 
-    exported = {}
-    for name in ("tp2", "one"):
-        export(runs[name] / "step_00000002", tmp_path / f"{name}.safetensors")
-        exported[name] = load_file(str(tmp_path / f"{name}.safetensors"))
-    split, whole = exported["tp2"], exported["one"]
+    exported = []
+    for name, run in (("split", split), ("whole", whole)):
+        target = out / name if folder_file else out / f"{name}.safetensors"
+        export(run / "step_00000002", target, merge)
+        exported.append(load_file(str(target / folder_file if folder_file else target)))
+    split, whole = exported
     assert split.keys() == whole.keys() and all(split[k].shape == whole[k].shape for k in whole)
     assert all((split[k] - whole[k]).norm() <= 1e-3 * whole[k].norm() for k in whole)
 
@@ -200,6 +216,62 @@ def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
             # measured 4.7e-5 at most (Adam's first steps move an element of a near-zero gradient by up to lr
             # whatever its rounding); a part in another's place: of the order of 1
             assert (a - b).norm() <= 1e-3 * b.norm(), (name, what, float((a - b).norm() / b.norm()))
+
+
+# -- LoRA (peft=lora) on fsdp: each adapter split as its layer ----------------------------------------
+
+LORA_CLIP = 0.1  # below the adapters' gradient norms (0.25 to 1.8 at one rank)
+LORA = dict(peft__name="lora", peft__r=4, peft__alpha=8.0, train__grad_clip=LORA_CLIP)
+# the built-in model with every linear layer adapted, its output layer too: qkv packed, proj and down
+# rowwise, up colwise, lm_head colwise with split logits
+BUILTIN_TARGETS = ["qkv", "proj", "up", "down", "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """LoRA at tp=2 on 2 ranks against one rank: a Qwen3 from saved weights (all-linear; its checkpoints
+    hold the adapters alone), also with accumulation, and the built-in model; Qwen3's checkpoints both
+    ways, from one rank (fsdp) to tp=2 and from tp=2 to one rank (ddp)."""
+    out = tmp_path_factory.mktemp("tensor_parallel_lora")
+    qwen = model_dir(out, "qwen3", weights=True)
+    ckpt = {name: out / f"ckpt_{name}" for name in ("one_lora", "tp2_lora")}
+    builtin = dict(LORA, peft__target_modules=BUILTIN_TARGETS)
+    on_ranks(1, train_cases, {"one_lora": saving(tp_case("fsdp", 8, qwen, **LORA), ckpt["one_lora"], 2),
+                              "one_lora_builtin": tp_case("fsdp", 8, **builtin)}, str(out))
+    on_ranks(2, train_cases, {
+        "tp2_lora": saving(tp_case("fsdp", 8, qwen, strategy__tp=2, **LORA), ckpt["tp2_lora"], 2),
+        "tp2_lora_accum": tp_case("fsdp", 4, qwen, strategy__tp=2, train__grad_accum_steps=2, **LORA),
+        "tp2_lora_builtin": tp_case("fsdp", 8, strategy__tp=2, **builtin),
+        "tp2_lora_from_one": resuming(tp_case("fsdp", 8, qwen, strategy__tp=2, **LORA), ckpt["one_lora"], 2)}, str(out))
+    on_ranks(1, train_cases, {"ddp_lora_from_tp2": resuming(tp_case("ddp", 8, qwen, **LORA), ckpt["tp2_lora"], 2)},
+             str(out))
+    return {**ckpt, "out": out}
+
+
+@pytest.mark.parametrize("name, baseline", [("tp2_lora", "one_lora"), ("tp2_lora_accum", "one_lora"),
+                                            ("tp2_lora_builtin", "one_lora_builtin")])
+def test_lora_at_tp2_gives_one_ranks_losses_and_norms(lora_runs, name, baseline):
+    """Adapters split as their layers (a colwise or packed layer's lora_B by rows, a rowwise layer's lora_A
+    by columns, the other whole), the base frozen: one rank's losses, validation losses and clipped
+    gradient norms, each adapter counted once."""
+    assert_same_run(lora_runs["out"], name, baseline, LORA_CLIP)
+
+
+@pytest.mark.parametrize("name, checkpoint", [("tp2_lora_from_one", "one_lora"), ("ddp_lora_from_tp2", "tp2_lora")])
+def test_lora_checkpoints_hold_the_adapters_alone_and_move_between_tp2_and_one_rank(lora_runs, name, checkpoint):
+    from trainer.checkpoint.format import read_manifest
+
+    saved = [key for key in read_manifest(lora_runs[checkpoint] / "step_00000002")["tensors"] if key != "optim.step"]
+    assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved), saved
+    out = lora_runs["out"]
+    assert_resumes(records(out / name), records(out / checkpoint), 2, name, RTOL)
+
+
+@pytest.mark.parametrize("merge, weights", [(False, "adapter_model.safetensors"), (True, "model.safetensors")])
+def test_a_lora_tp2_checkpoint_exports_whole_weights(lora_runs, tmp_path, merge, weights):
+    """trainer.export of a LoRA tp=2 checkpoint: its adapter folder, and the model with them merged, hold
+    every tensor whole, as one rank's export after the same 2 steps."""
+    assert_exports_alike(lora_runs["tp2_lora"], lora_runs["one_lora"], tmp_path, merge, weights)
 
 
 # -- zero1/2/3: DeepSpeed's AutoTP over the same plan (strategies/ds_tp.py) -----------------------
@@ -322,7 +394,6 @@ REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
     "hsdp": (dict(sharding="HYBRID_SHARD"), "strategy.tp=2 with strategy.sharding=HYBRID_SHARD"),
     "no_shard": (dict(sharding="NO_SHARD"), "strategy.tp=2 with strategy.sharding=NO_SHARD"),
     "offload": (dict(offload_params=True, offload_optimizer=True), "strategy.tp=2 with offload"),
-    "lora": (dict(peft__name="lora"), "strategy.tp=2 with peft=lora"),
     "compile": (dict(train__compile=True), "strategy.tp=2 with train.compile=true"),
     "fused_loss": (dict(train__fused_loss=True), "strategy.tp=2 with train.fused_loss=true"),
     "fp16": (dict(train__precision="fp16"), "strategy.tp=2 with train.precision=fp16"),
@@ -400,6 +471,31 @@ def test_a_tied_output_layer_and_an_embedding_with_a_padding_row_stay_whole(tmp_
     padded = meta_model(ModelConfig(name="hf", kind="hf", path=str(tmp_path / "padded"), seq_len=32, vocab_size=VOCAB))
     names = [name for name, _, _ in planned_modules(padded)]
     assert "model.embed_tokens" not in names and "lm_head" in names
+
+
+def test_lora_adapters_split_as_their_layers_and_stay_whole_beside_a_layer_left_whole(tmp_path):
+    """peft=lora at tp=2 on fsdp passes the checks. A planned layer's base_layer splits (not peft's wrapper
+    around it), a colwise layer's lora_B and a rowwise layer's lora_A as it, the other adapter whole; the
+    adapters of Qwen2's tied output layer, which stays whole, stay whole too."""
+    from torch import nn
+
+    from trainer.checks import check_tensor_parallel
+    from trainer.config import to_config
+    from trainer.demo import make_model_dir
+    from trainer.models import meta_model
+    from trainer.models.tensor_plan import planned_modules
+
+    tied = str(make_model_dir(tmp_path / "qwen2", "qwen2", weights=False))
+    cfg = to_config(tp_case("fsdp", 8, tied, strategy__tp=2, **LORA, peft__target_modules=["q_proj", "o_proj",
+                                                                                          "lm_head"]))
+    model = meta_model(cfg.model, cfg.peft)
+    assert refused_by(check_tensor_parallel, cfg, 2, model) is None
+    planned = {name: (type(module), value) for name, module, value in planned_modules(model)}
+    attention = "model.layers.0.self_attn"
+    assert {name: planned[name] for name in planned if name.startswith((f"{attention}.q_proj", f"{attention}.o_proj"))} \
+        == {f"{attention}.q_proj": (nn.Linear, "colwise"), f"{attention}.q_proj.lora_B.default": (nn.Linear, "colwise"),
+            f"{attention}.o_proj": (nn.Linear, "rowwise"), f"{attention}.o_proj.lora_A.default": (nn.Linear, "rowwise")}
+    assert not any(name.startswith("lm_head") for name in planned), planned
 
 
 def test_the_command_line_refuses_tp_on_ddp_before_any_rank_starts(tmp_path):

@@ -216,8 +216,9 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
         (strategy == "fsdp" and (s.offload_params or s.offload_optimizer),
          "with offload: strategy=fsdp does not offload tensor-parallel weights yet; set "
          "strategy.offload_params/offload_optimizer=false (zero1/2/3 do)"),
-        (PeftName(cfg.peft.name) is PeftName.lora, f"with peft=lora: strategy={strategy} does not split LoRA's adapters "
-                                                  "over a tensor group yet; use strategy.tp=1"),
+        (strategy != "fsdp" and PeftName(cfg.peft.name) is PeftName.lora,
+         f"with peft=lora: strategy={strategy} does not split LoRA's adapters over a tensor group yet; use "
+         "strategy=fsdp (or strategy.tp=1)"),
         (t.compile, f"with train.compile=true: strategy={strategy} does not compile tensor-parallel blocks yet"),
         (t.fused_loss, "with train.fused_loss=true: the output layer is split over the tensor group, which the fused "
                        f"loss does not take yet (strategy={strategy})"),
