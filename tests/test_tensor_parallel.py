@@ -6,7 +6,10 @@ gradient norms within 1e-5). On fsdp the output layer's logits are split over th
 with accumulation and activation checkpointing, and with SHARD_GRAD_OP, too; bf16 within 2e-3 of one
 rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query attention, and at
 dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
-with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. On
+with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. LoRA's
+adapters split as their layers (peft=lora, on fsdp): at tp=2 a Qwen3 (also with accumulation) and the
+built-in model give one rank's losses and norms, and checkpoints of the adapters alone move between tp=2
+and one rank and export whole. On
 zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
 on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
 to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2. The settings it does not cross with are refused before
