@@ -7,11 +7,11 @@ with accumulation and activation checkpointing, and with SHARD_GRAD_OP, too; bf1
 rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query attention, and at
 dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
 with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. LoRA's
-adapters split as their layers (peft=lora, on fsdp): at tp=2 a Qwen3 (also with accumulation) and the
-built-in model give one rank's losses and norms, and checkpoints of the adapters alone move between tp=2
-and one rank and export whole. On
-zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
-on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
+adapters split as their layers (peft=lora, on fsdp): a Qwen3 at tp=2 (also with accumulation and activation
+checkpointing) and dp=2 x tp=2, and the built-in model at tp=2, give one rank's losses and norms, and
+checkpoints of the adapters alone move between tp=2 and one rank and export whole. On zero1/2/3
+(DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2 on 2
+ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
 to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2. The settings it does not cross with are refused before
 any work, in one line."""
 from __future__ import annotations
@@ -46,6 +46,11 @@ NORM_RTOL = 1e-5
 BF16_RTOL = 2e-3  # bf16 at tp=2 against one rank in bf16 (test_expert_parallel.py's bound)
 GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+# peft=lora: alpha / r = 4, so that the adapters' first gradient norm (lora_B's alone) is above CLIP
+LORA = dict(peft__name="lora", peft__r=4, peft__alpha=16.0)
+# the built-in model with every linear layer adapted, its output layer too: qkv packed, proj and down
+# rowwise, up colwise, lm_head colwise with split logits
+BUILTIN_LORA = dict(LORA, peft__target_modules=["qkv", "proj", "up", "down", "lm_head"])
 
 
 def model_dir(root, family: str, weights: bool = False) -> str:
@@ -66,9 +71,8 @@ def model_dir(root, family: str, weights: bool = False) -> str:
 
 def tp_case(strategy: str, micro: int, model: str | None = None, **overrides) -> dict:
     """Global batch 8 (micro x data-parallel ranks), clipping active, validation after steps 2 and 4."""
-    cfg = with_overrides(case(strategy, steps=STEPS), **{"train__micro_batch_size": micro, "train__grad_clip": CLIP,
-                                                         "optim__lr": 1e-2, "data__val_fraction": 0.1,
-                                                         "eval__every_steps": 2, **overrides})
+    cfg = with_overrides(case(strategy, steps=STEPS), train__micro_batch_size=micro, train__grad_clip=CLIP,
+                         optim__lr=1e-2, data__val_fraction=0.1, eval__every_steps=2, **overrides)
     if model is None:
         return cfg
     return {**cfg, "model": {"name": "hf", "kind": "hf", "path": model, "seq_len": 32, "vocab_size": VOCAB}}
@@ -76,53 +80,70 @@ def tp_case(strategy: str, micro: int, model: str | None = None, **overrides) ->
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The quick suite's: the built-in model and Qwen3 at tp=2 against one rank, checkpoints both ways."""
+    """The quick suite's: the built-in model and Qwen3 at tp=2 against one rank, checkpoints both ways; LoRA
+    on a Qwen3 from saved weights (all-linear) at tp=2 against one rank, its checkpoint to one rank."""
     out = tmp_path_factory.mktemp("tensor_parallel")
-    qwen = model_dir(out, "qwen3")
-    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "tp2")}
+    qwen, qwen_weights = model_dir(out, "qwen3"), model_dir(out, "qwen3", weights=True)
+    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "tp2", "one_lora", "tp2_lora")}
     on_ranks(1, train_cases, {"one": saving(tp_case("fsdp", 8), ckpt["one"], 2),
-                              "one_qwen3": tp_case("fsdp", 8, qwen)}, str(out))
+                              "one_qwen3": tp_case("fsdp", 8, qwen),
+                              "one_lora": saving(tp_case("fsdp", 8, qwen_weights, **LORA), ckpt["one_lora"], 2)},
+             str(out))
     on_ranks(2, train_cases, {"tp2": saving(tp_case("fsdp", 8, strategy__tp=2), ckpt["tp2"], 2),
                               "tp2_qwen3": tp_case("fsdp", 8, qwen, strategy__tp=2),
-                              "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2)}, str(out))
+                              "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2),
+                              "tp2_lora": saving(tp_case("fsdp", 8, qwen_weights, strategy__tp=2, **LORA),
+                                                 ckpt["tp2_lora"], 2)}, str(out))
     on_ranks(1, train_cases, {"ddp_from_tp2": resuming(tp_case("ddp", 8), ckpt["tp2"], 2),
-                              "zero3_from_tp2": resuming(tp_case("zero3", 8), ckpt["tp2"], 2)}, str(out))
-    return {**ckpt, "out": out, "qwen": qwen}
+                              "zero3_from_tp2": resuming(tp_case("zero3", 8), ckpt["tp2"], 2),
+                              "ddp_lora_from_tp2": resuming(tp_case("ddp", 8, qwen_weights, **LORA), ckpt["tp2_lora"],
+                                                            2)}, str(out))
+    return {**ckpt, "out": out, "qwen": qwen, "qwen_weights": qwen_weights}
 
 
 @pytest.fixture(scope="module")
 def crossed(runs):
-    """make test-all's: Llama, accumulation with activation checkpointing, SHARD_GRAD_OP and bf16 at tp=2."""
-    out = runs["out"]
+    """make test-all's: Llama, accumulation with activation checkpointing, SHARD_GRAD_OP and bf16 at tp=2; LoRA
+    on the built-in model and with accumulation and activation checkpointing at tp=2, and one rank's LoRA
+    checkpoint resumed at tp=2."""
+    out, qwen_weights = runs["out"], runs["qwen_weights"]
     llama = model_dir(out, "llama")
     on_ranks(1, train_cases, {"one_llama": tp_case("fsdp", 8, llama),
-                              "one_bf16": tp_case("fsdp", 8, train__precision="bf16")}, str(out))
+                              "one_bf16": tp_case("fsdp", 8, train__precision="bf16"),
+                              "one_lora_builtin": tp_case("fsdp", 8, **BUILTIN_LORA)}, str(out))
     on_ranks(2, train_cases, {"tp2_llama": tp_case("fsdp", 8, llama, strategy__tp=2),
                               "tp2_grad_op": tp_case("fsdp", 8, strategy__tp=2, strategy__sharding="SHARD_GRAD_OP"),
                               "tp2_bf16": tp_case("fsdp", 8, strategy__tp=2, train__precision="bf16"),
                               "tp2_accum_ac": tp_case("fsdp", 4, strategy__tp=2, train__grad_accum_steps=2,
-                                                      train__activation_checkpointing=True)}, str(out))
+                                                      train__activation_checkpointing=True),
+                              "tp2_lora_builtin": tp_case("fsdp", 8, strategy__tp=2, **BUILTIN_LORA),
+                              "tp2_lora_accum_ac": tp_case("fsdp", 4, qwen_weights, strategy__tp=2,
+                                                           train__grad_accum_steps=2,
+                                                           train__activation_checkpointing=True, **LORA),
+                              "tp2_lora_from_one": resuming(tp_case("fsdp", 8, qwen_weights, strategy__tp=2, **LORA),
+                                                            runs["one_lora"], 2)}, str(out))
     return out
 
 
 @pytest.fixture(scope="module")
 def fours(runs):
-    """dp=2 x tp=2 on 4 ranks: two tensor groups, each reading its own rows."""
+    """dp=2 x tp=2 on 4 ranks: two tensor groups, each reading its own rows (LoRA's too)."""
     out, qwen = runs["out"], runs["qwen"]
     on_ranks(4, train_cases, {"dp2_tp2": tp_case("fsdp", 4, strategy__tp=2),
                               "dp2_tp2_qwen3": tp_case("fsdp", 4, qwen, strategy__tp=2),
+                              "dp2_tp2_lora": tp_case("fsdp", 4, runs["qwen_weights"], strategy__tp=2, **LORA),
                               "dp2_tp2_from_tp2": resuming(tp_case("fsdp", 4, strategy__tp=2), runs["tp2"], 2)},
              str(out))
     return out
 
 
-def assert_same_run(runs, name: str, baseline: str, clip: float = CLIP) -> None:
+def assert_same_run(runs, name: str, baseline: str) -> None:
     base, run = ([r for r in records(runs / which) if "split" not in r] for which in (baseline, name))
     validation = [[r["loss"] for r in records(runs / which) if "split" in r] for which in (name, baseline)]
     assert len(validation[1]) == 2, "evaluated after steps 2 and 4"
     assert_close(*validation, f"{name}: val loss", RTOL)
     assert len(base) == STEPS and [r["step"] for r in run] == [r["step"] for r in base], (name, run)
-    assert all(r["grad_norm"] > clip for r in base[:1]), "clipped: a wrong norm would change the losses"
+    assert all(r["grad_norm"] > CLIP for r in base[:1]), "clipped: a wrong norm would change the losses"
     assert_close(losses(run), losses(base), name, RTOL)
     assert_close([r["grad_norm"] for r in run], [r["grad_norm"] for r in base], f"{name}: grad_norm", NORM_RTOL)
     assert [r["tokens"] for r in run] == [r["tokens"] for r in base], f"{name}: a tensor group counts its rows once"
@@ -175,8 +196,9 @@ def test_a_tp2_checkpoint_resumes_at_dp2_tp2(fours):
     assert_resumes(records(fours / "dp2_tp2_from_tp2"), records(fours / "tp2"), 2, "dp2_tp2 from tp2", RTOL)
 
 
-def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
-    assert_holds_one_ranks_tensors(runs["tp2"], runs["one"])
+@pytest.mark.parametrize("split, whole", [("tp2", "one"), ("tp2_lora", "one_lora")])
+def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs, split, whole):
+    assert_holds_one_ranks_tensors(runs[split], runs[whole])
 
 
 def test_a_tp2_checkpoint_exports_whole_weights(runs, tmp_path):
@@ -221,60 +243,45 @@ def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
             assert (a - b).norm() <= 1e-3 * b.norm(), (name, what, float((a - b).norm() / b.norm()))
 
 
-# -- LoRA (peft=lora) on fsdp: each adapter split as its layer ----------------------------------------
+# -- LoRA (peft=lora) on fsdp: each adapter split as its layer --------------------------------------
+# `launch`: the fixture whose launches ran the case, beside its other runs (make test's `runs`, make
+# test-all's `crossed` and `fours`)
 
-LORA_CLIP = 0.1  # below the adapters' gradient norms (0.25 to 1.8 at one rank)
-LORA = dict(peft__name="lora", peft__r=4, peft__alpha=8.0, train__grad_clip=LORA_CLIP)
-# the built-in model with every linear layer adapted, its output layer too: qkv packed, proj and down
-# rowwise, up colwise, lm_head colwise with split logits
-BUILTIN_TARGETS = ["qkv", "proj", "up", "down", "lm_head"]
+SLOW = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory):
-    """LoRA at tp=2 on 2 ranks against one rank: a Qwen3 from saved weights (all-linear; its checkpoints
-    hold the adapters alone), also with accumulation, and the built-in model; Qwen3's checkpoints both
-    ways, from one rank (fsdp) to tp=2 and from tp=2 to one rank (ddp)."""
-    out = tmp_path_factory.mktemp("tensor_parallel_lora")
-    qwen = model_dir(out, "qwen3", weights=True)
-    ckpt = {name: out / f"ckpt_{name}" for name in ("one_lora", "tp2_lora")}
-    builtin = dict(LORA, peft__target_modules=BUILTIN_TARGETS)
-    on_ranks(1, train_cases, {"one_lora": saving(tp_case("fsdp", 8, qwen, **LORA), ckpt["one_lora"], 2),
-                              "one_lora_builtin": tp_case("fsdp", 8, **builtin)}, str(out))
-    on_ranks(2, train_cases, {
-        "tp2_lora": saving(tp_case("fsdp", 8, qwen, strategy__tp=2, **LORA), ckpt["tp2_lora"], 2),
-        "tp2_lora_accum": tp_case("fsdp", 4, qwen, strategy__tp=2, train__grad_accum_steps=2, **LORA),
-        "tp2_lora_builtin": tp_case("fsdp", 8, strategy__tp=2, **builtin),
-        "tp2_lora_from_one": resuming(tp_case("fsdp", 8, qwen, strategy__tp=2, **LORA), ckpt["one_lora"], 2)}, str(out))
-    on_ranks(1, train_cases, {"ddp_lora_from_tp2": resuming(tp_case("ddp", 8, qwen, **LORA), ckpt["tp2_lora"], 2)},
-             str(out))
-    return {**ckpt, "out": out}
-
-
-@pytest.mark.parametrize("name, baseline", [("tp2_lora", "one_lora"), ("tp2_lora_accum", "one_lora"),
-                                            ("tp2_lora_builtin", "one_lora_builtin")])
-def test_lora_at_tp2_gives_one_ranks_losses_and_norms(lora_runs, name, baseline):
+@pytest.mark.parametrize("launch, name, baseline", [
+    ("runs", "tp2_lora", "one_lora"), pytest.param("crossed", "tp2_lora_builtin", "one_lora_builtin", marks=SLOW),
+    pytest.param("crossed", "tp2_lora_accum_ac", "one_lora", marks=SLOW),
+    pytest.param("fours", "dp2_tp2_lora", "one_lora", marks=SLOW)])
+def test_lora_over_a_tensor_group_gives_one_ranks_losses_and_norms(request, runs, launch, name, baseline):
     """Adapters split as their layers (a colwise or packed layer's lora_B by rows, a rowwise layer's lora_A
     by columns, the other whole), the base frozen: one rank's losses, validation losses and clipped
     gradient norms, each adapter counted once."""
-    assert_same_run(lora_runs["out"], name, baseline, LORA_CLIP)
+    request.getfixturevalue(launch)
+    assert_same_run(runs["out"], name, baseline)
 
 
-@pytest.mark.parametrize("name, checkpoint", [("tp2_lora_from_one", "one_lora"), ("ddp_lora_from_tp2", "tp2_lora")])
-def test_lora_checkpoints_hold_the_adapters_alone_and_move_between_tp2_and_one_rank(lora_runs, name, checkpoint):
+@pytest.mark.parametrize("launch, name, checkpoint", [("runs", "ddp_lora_from_tp2", "tp2_lora"),
+                                                      pytest.param("crossed", "tp2_lora_from_one", "one_lora",
+                                                                   marks=SLOW)])
+def test_lora_checkpoints_hold_the_adapters_alone_and_move_between_tp2_and_one_rank(request, runs, launch, name,
+                                                                                    checkpoint):
+    """A LoRA checkpoint at tp=2, as at one rank, holds the adapters and their Adam moments alone (the base
+    is read from its files); resumed at the other, the steps after 2 are the straight run's."""
     from trainer.checkpoint.format import read_manifest
 
-    saved = [key for key in read_manifest(lora_runs[checkpoint] / "step_00000002")["tensors"] if key != "optim.step"]
+    request.getfixturevalue(launch)
+    saved = [key for key in read_manifest(runs[checkpoint] / "step_00000002")["tensors"] if key != "optim.step"]
     assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved), saved
-    out = lora_runs["out"]
-    assert_resumes(records(out / name), records(out / checkpoint), 2, name, RTOL)
+    assert_resumes(records(runs["out"] / name), records(runs["out"] / checkpoint), 2, name, RTOL)
 
 
 @pytest.mark.parametrize("merge, weights", [(False, "adapter_model.safetensors"), (True, "model.safetensors")])
-def test_a_lora_tp2_checkpoint_exports_whole_weights(lora_runs, tmp_path, merge, weights):
+def test_a_lora_tp2_checkpoint_exports_whole_weights(runs, tmp_path, merge, weights):
     """trainer.export of a LoRA tp=2 checkpoint: its adapter folder, and the model with them merged, hold
     every tensor whole, as one rank's export after the same 2 steps."""
-    assert_exports_alike(lora_runs["tp2_lora"], lora_runs["one_lora"], tmp_path, merge, weights)
+    assert_exports_alike(runs["tp2_lora"], runs["one_lora"], tmp_path, merge, weights)
 
 
 # -- zero1/2/3: DeepSpeed's AutoTP over the same plan (strategies/ds_tp.py) -----------------------
