@@ -8,7 +8,10 @@ rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-quer
 dp=2 x tp=2 on 4 ranks, the built-in transformer's norms sequence-parallel (strategy.tp_sequence_parallel, on
 by default: the residual stream split over the sequence, so a rank keeps fewer activation bytes than without it;
 the built-in model has no dropout); checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
-with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. On
+with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. LoRA's
+adapters split as their layers (peft=lora, on fsdp): a Qwen3 at tp=2 (also with accumulation and activation
+checkpointing) and dp=2 x tp=2, and the built-in model at tp=2, give one rank's losses and norms, and
+checkpoints of the adapters alone move between tp=2 and one rank and export whole. On
 zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
 on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
 to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2; each rank's logits are its half of the vocabulary, their
@@ -19,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import (
     assert_close,
@@ -47,15 +51,27 @@ ADAM_EPS = 1e-3
 BF16_RTOL = 2e-3  # bf16 at tp=2 against one rank in bf16 (test_expert_parallel.py's bound)
 GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+# peft=lora: alpha / r = 4, so that the adapters' first gradient norm (lora_B's alone) is above CLIP
+LORA = dict(peft__name="lora", peft__r=4, peft__alpha=16.0)
+# the built-in model with every linear layer adapted, its output layer too: qkv packed, proj and down
+# rowwise, up colwise, lm_head colwise with split logits
+BUILTIN_LORA = dict(LORA, peft__target_modules=["qkv", "proj", "up", "down", "lm_head"])
 
 
-def model_dir(root, family: str) -> str:
+def model_dir(root, family: str, weights: bool = False) -> str:
     """A tiny Qwen3 or Llama (grouped-query attention: 4 heads, 2 key-value heads; Qwen3's per-head q_norm
-    and k_norm), config only: the model's own init gives its first weights."""
-    from transformers import AutoConfig
+    and k_norm), config only: the model's own init gives its first weights; `weights`: saved with them (a
+    LoRA run's pretrained base, which its checkpoints leave out)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    AutoConfig.for_model(family, **GQA).save_pretrained(str(root / family))
-    return str(root / family)
+    path = root / (f"{family}_weights" if weights else family)
+    config = AutoConfig.for_model(family, **GQA)
+    if weights:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    else:
+        config.save_pretrained(str(path))
+    return str(path)
 
 
 def tp_case(strategy: str, micro: int, model: str | None = None, **overrides) -> dict:
@@ -70,46 +86,60 @@ def tp_case(strategy: str, micro: int, model: str | None = None, **overrides) ->
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The quick suite's: the built-in model and Qwen3 at tp=2 against one rank, checkpoints both ways."""
+    """The quick suite's: the built-in model and Qwen3 at tp=2 against one rank, checkpoints both ways; LoRA
+    on a Qwen3 from saved weights (all-linear) at tp=2 against one rank, its checkpoint to one rank."""
     out = tmp_path_factory.mktemp("tensor_parallel")
-    qwen = model_dir(out, "qwen3")
-    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "tp2")}
+    qwen, qwen_weights = model_dir(out, "qwen3"), model_dir(out, "qwen3", weights=True)
+    ckpt = {name: out / f"ckpt_{name}" for name in ("one", "tp2", "one_lora", "tp2_lora")}
     on_ranks(1, train_cases, {"one": saving(tp_case("fsdp", 8), ckpt["one"], 2),
-                              "one_qwen3": tp_case("fsdp", 8, qwen)}, str(out))
+                              "one_qwen3": tp_case("fsdp", 8, qwen),
+                              "one_lora": saving(tp_case("fsdp", 8, qwen_weights, **LORA), ckpt["one_lora"], 2)},
+             str(out))
     on_ranks(2, train_cases, {"tp2": saving(tp_case("fsdp", 8, strategy__tp=2), ckpt["tp2"], 2),
                               "tp2_without_sequence_parallel": tp_case("fsdp", 8, strategy__tp=2,
                                                                        strategy__tp_sequence_parallel=False),
                               "tp2_qwen3": tp_case("fsdp", 8, qwen, strategy__tp=2),
-                              "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2)}, str(out))
+                              "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2),
+                              "tp2_lora": saving(tp_case("fsdp", 8, qwen_weights, strategy__tp=2, **LORA),
+                                                 ckpt["tp2_lora"], 2)}, str(out))
     on_ranks(1, train_cases, {"ddp_from_tp2": resuming(tp_case("ddp", 8), ckpt["tp2"], 2),
-                              "zero3_from_tp2": resuming(tp_case("zero3", 8), ckpt["tp2"], 2)}, str(out))
-    return {**ckpt, "out": out, "qwen": qwen}
+                              "zero3_from_tp2": resuming(tp_case("zero3", 8), ckpt["tp2"], 2),
+                              "ddp_lora_from_tp2": resuming(tp_case("ddp", 8, qwen_weights, **LORA), ckpt["tp2_lora"],
+                                                            2)}, str(out))
+    return {**ckpt, "out": out, "qwen": qwen, "qwen_weights": qwen_weights}
 
 
 @pytest.fixture(scope="module")
 def crossed(runs):
     """make test-all's: Llama, accumulation with activation checkpointing (with and without sequence
-    parallelism), SHARD_GRAD_OP and bf16 at tp=2."""
-    out = runs["out"]
+    parallelism), SHARD_GRAD_OP and bf16 at tp=2; LoRA on the built-in model and with accumulation and
+    activation checkpointing at tp=2, and one rank's LoRA checkpoint resumed at tp=2."""
+    out, qwen_weights = runs["out"], runs["qwen_weights"]
     llama = model_dir(out, "llama")
     accum_ac = dict(strategy__tp=2, train__grad_accum_steps=2, train__activation_checkpointing=True)
     on_ranks(1, train_cases, {"one_llama": tp_case("fsdp", 8, llama),
-                              "one_bf16": tp_case("fsdp", 8, train__precision="bf16")}, str(out))
+                              "one_bf16": tp_case("fsdp", 8, train__precision="bf16"),
+                              "one_lora_builtin": tp_case("fsdp", 8, **BUILTIN_LORA)}, str(out))
     on_ranks(2, train_cases, {"tp2_llama": tp_case("fsdp", 8, llama, strategy__tp=2),
                               "tp2_grad_op": tp_case("fsdp", 8, strategy__tp=2, strategy__sharding="SHARD_GRAD_OP"),
                               "tp2_bf16": tp_case("fsdp", 8, strategy__tp=2, train__precision="bf16"),
                               "tp2_accum_ac": tp_case("fsdp", 4, **accum_ac),
                               "tp2_accum_ac_without_sequence_parallel": tp_case(
-                                  "fsdp", 4, strategy__tp_sequence_parallel=False, **accum_ac)}, str(out))
+                                  "fsdp", 4, strategy__tp_sequence_parallel=False, **accum_ac),
+                              "tp2_lora_builtin": tp_case("fsdp", 8, strategy__tp=2, **BUILTIN_LORA),
+                              "tp2_lora_accum_ac": tp_case("fsdp", 4, qwen_weights, **accum_ac, **LORA),
+                              "tp2_lora_from_one": resuming(tp_case("fsdp", 8, qwen_weights, strategy__tp=2, **LORA),
+                                                            runs["one_lora"], 2)}, str(out))
     return out
 
 
 @pytest.fixture(scope="module")
 def fours(runs):
-    """dp=2 x tp=2 on 4 ranks: two tensor groups, each reading its own rows."""
+    """dp=2 x tp=2 on 4 ranks: two tensor groups, each reading its own rows (LoRA's too)."""
     out, qwen = runs["out"], runs["qwen"]
     on_ranks(4, train_cases, {"dp2_tp2": tp_case("fsdp", 4, strategy__tp=2),
                               "dp2_tp2_qwen3": tp_case("fsdp", 4, qwen, strategy__tp=2),
+                              "dp2_tp2_lora": tp_case("fsdp", 4, runs["qwen_weights"], strategy__tp=2, **LORA),
                               "dp2_tp2_from_tp2": resuming(tp_case("fsdp", 4, strategy__tp=2), runs["tp2"], 2)},
              str(out))
     return out
@@ -200,22 +230,30 @@ def test_a_tp2_checkpoint_resumes_at_dp2_tp2(fours):
     assert_resumes(records(fours / "dp2_tp2_from_tp2"), records(fours / "tp2"), 2, "dp2_tp2 from tp2", RTOL)
 
 
-def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs):
-    assert_holds_one_ranks_tensors(runs["tp2"], runs["one"])
+@pytest.mark.parametrize("split, whole", [("tp2", "one"), ("tp2_lora", "one_lora")])
+def test_a_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(runs, split, whole):
+    assert_holds_one_ranks_tensors(runs[split], runs[whole])
 
 
 def test_a_tp2_checkpoint_exports_whole_weights(runs, tmp_path):
     """trainer.export of a tp=2 checkpoint writes every weight whole (rows, blocks of columns and packed
-    parts joined): one rank's export after the same 2 steps, each within 1e-3 (relative, in norm)."""
+    parts joined), as one rank's export after the same 2 steps."""
+    assert_exports_alike(runs["tp2"], runs["one"], tmp_path)
+
+
+def assert_exports_alike(split: Path, whole: Path, out: Path, merge: bool = False, folder_file: str = "") -> None:
+    """trainer.export of two checkpoints' step 2 (a file; `folder_file`: that file of an exported folder):
+    the same tensors, of the same shapes, each within 1e-3 (relative, in norm)."""
     from safetensors.torch import load_file
 
     from trainer.checkpoint.export import export
 
-    exported = {}
-    for name in ("tp2", "one"):
-        export(runs[name] / "step_00000002", tmp_path / f"{name}.safetensors")
-        exported[name] = load_file(str(tmp_path / f"{name}.safetensors"))
-    split, whole = exported["tp2"], exported["one"]
+    exported = []
+    for name, run in (("split", split), ("whole", whole)):
+        target = out / name if folder_file else out / f"{name}.safetensors"
+        export(run / "step_00000002", target, merge)
+        exported.append(load_file(str(target / folder_file if folder_file else target)))
+    split, whole = exported
     assert split.keys() == whole.keys() and all(split[k].shape == whole[k].shape for k in whole)
     assert all((split[k] - whole[k]).norm() <= 1e-3 * whole[k].norm() for k in whole)
 
@@ -237,6 +275,47 @@ def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
             # measured 4.7e-5 at most (Adam's first steps move an element of a near-zero gradient by up to lr
             # whatever its rounding); a part in another's place: of the order of 1
             assert (a - b).norm() <= 1e-3 * b.norm(), (name, what, float((a - b).norm() / b.norm()))
+
+
+# -- LoRA (peft=lora) on fsdp: each adapter split as its layer --------------------------------------
+# `launch`: the fixture whose launches ran the case, beside its other runs (make test's `runs`, make
+# test-all's `crossed` and `fours`)
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("launch, name, baseline", [
+    ("runs", "tp2_lora", "one_lora"), pytest.param("crossed", "tp2_lora_builtin", "one_lora_builtin", marks=SLOW),
+    pytest.param("crossed", "tp2_lora_accum_ac", "one_lora", marks=SLOW),
+    pytest.param("fours", "dp2_tp2_lora", "one_lora", marks=SLOW)])
+def test_lora_over_a_tensor_group_gives_one_ranks_losses_and_norms(request, runs, launch, name, baseline):
+    """Adapters split as their layers (a colwise or packed layer's lora_B by rows, a rowwise layer's lora_A
+    by columns, the other whole), the base frozen: one rank's losses, validation losses and clipped
+    gradient norms, each adapter counted once."""
+    request.getfixturevalue(launch)
+    assert_same_run(runs["out"], name, baseline)
+
+
+@pytest.mark.parametrize("launch, name, checkpoint", [("runs", "ddp_lora_from_tp2", "tp2_lora"),
+                                                      pytest.param("crossed", "tp2_lora_from_one", "one_lora",
+                                                                   marks=SLOW)])
+def test_lora_checkpoints_hold_the_adapters_alone_and_move_between_tp2_and_one_rank(request, runs, launch, name,
+                                                                                    checkpoint):
+    """A LoRA checkpoint at tp=2, as at one rank, holds the adapters and their Adam moments alone (the base
+    is read from its files); resumed at the other, the steps after 2 are the straight run's."""
+    from trainer.checkpoint.format import read_manifest
+
+    request.getfixturevalue(launch)
+    saved = [key for key in read_manifest(runs[checkpoint] / "step_00000002")["tensors"] if key != "optim.step"]
+    assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved), saved
+    assert_resumes(records(runs["out"] / name), records(runs["out"] / checkpoint), 2, name, RTOL)
+
+
+@pytest.mark.parametrize("merge, weights", [(False, "adapter_model.safetensors"), (True, "model.safetensors")])
+def test_a_lora_tp2_checkpoint_exports_whole_weights(runs, tmp_path, merge, weights):
+    """trainer.export of a LoRA tp=2 checkpoint: its adapter folder, and the model with them merged, hold
+    every tensor whole, as one rank's export after the same 2 steps."""
+    assert_exports_alike(runs["tp2_lora"], runs["one_lora"], tmp_path, merge, weights)
 
 
 # -- zero1/2/3: DeepSpeed's AutoTP over the same plan (strategies/ds_tp.py) -----------------------
@@ -437,7 +516,6 @@ REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
     "hsdp": (dict(sharding="HYBRID_SHARD"), "strategy.tp=2 with strategy.sharding=HYBRID_SHARD"),
     "no_shard": (dict(sharding="NO_SHARD"), "strategy.tp=2 with strategy.sharding=NO_SHARD"),
     "offload": (dict(offload_params=True, offload_optimizer=True), "strategy.tp=2 with offload"),
-    "lora": (dict(peft__name="lora"), "strategy.tp=2 with peft=lora"),
     "compile": (dict(train__compile=True), "strategy.tp=2 with train.compile=true"),
     "fused_loss": (dict(train__fused_loss=True), "strategy.tp=2 with train.fused_loss=true"),
     "fp16": (dict(train__precision="fp16"), "strategy.tp=2 with train.precision=fp16"),
@@ -454,6 +532,9 @@ REFUSED = {  # settings (strategy.*, or group__leaf) -> the start of the line
     "sequence_parallel_tp1": (dict(tp=1, tp_sequence_parallel=True),
                               "strategy.tp_sequence_parallel: true needs strategy=fsdp, strategy.tp > 1 (got fsdp, tp=1"),
     "sequence_parallel_seq_len": (dict(model__seq_len=63), "strategy.tp=2: Transformer's pos_emb has 63 positions"),
+    "sequence_parallel_lora": (dict(tp_sequence_parallel=True, peft__name="lora"),
+                               "strategy.tp_sequence_parallel: true needs strategy=fsdp, strategy.tp > 1 (got fsdp, tp=2), "
+                               "no peft=lora"),
 }
 
 
@@ -540,6 +621,31 @@ def test_a_tied_output_layer_and_an_embedding_with_a_padding_row_stay_whole(tmp_
     padded = meta_model(ModelConfig(name="hf", kind="hf", path=str(tmp_path / "padded"), seq_len=32, vocab_size=VOCAB))
     names = [name for name, _, _ in planned_modules(padded)]
     assert "model.embed_tokens" not in names and "lm_head" in names
+
+
+def test_lora_adapters_split_as_their_layers_and_stay_whole_beside_a_layer_left_whole(tmp_path):
+    """peft=lora at tp=2 on fsdp passes the checks. A planned layer's base_layer splits (not peft's wrapper
+    around it), a colwise layer's lora_B and a rowwise layer's lora_A as it, the other adapter whole; the
+    adapters of Qwen2's tied output layer, which stays whole, stay whole too."""
+    from torch import nn
+
+    from trainer.checks import check_tensor_parallel
+    from trainer.config import to_config
+    from trainer.demo import make_model_dir
+    from trainer.models import meta_model
+    from trainer.models.tensor_plan import planned_modules
+
+    tied = str(make_model_dir(tmp_path / "qwen2", "qwen2", weights=False))
+    cfg = to_config(tp_case("fsdp", 8, tied, strategy__tp=2, **LORA, peft__target_modules=["q_proj", "o_proj",
+                                                                                          "lm_head"]))
+    model = meta_model(cfg.model, cfg.peft)
+    assert refused_by(check_tensor_parallel, cfg, 2, model) is None
+    planned = {name: (type(module), value) for name, module, value in planned_modules(model)}
+    attention = "model.layers.0.self_attn"
+    assert {name: planned[name] for name in planned if name.startswith((f"{attention}.q_proj", f"{attention}.o_proj"))} \
+        == {f"{attention}.q_proj": (nn.Linear, "colwise"), f"{attention}.q_proj.lora_B.default": (nn.Linear, "colwise"),
+            f"{attention}.o_proj": (nn.Linear, "rowwise"), f"{attention}.o_proj.lora_A.default": (nn.Linear, "rowwise")}
+    assert not any(name.startswith("lm_head") for name in planned), planned
 
 
 def test_the_command_line_refuses_tp_on_ddp_before_any_rank_starts(tmp_path):

@@ -201,9 +201,9 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
     s, t, tp = cfg.strategy, cfg.train, cfg.strategy.tp
     _require(tp >= 1, "strategy.tp", f"must be >= 1 (1: every rank holds every weight whole), got {tp}")
     _require(not s.tp_sequence_parallel or uses_sequence_parallel(s, model), "strategy.tp_sequence_parallel",
-             f"true needs strategy=fsdp, strategy.tp > 1 (got {StrategyName(s.name).value}, tp={tp}) and a model whose "
-             "plan declares it (`_tp_sequence_plan`: the built-in transformer's; Hugging Face families declare none); "
-             "use null (where the plan declares it) or false")
+             f"true needs strategy=fsdp, strategy.tp > 1 (got {StrategyName(s.name).value}, tp={tp}), no peft=lora and a "
+             "model whose plan declares it (`_tp_sequence_plan`: the built-in transformer's; Hugging Face families "
+             "declare none); use null (where the plan declares it) or false")
     if tp == 1:
         return
     _require(world_size % tp == 0, "strategy.tp", f"the world size {world_size} must be a multiple of strategy.tp={tp}: "
@@ -220,8 +220,9 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
         (strategy == "fsdp" and (s.offload_params or s.offload_optimizer),
          "with offload: strategy=fsdp does not offload tensor-parallel weights yet; set "
          "strategy.offload_params/offload_optimizer=false (zero1/2/3 do)"),
-        (PeftName(cfg.peft.name) is PeftName.lora, f"with peft=lora: strategy={strategy} does not split LoRA's adapters "
-                                                  "over a tensor group yet; use strategy.tp=1"),
+        (strategy != "fsdp" and PeftName(cfg.peft.name) is PeftName.lora,
+         f"with peft=lora: strategy={strategy} does not split LoRA's adapters over a tensor group yet; use "
+         "strategy=fsdp (or strategy.tp=1)"),
         (t.compile, f"with train.compile=true: strategy={strategy} does not compile tensor-parallel blocks yet"),
         (t.fused_loss, "with train.fused_loss=true: the output layer is split over the tensor group, which the fused "
                        f"loss does not take yet (strategy={strategy})"),

@@ -30,6 +30,10 @@ input; its own styles, each whole on every rank of the group, its gradient summe
 
 Only the built-in transformer declares one.
 
+LoRA's adapters (peft=lora: `lora_A`, `lora_B` beside a planned layer's `base_layer`) follow their layer's
+split, as Megatron's and NeMo's do: the adapter on the split side takes the layer's style (a colwise or
+packed layer's lora_B its rows, packed alike; a rowwise layer's lora_A its columns), the other stays whole.
+
 A tied output layer (its matrix is the embedding's) stays whole on every rank of the group: both its
 entries leave the plan. So does an embedding with a `padding_idx`: its backward skips that row by the
 index it sees, which on a rank holding other rows is another token's.
@@ -62,23 +66,40 @@ def matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
 
 
+# the adapter of a LoRA layer whose input (lora_A) or output (lora_B) is split as its layer's: by style
+SPLIT_ADAPTER = {"colwise": "lora_B", "colwise_gather_output": "lora_B", "packed_colwise": "lora_B",
+                 "rowwise": "lora_A"}
+
+
+def with_adapters(plan: dict[str, str]) -> dict[str, str]:
+    """The plan and its layers' LoRA adapters (`<layer>.lora_B.<adapter name>` of a colwise layer, ...)."""
+    adapters = {f"{pattern}.{SPLIT_ADAPTER[style_and_parts(value)[0]]}.*": value for pattern, value in plan.items()
+                if style_and_parts(value)[0] in SPLIT_ADAPTER}
+    return {**plan, **adapters}
+
+
 def planned_modules(model: nn.Module, plan_name: str = "_tp_plan") -> list[tuple[str, nn.Module, str]]:
     """(canonical name, module, style value) of every module the model's plan (`plan_name`: its
-    `_tp_sequence_plan`) splits, in model order; a module whose parameter another module shares (a tied
-    output layer and its embedding), and an embedding with a padding row, are left whole."""
-    plan = getattr(model, plan_name, None) or {}
+    `_tp_sequence_plan`) splits, in model order, LoRA's adapters with their layers (`with_adapters`); a
+    module whose parameter another module shares (a tied output layer and its embedding), an embedding with
+    a padding row, and the adapters of a layer left whole, are left whole."""
+    plan = with_adapters(getattr(model, plan_name, None) or {})
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    found = []
+    found: dict[str, tuple[str, nn.Module, str]] = {}
     for name, module in model.named_modules():
+        if hasattr(module, "base_layer"):  # peft's LoRA layer: its base_layer, of the same canonical name, splits
+            continue
         name = canonical_name(name)
         value = next((v for pattern, v in plan.items() if matches(pattern, name)), None)
         shared = any(owners[id(p)] > 1 for p in module.parameters(recurse=False))
-        if value is not None and not shared and getattr(module, "padding_idx", None) is None:
-            found.append((name, module, value))
-    return found
+        layer, _, adapter = name.rpartition(".")[0].rpartition(".")  # an adapter's: q_proj's, lora_B
+        whole_layer = adapter in ("lora_A", "lora_B") and layer not in found  # visited before its adapters
+        if value is not None and not shared and getattr(module, "padding_idx", None) is None and not whole_layer:
+            found[name] = (name, module, value)
+    return list(found.values())
 
 
 # the layer each style splits (torch's parallel styles take Linear and Embedding layers); the others: a Linear
@@ -110,8 +131,10 @@ def attention_heads(model: nn.Module) -> dict[str, int | None]:
 
 def uses_sequence_parallel(strategy: StrategyConfig, model: nn.Module) -> bool:
     """strategy.tp_sequence_parallel as a run takes it: on fsdp at strategy.tp > 1 where the model declares a
-    `_tp_sequence_plan`, unless set false."""
-    return (strategy.tp > 1 and StrategyName(strategy.name) is StrategyName.fsdp
+    `_tp_sequence_plan` and has no LoRA adapters, unless set false. (An adapter left whole would see a rank's
+    share of the sequence, or a gathered DTensor, where its layer's split is planned for the whole one.)"""
+    adapted = any(hasattr(module, "base_layer") for module in model.modules())
+    return (strategy.tp > 1 and StrategyName(strategy.name) is StrategyName.fsdp and not adapted
             and strategy.tp_sequence_parallel is not False and bool(getattr(model, "_tp_sequence_plan", None)))
 
 

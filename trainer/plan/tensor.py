@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from trainer.config import Config, Precision, StrategyName
+from trainer.config import Config, PeftName, Precision, StrategyName
 from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES
 from trainer.models.tensor_plan import planned_modules, style_and_parts
@@ -118,9 +118,13 @@ def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
 def tensor_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
     """strategy.tp values above 1 that this run may take on fsdp: every size dividing the world that the
     trainer's checks accept (the model's plan, its split dimensions, heads and key-value heads; the
-    settings tensor parallelism crosses with), without offload; none where they refuse every size."""
+    settings tensor parallelism crosses with), without offload; none where they refuse every size, and
+    none for peft=lora (`tensor_parallel_option` counts every parameter trainable, not LoRA's frozen base)."""
     from trainer.checks import check_tensor_parallel
     from trainer.models import meta_model
+
+    if PeftName(cfg.peft.name) is PeftName.lora:
+        return []
 
     model = meta_model(cfg.model, cfg.peft)
     strategy = dataclasses.replace(cfg.strategy, name=StrategyName.fsdp, offload_params=False,
