@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import (
     assert_close,
@@ -200,6 +202,65 @@ def assert_holds_one_ranks_tensors(split: Path, whole: Path) -> None:
             # measured 4.7e-5 at most (Adam's first steps move an element of a near-zero gradient by up to lr
             # whatever its rounding); a part in another's place: of the order of 1
             assert (a - b).norm() <= 1e-3 * b.norm(), (name, what, float((a - b).norm() / b.norm()))
+
+
+class FileBytes(TorchDispatchMode):
+    """Bytes that torch's ops copy out of the memory maps of the files under `folder` (/proc/self/maps):
+    of each op that reads a tensor lying in one, as many of its elements as the op reads or writes, the
+    fewer (an index reads what it gives, a copy what it copies; a view reads nothing)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder, self.bytes = str(folder), 0
+
+    def spans(self) -> list[tuple[int, int]]:
+        lines = (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines())
+        return [tuple(int(a, 16) for a in fields[0].split("-")) for fields in lines
+                if len(fields) == 6 and fields[5].startswith(self.folder)]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        spans = self.spans()
+        mapped = [t for t in args if isinstance(t, torch.Tensor) and any(lo <= t.data_ptr() < hi for lo, hi in spans)]
+        if mapped and not func.is_view:
+            written = (out[0] if isinstance(out, (list, tuple)) else out).numel()
+            self.bytes += sum(min(t.numel(), written) * t.element_size() for t in mapped)
+        return out
+
+
+def test_a_rank_copies_only_its_own_columns_of_a_rowwise_layer(tmp_path):
+    """At tp=2 a rank's part of a rowwise layer is a block of columns, half of every row: from a checkpoint
+    saved at tp=2 (each rank's columns in its file), from one saved by one rank (the tensor flat in one
+    file) and from pretrained bf16 safetensors weights, each rank copies its part's own bytes from the files
+    and nothing more (not its rows whole, twice them), and gets its part's values."""
+    from trainer.checkpoint.format import Piece, PieceReader, write_tensors
+    from trainer.models.weights import Block, SafetensorsWeights, save_safetensors
+
+    rows, columns, tp = 8, 64, 2
+    full = torch.randn(rows, columns)
+    blocks = [Block(rank * columns // tp, columns // tp, columns) for rank in range(tp)]  # tensor_part's Shard(1)
+    saved = {"tp2": [(rank, Piece(0, full[:, b.column:b.column + b.width].reshape(-1), b)) for rank, b in enumerate(blocks)],
+             "one": [(0, Piece(0, full.view(-1)))]}
+    for name, pieces in saved.items():
+        (tmp_path / name).mkdir()
+        checksums = {f"rank_{rank}.safetensors": write_tensors({f"w@{piece.start}": piece.tensor},
+                                                               tmp_path / name / f"rank_{rank}.safetensors")
+                     for rank, piece in pieces}
+        manifest = {"tensors": {"w": {"pieces": [[f"rank_{rank}.safetensors", *piece.entry()] for rank, piece in pieces],
+                                      "shape": [rows, columns]}}, "checksums": checksums}
+        for block in blocks:
+            with FileBytes(tmp_path / name) as counted:
+                part = PieceReader(tmp_path / name, manifest).read("w", 0, rows * block.width, block)
+            assert torch.equal(part, full[:, block.column:block.column + block.width].reshape(-1)), name
+            assert counted.bytes == part.numel() * 4, (name, block, counted.bytes)
+    (tmp_path / "hub").mkdir()
+    save_safetensors({"w": full.bfloat16()}, tmp_path / "hub" / "model.safetensors")
+    weights = SafetensorsWeights(tmp_path / "hub", {"w": (rows, columns)})
+    for block in blocks:
+        with FileBytes(tmp_path / "hub") as counted:
+            part = weights.read("w", 0, rows * block.width, block)
+        assert torch.equal(part, full.bfloat16()[:, block.column:block.column + block.width].reshape(-1).float())
+        assert counted.bytes == part.numel() * 2, (block, counted.bytes)
 
 
 # -- zero1/2/3: DeepSpeed's AutoTP over the same plan (strategies/ds_tp.py) -----------------------
