@@ -268,7 +268,7 @@ def test_a_rank_copies_only_its_own_columns_of_a_rowwise_layer(tmp_path):
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory):
     """One rank (ddp), and tp=2 on 2 ranks on each ZeRO stage; checkpoints from one to the other, and from
-    zero2's tp=2 to fsdp's. A process keeps DeepSpeed's groups of its first engine: the 2-rank runs are all tp=2."""
+    zero2's tp=2 to fsdp's."""
     from trainer.demo import make_model_dir
 
     out = tmp_path_factory.mktemp("tensor_parallel_zero")
@@ -343,6 +343,18 @@ def test_checkpoints_move_between_zero_tp2_one_rank_and_fsdp_tp2(zero_runs, name
 
 def test_a_zero2_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(zero_runs):
     assert_holds_one_ranks_tensors(zero_runs["zero2_tp2"], zero_runs["one"])
+
+
+def test_zero_runs_at_tp1_and_tp2_in_the_same_processes_each_give_one_ranks_losses(tmp_path):
+    """DeepSpeed keeps its (dp, tp) groups in its modules: zero2 on 2 ranks at tp=1, then at tp=2, then
+    at tp=1 again, in the same ranks' processes, each make their own groups and train as one rank does
+    (the tp=2 run on tensor groups of 2, the tp=1 runs after it partitioning over both ranks)."""
+    runs = {"one": tp_case("ddp", 8), "zero2": tp_case("zero2", 4), "zero2_tp2": tp_case("zero2", 8, strategy__tp=2),
+            "zero2_after_tp2": tp_case("zero2", 4)}
+    on_ranks(1, train_cases, {"one": runs.pop("one")}, str(tmp_path))
+    on_ranks(2, train_cases, runs, str(tmp_path))
+    for name in runs:
+        assert_same_run(tmp_path, name, "one")
 
 
 def test_zero_tp_asks_deepspeed_for_autotp_and_a_users_config_cannot_disagree(tmp_path):

@@ -40,6 +40,12 @@ class DeepSpeedStrategy(Strategy):
         with chatter():
             deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
         self.ds_config = build_ds_config(cfg, env.world_size)
+        # DeepSpeed keeps its groups (tensor, data-parallel, experts, an AutoTP engine's `mpu`) in its modules for
+        # the process, so an earlier run's stand for this one's: a tp=1 engine after a tp=2 one reads that one's
+        # `mpu` and fails; its tensor groups are made once, whatever the next run's degree. Released here (as its
+        # destroy_process_group does), every run makes its own.
+        from deepspeed.utils import groups
+        groups._release_process_group_references(group=None)
         if self.layout.degrees.tp > 1:
             self._tensor_groups()
         self.stage = self.ds_config["zero_optimization"]["stage"]
