@@ -5,8 +5,8 @@ the strategy allocates what the rank holds and asks a WeightSource for exactly t
 - `InitWeights`: the model's own initialisation, run per module on a full-size CPU tensor of
   that module only, seeded by the module's name, so every strategy, world size and activation
   checkpointing setting starts from the same values.
-- `SafetensorsWeights`: pretrained weights, read row range by row range from the safetensors
-  files, so no rank ever holds more than its shard plus one row.
+- `SafetensorsWeights`: pretrained weights, read from the safetensors files' memory maps, so no
+  rank ever copies more than its own part.
 Both answer `read(name, start, numel, block)`: the fp32 values [start, start + numel) of a flattened
 parameter (of a `Block` of its columns, a rank's part that is no run of those values), named as in
 the plain model (`canonical_name`). Files are read as checkpoints are (`read_part`): only the values
@@ -111,6 +111,11 @@ class Block(NamedTuple):
         k = torch.arange(start, start + numel)
         return k // self.width * self.columns + self.column + k % self.width
 
+    def apart(self, other: Block) -> bool:
+        """Whether two blocks of the tensor seen alike share no column (two tensor ranks' parts)."""
+        return self.columns == other.columns and (self.column + self.width <= other.column
+                                                  or other.column + other.width <= self.column)
+
 
 class Run(NamedTuple):
     """The values [start, start + numel) of a part of a flat tensor: a run of it (`block` None), or of
@@ -122,6 +127,12 @@ class Run(NamedTuple):
     def positions(self) -> torch.Tensor:
         """Where the values of a block's run lie in the whole flat tensor (increasing)."""
         return self.block.positions(self.start, self.numel)
+
+    def span(self) -> tuple[int, int]:
+        """The places of the flat tensor from the run's first value to past its last."""
+        if self.block is None:
+            return self.start, self.start + self.numel
+        return int(self.block.positions(self.start, 1)), int(self.block.positions(self.start + self.numel - 1, 1)) + 1
 
     def of(self, flat: torch.Tensor) -> torch.Tensor:
         """These values of the whole flat tensor `flat` (only they are copied)."""
@@ -142,7 +153,12 @@ def overlap(want: Run, held: Run) -> Overlap | None:
     """What `held` (a stored run) holds of `want` (a run a rank reads); None: nothing."""
     if not want.numel or not held.numel:
         return None
-    if want.block is None and held.block is None:
+    (want_first, want_end), (held_first, held_end) = want.span(), held.span()
+    if want_end <= held_first or held_end <= want_first:  # cheap, before any positions: another rank's rows
+        return None
+    if want.block and held.block and want.block.apart(held.block):  # another tensor rank's columns
+        return None
+    if want.block == held.block:  # two runs of the flat tensor, or of one block (a resume at the same degree)
         lo, hi = max(want.start, held.start), min(want.start + want.numel, held.start + held.numel)
         if lo >= hi:
             return None
