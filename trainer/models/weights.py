@@ -19,6 +19,7 @@ import json
 import math
 import mmap
 import os
+import warnings
 import zlib
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -205,14 +206,14 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
 
 
 class MappedFile:
-    """A safetensors file over its memory map (private: nothing is written back). `file[key]` is a
-    tensor flattened, of which no byte is read until indexed, and indexing copies only the values it
-    names; the map closes with this and the last of those tensors, so the pages read do not stay resident."""
+    """A safetensors file over its memory map, read-only. `file[key]` is a tensor flattened, of which no
+    byte is read until indexed, and indexing copies only the values it names; the map closes with this
+    and the last of those tensors, so the pages read do not stay resident."""
 
     def __init__(self, path: Path):
         self.begin, self.header = safetensors_header(path)
-        with open(path, "rb") as f:
-            self.memory = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        with open(path, "rb") as f:  # read-only, as safetensors maps: a private writable map would count the
+            self.memory = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # whole file against the commit limit
 
     def __contains__(self, key: str) -> bool:
         return key in self.header
@@ -222,7 +223,10 @@ class MappedFile:
         first, end = self.header[key]["data_offsets"]
         if first == end:
             return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(self.memory, dtype=dtype, offset=self.begin + first, count=(end - first) // dtype.itemsize)
+        with warnings.catch_warnings():  # "the given buffer is not writable": these tensors are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self.memory, dtype=dtype, offset=self.begin + first,
+                                    count=(end - first) // dtype.itemsize)
 
 
 def whole(p: torch.Tensor) -> tuple[int, torch.Tensor]:
