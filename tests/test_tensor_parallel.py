@@ -232,7 +232,8 @@ def test_a_rank_copies_only_its_own_columns_of_a_rowwise_layer(tmp_path):
     """At tp=2 a rank's part of a rowwise layer is a block of columns, half of every row: from a checkpoint
     saved at tp=2 (each rank's columns in its file), from one saved by one rank (the tensor flat in one
     file) and from pretrained bf16 safetensors weights, each rank copies its part's own bytes from the files
-    and nothing more (not its rows whole, twice them), and gets its part's values."""
+    and nothing more (not its rows whole, twice them), and gets its part's values; from the tp=2 checkpoint
+    it opens its own file only."""
     from trainer.checkpoint.format import Piece, PieceReader, write_tensors
     from trainer.models.weights import Block, SafetensorsWeights, save_safetensors
 
@@ -248,11 +249,13 @@ def test_a_rank_copies_only_its_own_columns_of_a_rowwise_layer(tmp_path):
                      for rank, piece in pieces}
         manifest = {"tensors": {"w": {"pieces": [[f"rank_{rank}.safetensors", *piece.entry()] for rank, piece in pieces],
                                       "shape": [rows, columns]}}, "checksums": checksums}
-        for block in blocks:
+        for rank, block in enumerate(blocks):
+            reader = PieceReader(tmp_path / name, manifest)
             with FileBytes(tmp_path / name) as counted:
-                part = PieceReader(tmp_path / name, manifest).read("w", 0, rows * block.width, block)
+                part = reader.read("w", 0, rows * block.width, block)
             assert torch.equal(part, full[:, block.column:block.column + block.width].reshape(-1)), name
             assert counted.bytes == part.numel() * 4, (name, block, counted.bytes)
+            assert list(reader.files) == [f"rank_{rank if name == 'tp2' else 0}.safetensors"], "opened (and hashed)"
     (tmp_path / "hub").mkdir()
     save_safetensors({"w": full.bfloat16()}, tmp_path / "hub" / "model.safetensors")
     weights = SafetensorsWeights(tmp_path / "hub", {"w": (rows, columns)})
