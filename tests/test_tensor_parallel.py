@@ -9,8 +9,9 @@ dp=2 x tp=2 on 4 ranks; checkpoints move between tp=2 and one rank (fsdp, ddp, z
 with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. On
 zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
 on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
-to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2. The settings it does not cross with are refused before
-any work, in one line."""
+to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2, and zero runs at tp=1 and tp=2 follow each other in the same
+processes. A rank reads from checkpoints and pretrained files its own part's bytes only. The settings it does
+not cross with are refused before any work, in one line."""
 from __future__ import annotations
 
 from pathlib import Path
