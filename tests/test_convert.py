@@ -163,6 +163,24 @@ def test_ours_converted_to_deepspeed_universal_loads_into_an_engine(ours, neox, 
 
 
 @pytest.mark.slow
+def test_a_tp2_checkpoint_converted_to_deepspeed_universal_loads_into_an_engine_at_tp1(tmp_path):
+    """--to deepspeed of a checkpoint saved at tp=2 (fsdp, a Qwen2: q, k, v, gate and up split by rows, o and
+    down by columns, its tied embedding whole): the tensors are whole in the universal checkpoint, and a
+    DeepSpeed engine of one rank, without tensor parallelism, loads the checkpoint's weights and moments exactly."""
+    from trainer.demo import make_model_dir
+
+    qwen2 = make_model_dir(tmp_path / "qwen2", "qwen2", weights=True)
+    cfg = with_overrides(case("fsdp", steps=2), data__name="synthetic", checkpoint__dir=str(tmp_path / "ckpt"),
+                         strategy__tp=2)
+    cfg["model"] = model_node(qwen2)
+    on_ranks(2, train_cases, {"tp2": cfg}, str(tmp_path))
+    convert(tmp_path / "ckpt", tmp_path / "universal", "deepspeed")
+    foreign("ds_load_universal", model=qwen2, ckpt=tmp_path / "universal", out=tmp_path / "loaded.pt", nproc=1)
+    assert_state_equals(as_keys(read(tmp_path / "ckpt")), torch.load(tmp_path / "loaded.pt", weights_only=False),
+                        "tp2 -> universal -> deepspeed@1")
+
+
+@pytest.mark.slow
 def test_ours_converted_to_hf_loads_with_from_pretrained_and_a_stranger_is_refused(ours, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -14,15 +14,17 @@ checkpointing) and dp=2 x tp=2, and the built-in model at tp=2, give one rank's 
 checkpoints of the adapters alone move between tp=2 and one rank and export whole. On
 zero1/2/3 (DeepSpeed's AutoTP over the same plan) the same runs give one rank's losses and norms, at tp=2
 on 2 ranks and dp=2 x tp=2 on 4, and checkpoints move from one rank to zero3's tp=2 and from zero2's tp=2
-to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2; each rank's logits are its half of the vocabulary, their
-loss and its gradient the whole logits' cross-entropy's. The settings it does not cross with are refused before
-any work, in one line."""
+to one rank, fsdp's tp=2 and zero3's dp=2 x tp=2, and zero runs at tp=1 and tp=2 follow each other in the same
+processes; each rank's logits are its half of the vocabulary, their loss and its gradient the whole logits'
+cross-entropy's. A rank reads from checkpoints and pretrained files its own part's bytes only. The settings it
+does not cross with are refused before any work, in one line."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import (
     assert_close,
@@ -318,12 +320,74 @@ def test_a_lora_tp2_checkpoint_exports_whole_weights(runs, tmp_path, merge, weig
     assert_exports_alike(runs["tp2_lora"], runs["one_lora"], tmp_path, merge, weights)
 
 
+class FileBytes(TorchDispatchMode):
+    """Bytes that torch's ops copy out of the memory maps of the files under `folder` (/proc/self/maps):
+    of each op that reads a tensor lying in one, as many of its elements as the op reads or writes, the
+    fewer (an index reads what it gives, a copy what it copies; a view reads nothing)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder, self.bytes = str(folder), 0
+
+    def spans(self) -> list[tuple[int, int]]:
+        lines = (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines())
+        return [tuple(int(a, 16) for a in fields[0].split("-")) for fields in lines
+                if len(fields) == 6 and fields[5].startswith(self.folder)]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        spans = self.spans()
+        mapped = [t for t in args if isinstance(t, torch.Tensor) and any(lo <= t.data_ptr() < hi for lo, hi in spans)]
+        if mapped and not func.is_view:
+            written = (out[0] if isinstance(out, (list, tuple)) else out).numel()
+            self.bytes += sum(min(t.numel(), written) * t.element_size() for t in mapped)
+        return out
+
+
+def test_a_rank_copies_only_its_own_columns_of_a_rowwise_layer(tmp_path):
+    """At tp=2 a rank's part of a rowwise layer is a block of columns, half of every row: from a checkpoint
+    saved at tp=2 (each rank's columns in its file), from one saved by one rank (the tensor flat in one
+    file) and from pretrained bf16 safetensors weights, each rank copies its part's own bytes from the files
+    and nothing more (not its rows whole, twice them), and gets its part's values; from the tp=2 checkpoint
+    it opens its own file only."""
+    from trainer.checkpoint.format import Piece, PieceReader, write_tensors
+    from trainer.models.weights import Block, SafetensorsWeights, save_safetensors
+
+    rows, columns, tp = 8, 64, 2
+    full = torch.randn(rows, columns)
+    blocks = [Block(rank * columns // tp, columns // tp, columns) for rank in range(tp)]  # tensor_part's Shard(1)
+    saved = {"tp2": [(rank, Piece(0, full[:, b.column:b.column + b.width].reshape(-1), b)) for rank, b in enumerate(blocks)],
+             "one": [(0, Piece(0, full.view(-1)))]}
+    for name, pieces in saved.items():
+        (tmp_path / name).mkdir()
+        checksums = {f"rank_{rank}.safetensors": write_tensors({f"w@{piece.start}": piece.tensor},
+                                                               tmp_path / name / f"rank_{rank}.safetensors")
+                     for rank, piece in pieces}
+        manifest = {"tensors": {"w": {"pieces": [[f"rank_{rank}.safetensors", *piece.entry()] for rank, piece in pieces],
+                                      "shape": [rows, columns]}}, "checksums": checksums}
+        for rank, block in enumerate(blocks):
+            reader = PieceReader(tmp_path / name, manifest)
+            with FileBytes(tmp_path / name) as counted:
+                part = reader.read("w", 0, rows * block.width, block)
+            assert torch.equal(part, full[:, block.column:block.column + block.width].reshape(-1)), name
+            assert counted.bytes == part.numel() * 4, (name, block, counted.bytes)
+            assert list(reader.files) == [f"rank_{rank if name == 'tp2' else 0}.safetensors"], "opened (and hashed)"
+    (tmp_path / "hub").mkdir()
+    save_safetensors({"w": full.bfloat16()}, tmp_path / "hub" / "model.safetensors")
+    weights = SafetensorsWeights(tmp_path / "hub", {"w": (rows, columns)})
+    for block in blocks:
+        with FileBytes(tmp_path / "hub") as counted:
+            part = weights.read("w", 0, rows * block.width, block)
+        assert torch.equal(part, full.bfloat16()[:, block.column:block.column + block.width].reshape(-1).float())
+        assert counted.bytes == part.numel() * 2, (block, counted.bytes)
+
+
 # -- zero1/2/3: DeepSpeed's AutoTP over the same plan (strategies/ds_tp.py) -----------------------
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory):
     """One rank (ddp), and tp=2 on 2 ranks on each ZeRO stage; checkpoints from one to the other, and from
-    zero2's tp=2 to fsdp's. A process keeps DeepSpeed's groups of its first engine: the 2-rank runs are all tp=2."""
+    zero2's tp=2 to fsdp's."""
     from trainer.demo import make_model_dir
 
     out = tmp_path_factory.mktemp("tensor_parallel_zero")
@@ -398,6 +462,18 @@ def test_checkpoints_move_between_zero_tp2_one_rank_and_fsdp_tp2(zero_runs, name
 
 def test_a_zero2_tp2_checkpoint_verifies_and_holds_one_ranks_full_tensors(zero_runs):
     assert_holds_one_ranks_tensors(zero_runs["zero2_tp2"], zero_runs["one"])
+
+
+def test_zero_runs_at_tp1_and_tp2_in_the_same_processes_each_give_one_ranks_losses(tmp_path):
+    """DeepSpeed keeps its (dp, tp) groups in its modules: zero2 on 2 ranks at tp=1, then at tp=2, then
+    at tp=1 again, in the same ranks' processes, each make their own groups and train as one rank does
+    (the tp=2 run on tensor groups of 2, the tp=1 runs after it partitioning over both ranks)."""
+    runs = {"one": tp_case("ddp", 8), "zero2": tp_case("zero2", 4), "zero2_tp2": tp_case("zero2", 8, strategy__tp=2),
+            "zero2_after_tp2": tp_case("zero2", 4)}
+    on_ranks(1, train_cases, {"one": runs.pop("one")}, str(tmp_path))
+    on_ranks(2, train_cases, runs, str(tmp_path))
+    for name in runs:
+        assert_same_run(tmp_path, name, "one")
 
 
 def test_zero_tp_asks_deepspeed_for_autotp_and_a_users_config_cannot_disagree(tmp_path):

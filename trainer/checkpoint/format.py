@@ -32,16 +32,16 @@ import math
 import os
 import shutil
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import xxhash
-from safetensors import safe_open
 
 from trainer.errors import CheckpointError
 from trainer.log import log
-from trainer.models.weights import Block, read_block
+from trainer.models.weights import Block, MappedFile, Run, read_part
 
 # The format's vocabulary: every strategy states its pieces in these keys.
 
@@ -321,39 +321,30 @@ def check_base(base: dict | None, fingerprint: str | None, path: Path) -> None:
 
 
 class PieceReader:
-    """Reads ranges of flat tensors from the pieces of a checkpoint, touching only what overlaps;
-    each file it opens verified first, whole (`verify_file`)."""
+    """Reads ranges of flat tensors from the pieces of a checkpoint, copying only the values asked
+    (`read_part`); each file it opens verified first, whole (`verify_file`)."""
 
     def __init__(self, path: Path, manifest: dict):
         self.path, self.manifest, self.tensors, self.files = path, manifest, manifest["tensors"], {}
 
-    def open(self, name: str):
+    def open(self, name: str) -> MappedFile:
         if name not in self.files:
             verify_file(self.path, self.manifest, name)
-            self.files[name] = safe_open(str(self.path / name), framework="pt")
+            self.files[name] = MappedFile(self.path / name)
         return self.files[name]
+
+    def piece(self, file: str, key: str) -> torch.Tensor:
+        return self.open(file)[key]
 
     def read(self, key: str, start: int, numel: int, block: Block | None = None) -> torch.Tensor:
         """Values [start, start + numel) of `key`'s flat tensor (of a `block` of it, in its order)."""
-        if block is not None:
-            return read_block(lambda first, count: self.read(key, first, count), start, numel, block)
         if key not in self.tensors:
             raise CheckpointError(f"checkpoint: {self.path} has no {key}")
-        out = torch.empty(numel, dtype=torch.float32)
-        covered = 0
-        for file, piece_start, piece_numel, *columns in self.tensors[key]["pieces"]:
-            if columns:  # a block's run: its values, in order, lie at increasing places of the flat tensor
-                at = Block(*columns).positions(piece_start, piece_numel)
-                lo, hi = (int(i) for i in torch.searchsorted(at, torch.tensor([start, start + numel])))
-                if lo < hi:
-                    out[at[lo:hi] - start] = self.open(file).get_slice(f"{key}@{piece_start}")[lo:hi]
-                    covered += hi - lo
-                continue
-            lo, hi = max(start, piece_start), min(start + numel, piece_start + piece_numel)
-            if lo < hi:
-                part = self.open(file).get_slice(f"{key}@{piece_start}")[lo - piece_start:hi - piece_start]
-                out[lo - start:hi - start] = part
-                covered += hi - lo
+        # a piece is a run of the flat tensor, or of a block of it (its values at increasing places of the tensor)
+        stored = ((Run(piece_start, piece_numel, Block(*columns) if columns else None),
+                   partial(self.piece, file, f"{key}@{piece_start}"))
+                  for file, piece_start, piece_numel, *columns in self.tensors[key]["pieces"])
+        out, covered = read_part(Run(start, numel, block), stored)
         if covered != numel:
             raise CheckpointError(f"checkpoint: {self.path} covers {covered} of the {numel} values of {key} "
                                   f"from {start}")

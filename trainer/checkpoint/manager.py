@@ -317,7 +317,7 @@ class CheckpointManager:
             values.update({key: reader.read(key, *where) for key, where in layout.items()})
             saved_rank = s.env.rank if s.env.rank < manifest["world_size"] else 0
             f = reader.open(rank_file(saved_rank))
-            rng.update({key: f.get_tensor(key) for key in ("rng.torch", "rng.cuda") if key in f.keys()})
+            rng.update({key: f[key].clone() for key in ("rng.torch", "rng.cuda") if key in f})
             if saved_rank != s.env.rank:  # a rank the saving run did not have: a stream of its own
                 rng.update({key: rng_state_of_new_rank(state, s.env.rank, "cuda" if key == "rng.cuda" else "cpu")
                             for key, state in rng.items()})

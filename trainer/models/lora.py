@@ -27,7 +27,7 @@ from torch import nn
 
 from trainer.config import PeftConfig, PeftName
 from trainer.errors import ConfigError
-from trainer.models.weights import ShapeOf, WeightSource, canonical_name, module_seed, tensor_shape
+from trainer.models.weights import Block, Run, ShapeOf, WeightSource, canonical_name, module_seed, tensor_shape
 
 ADAPTER = "default"  # peft's name for the one adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -222,10 +222,10 @@ class AdapterWeights:
                 raise ConfigError(f"peft.init: the adapters in {init} do not fit this model ({len(wrong)}):\n  "
                                   + "\n  ".join(wrong[:10]))
 
-    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+    def read(self, name: str, start: int, numel: int, block: Block | None = None) -> torch.Tensor:
         if name not in self.shapes:
-            return self.base.read(name, start, numel)
-        return self._values(name).view(-1)[start:start + numel]
+            return self.base.read(name, start, numel, block)
+        return Run(start, numel, block).of(self._values(name).view(-1))
 
     def read_buffer(self, name: str) -> torch.Tensor | None:
         return self.base.read_buffer(name)

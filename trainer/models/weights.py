@@ -5,23 +5,27 @@ the strategy allocates what the rank holds and asks a WeightSource for exactly t
 - `InitWeights`: the model's own initialisation, run per module on a full-size CPU tensor of
   that module only, seeded by the module's name, so every strategy, world size and activation
   checkpointing setting starts from the same values.
-- `SafetensorsWeights`: pretrained weights, read row range by row range from the safetensors
-  files, so no rank ever holds more than its shard plus one row.
-Both answer `read(name, start, numel)`: the fp32 values [start, start + numel) of a flattened
-parameter, named as in the plain model (`canonical_name`). A rank's part that is no run of those
-values (a `Block` of columns) is read through the run that covers it (`read_block`).
+- `SafetensorsWeights`: pretrained weights, read from the safetensors files' memory maps, so no
+  rank ever copies more than its own part.
+Both answer `read(name, start, numel, block)`: the fp32 values [start, start + numel) of a flattened
+parameter (of a `Block` of its columns, a rank's part that is no run of those values), named as in
+the plain model (`canonical_name`). Files are read as checkpoints are (`read_part`): only the values
+asked, a block's row segments.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import mmap
 import os
+import warnings
 import zlib
 from contextlib import ExitStack, contextmanager
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -68,8 +72,8 @@ class WeightSource(Protocol):
     description: str
     fingerprint: str | None  # pretrained files: their layout and sampled values (`fingerprint`)
 
-    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
-        """fp32 values [start, start + numel) of parameter `name`, flattened."""
+    def read(self, name: str, start: int, numel: int, block: Block | None = None) -> torch.Tensor:
+        """fp32 values [start, start + numel) of parameter `name`, flattened (of a `block` of it, in its order)."""
 
     def read_buffer(self, name: str) -> torch.Tensor | None:
         """The whole value of persistent buffer `name`; None: keep the one the model computed."""
@@ -108,18 +112,121 @@ class Block(NamedTuple):
         k = torch.arange(start, start + numel)
         return k // self.width * self.columns + self.column + k % self.width
 
+    def apart(self, other: Block) -> bool:
+        """Whether two blocks of the tensor seen alike share no column (two tensor ranks' parts)."""
+        return self.columns == other.columns and (self.column + self.width <= other.column
+                                                  or other.column + other.width <= self.column)
 
-def read_block(read: Callable[[int, int], torch.Tensor], start: int, numel: int,
-               block: Block | None = None) -> torch.Tensor:
-    """Values [start, start + numel) of a part (of a `block`, in its own order; None: a run of the
-    whole tensor), from `read(start, numel)` of the whole flat tensor: the run that covers them, once."""
-    if block is None:
-        return read(start, numel)
-    if not numel:
-        return torch.empty(0)
-    at = block.positions(start, numel)
-    first = int(at[0])
-    return read(first, int(at[-1]) - first + 1)[at - first]
+
+class Run(NamedTuple):
+    """The values [start, start + numel) of a part of a flat tensor: a run of it (`block` None), or of
+    a `Block` of it, counted in the block's own order."""
+    start: int
+    numel: int
+    block: Block | None = None
+
+    def positions(self) -> torch.Tensor:
+        """Where the values of a block's run lie in the whole flat tensor (increasing)."""
+        return self.block.positions(self.start, self.numel)
+
+    def span(self) -> tuple[int, int]:
+        """The places of the flat tensor from the run's first value to past its last."""
+        if self.block is None:
+            return self.start, self.start + self.numel
+        return int(self.block.positions(self.start, 1)), int(self.block.positions(self.start + self.numel - 1, 1)) + 1
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """These values of the whole flat tensor `flat` (only they are copied)."""
+        if self.block is None:
+            return flat[self.start:self.start + self.numel]
+        return flat[self.positions()]
+
+
+class Overlap(NamedTuple):
+    """The values two runs of one flat tensor share: their indices among the first's values and among
+    the second's (slices, or index tensors in the same order), and how many."""
+    ours: slice | torch.Tensor
+    theirs: slice | torch.Tensor
+    count: int
+
+
+def overlap(want: Run, held: Run) -> Overlap | None:
+    """What `held` (a stored run) holds of `want` (a run a rank reads); None: nothing."""
+    if not want.numel or not held.numel:
+        return None
+    (want_first, want_end), (held_first, held_end) = want.span(), held.span()
+    if want_end <= held_first or held_end <= want_first:  # cheap, before any positions: another rank's rows
+        return None
+    if want.block and held.block and want.block.apart(held.block):  # another tensor rank's columns
+        return None
+    if want.block == held.block:  # two runs of the flat tensor, or of one block (a resume at the same degree)
+        lo, hi = max(want.start, held.start), min(want.start + want.numel, held.start + held.numel)
+        if lo >= hi:
+            return None
+        return Overlap(slice(lo - want.start, hi - want.start), slice(lo - held.start, hi - held.start), hi - lo)
+    if want.block is None:  # the same, seen from the other side
+        found = overlap(held, want)
+        return None if found is None else Overlap(found.theirs, found.ours, found.count)
+    at = want.positions()
+    if held.block is None:  # a flat run: a range of `at`, by bisection, never the run's own positions
+        lo, hi = (int(i) for i in torch.searchsorted(at, torch.tensor([held.start, held.start + held.numel])))
+        return Overlap(slice(lo, hi), at[lo:hi] - held.start, hi - lo) if lo < hi else None
+    stored = held.positions()
+    index = torch.searchsorted(stored, at).clamp_(max=len(stored) - 1)
+    hit = stored[index] == at
+    count = int(hit.sum())
+    return Overlap(hit.nonzero().squeeze(1), index[hit], count) if count else None
+
+
+def read_part(want: Run, stored: Iterable[tuple[Run, Callable[[], torch.Tensor]]]) -> tuple[torch.Tensor, int]:
+    """The fp32 values of `want`, from stored runs of the flat tensor, each with what gives its values
+    (a `MappedFile`'s: indexing it copies only the values asked, a rowwise part's row segments, not
+    its rows whole); and how many of them the runs held. A run that holds none is never opened."""
+    out = torch.empty(want.numel, dtype=torch.float32)
+    found = 0
+    for held, values in stored:
+        if (common := overlap(want, held)) is not None:
+            out[common.ours] = values()[common.theirs]
+            found += common.count
+    return out, found
+
+
+SAFETENSORS_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                     "U8": torch.uint8}  # what is read: float weights, a checkpoint's fp32 pieces and RNG states
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header (8 bytes of its length, little-endian, then JSON): where its
+    tensors' bytes start, and each tensor's dtype, shape and `data_offsets` counted from there."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+class MappedFile:
+    """A safetensors file over its memory map, read-only. `file[key]` is a tensor flattened, of which no
+    byte is read until indexed, and indexing copies only the values it names; the map closes with this
+    and the last of those tensors, so the pages read do not stay resident."""
+
+    def __init__(self, path: Path):
+        self.begin, self.header = safetensors_header(path)
+        with open(path, "rb") as f:  # read-only, as safetensors maps: a private writable map would count the
+            self.memory = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # whole file against the commit limit
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.header
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        dtype = SAFETENSORS_TORCH[self.header[key]["dtype"]]
+        first, end = self.header[key]["data_offsets"]
+        if first == end:
+            return torch.empty(0, dtype=dtype)
+        with warnings.catch_warnings():  # "the given buffer is not writable": these tensors are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self.memory, dtype=dtype, offset=self.begin + first,
+                                    count=(end - first) // dtype.itemsize)
 
 
 def whole(p: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -154,8 +261,7 @@ def fill(model: nn.Module, weights: WeightSource, local_range: Callable[[torch.T
     for name, p in model.named_parameters():  # a tied parameter once
         start, local, *block = local_range(p)
         if local.numel():
-            read = partial(weights.read, canonical_name(name))
-            local.copy_(read_block(read, start, local.numel(), *block))
+            local.copy_(weights.read(canonical_name(name), start, local.numel(), *block))
     for name, buffer in persistent_buffers(model).items():
         value = weights.read_buffer(name)
         if value is not None:
@@ -196,11 +302,11 @@ class InitWeights:
                     self.owner[f"{module_name}.{attr}" if module_name else attr] = (module_name, module, attr)
         self.cached: tuple[str, dict[str, torch.Tensor]] = ("", {})
 
-    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+    def read(self, name: str, start: int, numel: int, block: Block | None = None) -> torch.Tensor:
         module_name, module, attr = self.owner[name]
         if self.cached[0] != module_name or attr not in self.cached[1]:
             self.cached = (module_name, self._initialise(module_name, module))
-        return self.cached[1][attr].view(-1)[start:start + numel]
+        return Run(start, numel, block).of(self.cached[1][attr].view(-1))
 
     def read_buffer(self, name: str) -> None:
         return None  # the values the model's __init__ computed
@@ -282,13 +388,9 @@ SAMPLE_WINDOWS, SAMPLE_BYTES = 8, 4096  # per tensor: 8 windows of 4 KiB, evenly
 
 
 def byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
-    """Where each tensor's bytes lie in a safetensors file: the format's header (8 bytes of its
-    length, little-endian, then JSON) gives each tensor's `data_offsets`, counted from its end."""
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    return {key: (8 + length + spec["data_offsets"][0], 8 + length + spec["data_offsets"][1])
-            for key, spec in header.items() if key != "__metadata__"}
+    """Where each tensor's bytes lie in a safetensors file (`safetensors_header`)."""
+    begin, header = safetensors_header(path)
+    return {key: (begin + spec["data_offsets"][0], begin + spec["data_offsets"][1]) for key, spec in header.items()}
 
 
 def sampled_bytes(f, begin: int, end: int) -> Iterator[bytes]:
@@ -378,7 +480,12 @@ class SafetensorsWeights:
         if problems:
             raise ConfigError(f"model.path: the weights in {directory} do not fit the model built from its "
                               f"config.json ({len(problems)} parameters):\n  " + "\n  ".join(problems[:10]))
-        self.where = {name: stored[name][:2] for name in shapes}
+        # each parameter's stored tensors as runs of its flat values: its own tensor, or a converted one's pieces
+        self.runs = {name: [(Run(0, math.prod(shape)), (*stored[name][:2], 0, math.prod(shape)))]
+                     for name, shape in shapes.items() if name not in self.converted}
+        for name, layout in self.converted.items():
+            starts = accumulate((numel for *_, numel in layout.pieces), initial=0)
+            self.runs[name] = [(Run(start, piece[3]), piece) for start, piece in zip(starts, layout.pieces)]
         stored = {name: found for name, found in stored.items() if name not in self.converted}  # as stored, by key
         self.fingerprint = fingerprint(self.files, {name: list(stored[name][2]) for name in stored},
                                        {name: stored[name][:2] for name in stored})
@@ -393,25 +500,13 @@ class SafetensorsWeights:
         with safe_open(str(path), framework="pt") as handle:
             return handle.get_tensor(key)
 
-    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
-        from safetensors import safe_open
+    def read(self, name: str, start: int, numel: int, block: Block | None = None) -> torch.Tensor:
+        # Mapped per read: a map kept open would keep every page read so far in this process's resident memory.
+        files: dict[Path, MappedFile] = {}
 
-        pieces = self.converted[name].cut(start, numel) if name in self.converted else [(*self.where[name], start, numel)]
-        # Opened per read: the file is memory-mapped, and a mapping kept open would keep every
-        # page read so far in this process's resident memory.
-        with ExitStack() as opened:
-            handles = {path: opened.enter_context(safe_open(str(path), framework="pt"))
-                       for path in dict.fromkeys(path for path, *_ in pieces)}
-            values = [stored_range(handles[path], key, begin, length) for path, key, begin, length in pieces]
-        return values[0] if len(values) == 1 else torch.cat(values)
+        def values(path: Path, key: str, begin: int, numel: int) -> torch.Tensor:
+            if path not in files:
+                files[path] = MappedFile(path)
+            return files[path][key][begin:begin + numel]
 
-
-def stored_range(handle, key: str, start: int, numel: int) -> torch.Tensor:
-    """fp32 values [start, start + numel) of stored tensor `key`, flattened: only the rows that hold them are read."""
-    stored = handle.get_slice(key)
-    shape = stored.get_shape()
-    if not shape:  # a scalar
-        return handle.get_tensor(key).view(1).float()
-    row = math.prod(shape[1:])
-    first, last = start // row, -(-(start + numel) // row)  # the rows that hold the range
-    return stored[first:last].reshape(-1)[start - first * row:start - first * row + numel].float()
+        return read_part(Run(start, numel, block), ((held, partial(values, *piece)) for held, piece in self.runs[name]))[0]

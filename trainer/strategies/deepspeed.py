@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainer.config import Precision
 from trainer.log import chatter
 from trainer.models.experts import shard_experts
-from trainer.models.weights import WeightSource, allocate_params, fill, read_block
+from trainer.models.weights import WeightSource, allocate_params, fill
 from trainer.patches import watch_op_builds, zero3_start_build, zero3_start_hooks
 from trainer.strategies.base import (
     Strategy,
@@ -41,6 +41,12 @@ class DeepSpeedStrategy(Strategy):
         with chatter():
             deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")  # joins ours
         self.ds_config = build_ds_config(cfg, env.world_size)
+        # DeepSpeed keeps its groups (tensor, data-parallel, experts, an AutoTP engine's `mpu`) in its modules for
+        # the process, so an earlier run's stand for this one's: a tp=1 engine after a tp=2 one reads that one's
+        # `mpu` and fails; its tensor groups are made once, whatever the next run's degree. Released here (as its
+        # destroy_process_group does), every run makes its own.
+        from deepspeed.utils import groups
+        groups._release_process_group_references(group=None)
         if self.layout.degrees.tp > 1:
             self._tensor_groups()
         self.stage = self.ds_config["zero_optimization"]["stage"]
@@ -151,18 +157,17 @@ class DeepSpeedStrategy(Strategy):
         for name, p in named_params(self.module):
             if not p.requires_grad:
                 continue
-            read = partial(weights.read, name)
             at, block = self.zero.place(p)  # strategy.ep, strategy.tp: this rank's part of the full tensor
             if self.stage == 3:
                 start, numel = z3_range(p, self._experts)
                 if numel:
                     padded = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
-                    padded[:numel] = read_block(read, at + start, numel, block)
+                    padded[:numel] = weights.read(name, at + start, numel, block)
                     safe_set_local_fp32_param(p, padded)
             elif getattr(p, "_hp_mapping", None) is not None:
                 fragment = p._hp_mapping.lp_fragment_address
                 start = at + self._experts.start(p) + fragment.start
-                p._hp_mapping.get_hp_fragment().copy_(read_block(read, start, fragment.numel, block))
+                p._hp_mapping.get_hp_fragment().copy_(weights.read(name, start, fragment.numel, block))
 
     @contextmanager
     def micro_step(self, final):
