@@ -164,12 +164,12 @@ def test_sequence_parallelism_and_the_fused_loss_lengthen_the_longest_sequence_t
             assert longest[2, fused, ac] >= 1.8 * longest[1, fused, ac] > 0
             assert longest[4, fused, ac] >= 1.8 * longest[2, fused, ac]
     assert longest[1, True, False] > longest[1, False, False]  # no [tokens, vocab] log-probabilities kept
-    # strategy=auto: where nothing fits without strategy.tp (tp=2 does), the fused loss first, then sequence
-    # parallelism
+    # strategy=auto: where nothing fits without strategy.tp (tp=4 does, its norms sequence-parallel, and is
+    # faster than tp=2 with checkpointing), the fused loss first, then sequence parallelism
     tight = to_config({"model": {"name": "tiny", "seq_len": (longest[1, True, True] + 512) // 4 * 4},  # sp divides it
                        "train": {"micro_batch_size": 1}})
     nothing = make_plan(tight, 4, 10 ** 9)
-    assert nothing.choice.tp == 2
+    assert nothing.choice.tp > 1
     found, settings = plan_for_the_sequence(tight, 4, nothing)
     assert found.choice is not None and settings == {("strategy", "sp"): 2, ("train", "fused_loss"): False}
 

@@ -152,3 +152,6 @@ def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree
     # strategy; sequence parallelism, which does not cross with tp, is not offered
     cfg = to_config({"strategy": {"name": "fsdp", "tp": 2}, "train": {"micro_batch_size": 64}})
     assert strategy_fallbacks(cfg, 2, missing=1) == []
+    # runs the planner does not count yet (zero at tp=2, LoRA at tp=2) have none, rather than a crash
+    for unplanned in ({"strategy": {"name": "zero2", "tp": 2}}, {"strategy": {"name": "fsdp", "tp": 2}, "peft": {"name": "lora"}}):
+        assert strategy_fallbacks(to_config({**unplanned, "train": {"micro_batch_size": 64}}), 2, missing=1) == []

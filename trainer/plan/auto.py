@@ -54,13 +54,13 @@ def offload_settings(option: Option) -> dict[str, bool]:
             "offload_params": option.offload and "params" in OFFLOADED[StrategyName(option.name)]}
 
 
-def own_option(plan: Plan, cfg: Config) -> Option:
+def own_option(plan: Plan, cfg: Config) -> Option | None:
     """The option of `plan` that cfg runs: its strategy, strategy.ep and strategy.tp, activation
-    checkpointing and offload."""
+    checkpointing and offload; None where the planner has none (strategy.tp on zero1/2/3 or with LoRA)."""
     s = cfg.strategy
-    return next(o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep and o.tp == s.tp
-                and o.activation_checkpointing == cfg.train.activation_checkpointing
-                and o.offload == (s.offload_optimizer or s.offload_params))
+    return next((o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep and o.tp == s.tp
+                 and o.activation_checkpointing == cfg.train.activation_checkpointing
+                 and o.offload == (s.offload_optimizer or s.offload_params)), None)
 
 
 def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> list[tuple[dict, str]]:
@@ -74,6 +74,8 @@ def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> lis
     budget = memory_budget(cfg)
     here = make_plan(cfg, world_size, *budget)
     own = own_option(here, cfg)
+    if own is None:  # not planned: no count to hold less than (the micro-batch still halves)
+        return []
     limit = own.per_gpu_bytes["total"] - max(missing or 0, 1)
     s = cfg.strategy
     settings = {"name": StrategyName(s.name).value, "sp": s.sp, "offload_optimizer": s.offload_optimizer,
