@@ -147,6 +147,29 @@ def fours(runs):
     return out
 
 
+@pytest.fixture(scope="module")
+def packed(runs):
+    """make test-all's: chat conversations packed into rows (a row's documents kept apart by their position
+    ids), the tiny Qwen3 on one rank, on fsdp at tp=2 and on zero2 at tp=2."""
+    from trainer.demo import conversations, documents, train_chat_tokenizer, write_rows
+
+    out = runs["out"]
+    texts = documents()
+    chat = {"data__name": "chat", "data__packing": True,
+            "data__path": str(write_rows(out / "chat.jsonl", conversations(texts, n=60))),
+            "data__tokenizer": str(train_chat_tokenizer(out / "chat_tokenizer", texts)),
+            "data__cache_dir": str(out / "chat_cache")}
+
+    def packed_case(strategy: str, **overrides) -> dict:
+        cfg = tp_case(strategy, 8, runs["qwen"], **chat, **overrides)
+        return {**cfg, "model": {**cfg["model"], "seq_len": 128}}
+
+    on_ranks(1, train_cases, {"one_packed": packed_case("fsdp")}, str(out))
+    on_ranks(2, train_cases, {"tp2_packed": packed_case("fsdp", strategy__tp=2),
+                              "zero2_tp2_packed": packed_case("zero2", strategy__tp=2)}, str(out))
+    return out
+
+
 def assert_same_run(runs, name: str, baseline: str) -> None:
     base, run = ([r for r in records(runs / which) if "split" not in r] for which in (baseline, name))
     validation = [[r["loss"] for r in records(runs / which) if "split" in r] for which in (name, baseline)]
@@ -193,6 +216,14 @@ def test_sequence_parallel_norms_keep_half_their_activation_bytes_at_tp2(runs):
                                             ("tp2_accum_ac_without_sequence_parallel", "one"), ("tp2_grad_op", "one")])
 def test_tp2_crossed_gives_one_ranks_losses_and_norms(crossed, name, baseline):
     assert_same_run(crossed, name, baseline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2_packed", "zero2_tp2_packed"])
+def test_packed_chat_rows_at_tp2_give_one_ranks_losses_and_norms(packed, name):
+    """Chat SFT with packing crosses tensor parallelism: each rank attends within a row's documents with
+    its heads, and the losses, validation losses and norms are one rank's."""
+    assert_same_run(packed, name, "one_packed")
 
 
 @pytest.mark.slow
