@@ -1,5 +1,6 @@
-"""The planner at strategy.tp (docs/planning.md, Tensor parallelism): its bytes per rank against a tp=2
-run's, what it splits and moves as the model's plan says, its table, and strategy=auto's choice."""
+"""The planner at strategy.tp (docs/planning.md, Tensor parallelism), on fsdp and on zero1/2/3 (AutoTP): its
+bytes per rank against a tp=2 run's, what it splits and moves as the model's plan says, its table, and
+strategy=auto's choice."""
 from __future__ import annotations
 
 import pytest
@@ -43,17 +44,46 @@ def test_runtime_bytes_agree_with_the_plan_at_tp2(tensor_parallel_bytes):
     assert got["activations"] < kept[1]
 
 
-def traffic_case(sequence_parallel: bool) -> dict:
-    """tiny, 64 tokens a row, fp32, with or without strategy.tp_sequence_parallel"""
-    return case("fsdp", strategy__tp=2, train__micro_batch_size=2, strategy__tp_sequence_parallel=sequence_parallel)
+def zero_tensor_parallel_case(stage: str) -> dict:
+    return case(stage, steps=2, train__micro_batch_size=2, strategy__tp=2, **RUNTIME_MODEL)
 
 
-def tensor_traffic_per_step(env, sequence_parallel: bool) -> dict:
+@pytest.fixture(scope="module")
+def zero_tensor_parallel_bytes(tmp_path_factory):
+    """zero2 and zero3 at tp=2 on 2 ranks (dp=1: ZeRO's partitions are a rank's whole slices)"""
+    out = tmp_path_factory.mktemp("plan_zero_tp")
+    stages = ("zero2", "zero3")
+    on_ranks(2, train_cases, {stage: zero_tensor_parallel_case(stage) for stage in stages}, str(out))
+    return {stage: records(out / stage)[-1]["mem"] for stage in stages}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_runtime_bytes_agree_with_the_plan_at_zero_tp2(zero_tensor_parallel_bytes, stage):
+    """AutoTP's split as the plan counts it: the embedding whole, the rest's split layers 1 / 2 a rank, the
+    norms whole (no sequence parallelism), a rank's half of the logits."""
+    cfg = to_config(zero_tensor_parallel_case(stage))
+    plan = make_plan(cfg, 2, gpu_memory_bytes=int(80 * GB))
+    option = next(o for o in plan.options
+                  if (o.name, o.tp, o.activation_checkpointing, o.offload) == (stage, 2, False, False))
+    kept = planned(cfg, False, False, tp=2).bytes(cfg.model.seq_len, cfg.train.micro_batch_size)
+    expected, got = {**option.per_gpu_bytes, "activations": kept}, zero_tensor_parallel_bytes[stage]
+    for key in ("params", "grads", "optim", "activations"):
+        print(f"{stage} tp=2@2 {key}: runtime {got[key]} plan {expected[key]} = {got[key] / expected[key]:.4f}")
+        assert got[key] == pytest.approx(expected[key], rel=0.10), (key, got[key], expected[key])
+
+
+def traffic_case(strategy: str, sequence_parallel: bool) -> dict:
+    """tiny, 64 tokens a row, fp32, with or without strategy.tp_sequence_parallel (fsdp's)"""
+    return case(strategy, strategy__tp=2, train__micro_batch_size=2, strategy__tp_sequence_parallel=sequence_parallel)
+
+
+def tensor_traffic_per_step(env, strategy_name: str, sequence_parallel: bool) -> dict:
     """The collectives' payload of a tp=2 run's second step (the first sets things up), at 2 ranks (dp=1:
     only the tensor group's)."""
     from tests.test_core_behaviour import build, loss_of
 
-    strategy, model, _ = build(env, traffic_case(sequence_parallel))
+    strategy, model, _ = build(env, traffic_case(strategy_name, sequence_parallel))
     x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         counter = CollectiveBytes()
@@ -68,16 +98,22 @@ def tensor_traffic_per_step(env, sequence_parallel: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_the_planned_tensor_traffic_is_what_the_collectives_carry(sequence_parallel):
+@pytest.mark.parametrize("strategy,sequence_parallel", [("fsdp", False), ("fsdp", True), ("zero2", False)])
+def test_the_planned_tensor_traffic_is_what_the_collectives_carry(strategy, sequence_parallel):
     """With sequence parallelism a reduce-scatter and an all-gather of a tensor move, as rings, what one
-    all-reduce of it does: the plan counts them as all-reduces."""
-    measured = on_ranks(2, tensor_traffic_per_step, sequence_parallel)[0]
-    plan = make_plan(to_config(traffic_case(sequence_parallel)), 2, gpu_memory_bytes=int(80 * GB))
-    option = next(o for o in plan.options if o.tp == 2 and not o.activation_checkpointing)
-    assert option.comm_bytes["all_gather"] == option.comm_bytes["reduce_scatter"] == 0  # dp=1: FSDP2 moves nothing
-    carried = measured["all_reduce"] + (measured["reduce_scatter"] + measured["all_gather"]) / 2
-    print(f"tp=2@2 sequence_parallel={sequence_parallel}: measured {measured} planned "
+    all-reduce of it does: the plan counts them as all-reduces. zero2 (AutoTP): its embedding whole, its
+    lookups not all-reduced."""
+    measured = on_ranks(2, tensor_traffic_per_step, strategy, sequence_parallel)[0]
+    plan = make_plan(to_config(traffic_case(strategy, sequence_parallel)), 2, gpu_memory_bytes=int(80 * GB))
+    option = next(o for o in plan.options if (o.name, o.tp, o.activation_checkpointing, o.offload) == (
+        strategy, 2, False, False))
+    # dp=1: neither FSDP2 nor ZeRO moves anything among data-parallel ranks
+    assert option.comm_bytes["all_gather"] == option.comm_bytes["reduce_scatter"] == option.comm_bytes["all_reduce"] == 0
+    # ZeRO-2 still all-reduces a rank's fp32 gradients (as many bytes as its fp32 parameters) over its data-parallel
+    # group, here of one rank: a payload the counter sees that moves nothing
+    alone = option.per_gpu_bytes["params"] if strategy == "zero2" else 0
+    carried = measured["all_reduce"] - alone + (measured["reduce_scatter"] + measured["all_gather"]) / 2
+    print(f"{strategy} tp=2@2 sequence_parallel={sequence_parallel}: measured {measured} planned "
           f"{option.comm_bytes['tensor_all_reduce']}")
     # the counter, a dispatch mode, does not see the collectives DTensor issues inside its own dispatch:
     # loss_parallel's exchange (planned: 12 bytes a token, 1,536 here) and the gradient norm's
@@ -91,10 +127,12 @@ def test_the_plan_chooses_tensor_parallelism_only_where_nothing_without_it_fits(
     cfg = to_config({"train": {"micro_batch_size": 64}})
     tight = make_plan(cfg, 2, int(0.02 * GB))
     assert not any(o.fits for o in tight.options if o.tp == 1)  # offload with checkpointing: 25 MB
-    assert (tight.choice.name, tight.choice.tp, tight.choice.activation_checkpointing) == ("fsdp", 2, True)
+    # at tp=2 on 2 ranks (dp=1) no strategy moves anything among data-parallel ranks, and AutoTP's whole
+    # embedding spares the all-reduce of its lookups: zero1, the first in the decision order, is the fastest
+    assert (tight.choice.name, tight.choice.tp, tight.choice.activation_checkpointing) == ("zero1", 2, True)
     table = format_plan(tight).splitlines()
     assert table[1].split()[:3] == ["strategy", "ep", "tp"]
-    assert next(line for line in table if "<- chosen" in line).split()[:4] == ["fsdp", "1", "2", "yes"]
+    assert next(line for line in table if "<- chosen" in line).split()[:4] == ["zero1", "1", "2", "yes"]
     # where an option without tp fits, it is chosen, though a tp option fits too
     roomy = make_plan(cfg, 2, int(0.06 * GB))
     assert roomy.choice.tp == 1 and any(o.fits for o in roomy.options if o.tp == 2)
@@ -148,10 +186,52 @@ def test_a_70b_model_at_32k_tokens_on_8_gpus_does_not_fit_by_tensor_parallelism(
 def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree():
     from trainer.plan import strategy_fallbacks
 
-    # fsdp at tp=2 on 2 ranks: its only later option is itself with checkpointing, which is no change of
-    # strategy; sequence parallelism, which does not cross with tp, is not offered
-    cfg = to_config({"strategy": {"name": "fsdp", "tp": 2}, "train": {"micro_batch_size": 64}})
-    assert strategy_fallbacks(cfg, 2, missing=1) == []
-    # runs the planner does not count yet (zero at tp=2, LoRA at tp=2) have none, rather than a crash
-    for unplanned in ({"strategy": {"name": "zero2", "tp": 2}}, {"strategy": {"name": "fsdp", "tp": 2}, "peft": {"name": "lora"}}):
-        assert strategy_fallbacks(to_config({**unplanned, "train": {"micro_batch_size": 64}}), 2, missing=1) == []
+    # at tp=2 on 2 ranks: the later options at tp=2, each with checkpointing (the run's own strategy with it is no
+    # change of strategy); sequence parallelism, which does not cross with tp, is not offered
+    def fallbacks(strategy: dict) -> list[tuple]:
+        cfg = to_config({"strategy": {**strategy, "tp": 2}, "train": {"micro_batch_size": 64}})
+        return [(f["name"], f["offload_optimizer"], f["offload_params"], f["sp"])
+                for f, _ in strategy_fallbacks(cfg, 2, missing=1)]
+
+    later = [("zero3", False, False, 1), ("zero1", True, False, 1), ("zero2", True, False, 1), ("zero3", True, True, 1)]
+    assert fallbacks({"name": "fsdp"}) == later
+    # zero at tp=2 is planned too: FSDP2 after ZeRO-2, as without tp
+    assert fallbacks({"name": "zero2"}) == [("fsdp", False, False, 1), *later]
+    # LoRA at tp=2, which the planner does not count yet, has none, rather than a crash
+    lora = to_config({"strategy": {"name": "fsdp", "tp": 2}, "peft": {"name": "lora"}, "train": {"micro_batch_size": 64}})
+    assert strategy_fallbacks(lora, 2, missing=1) == []
+
+
+def test_the_plan_counts_zero_at_each_tensor_degree_as_autotp_splits():
+    """zero1/2/3 at tp=2 and 4 on 4 ranks, with and without checkpointing and offload, in the table; against
+    fsdp's count with the norms whole: the embedding whole (a rank holds its other half, and its lookups are
+    not all-reduced), the same activations; ZeRO's own traffic over the world / tp data-parallel ranks."""
+    from trainer.plan.report import format_plan
+
+    def options(sequence_parallel: bool) -> dict:
+        cfg = to_config({"train": {"micro_batch_size": 8}, "strategy": {"tp_sequence_parallel": sequence_parallel}})
+        return {(o.name, o.tp, o.activation_checkpointing, o.offload): o for o in make_plan(cfg, 4, int(80 * GB)).options}
+
+    plan = options(False)
+    assert {key for key in plan if key[1] > 1 and key[0] != "fsdp"} == {
+        (stage, tp, checkpointing, offload) for stage in ("zero1", "zero2", "zero3") for tp in (2, 4)
+        for checkpointing in (False, True) for offload in (False, True)}
+    table = format_plan(make_plan(to_config({"train": {"micro_batch_size": 8}}), 4, int(80 * GB))).splitlines()
+    assert ["zero3", "1", "4", "yes", "yes"] in [line.split()[:5] for line in table]
+    tokens, d_model, vocab = 8 * 64, 64, 256  # the tiny model, 8 rows of 64 tokens, fp32
+    for checkpointing in (False, True):
+        zero2, fsdp = plan["zero2", 2, checkpointing, False], plan["fsdp", 2, checkpointing, False]
+        # a rank's parameters (zero2 keeps them whole at dp=2; FSDP2 shards its over the 2 data-parallel ranks)
+        assert zero2.per_gpu_bytes["params"] // 4 - 2 * fsdp.per_gpu_bytes["params"] // 4 == vocab * d_model // 2
+        assert fsdp.comm_bytes["tensor_all_reduce"] - zero2.comm_bytes["tensor_all_reduce"] == 4 * tokens * d_model
+        assert zero2.per_gpu_bytes["activations"] == fsdp.per_gpu_bytes["activations"]
+        # with the norms sequence-parallel fsdp keeps fewer
+        assert options(True)["fsdp", 2, checkpointing, False].per_gpu_bytes["activations"] < \
+            zero2.per_gpu_bytes["activations"]
+        # ZeRO-2 all-reduces a rank's gradients (fp32) among 2 data-parallel ranks, none among 1
+        assert zero2.comm_bytes["all_reduce"] == zero2.per_gpu_bytes["params"]
+        assert plan["zero2", 4, checkpointing, False].comm_bytes["all_reduce"] == 0
+    # offload moves ZeRO-3's parameter and optimizer partitions to the host
+    zero3, offloaded = plan["zero3", 2, False, False], plan["zero3", 2, False, True]
+    assert offloaded.per_gpu_bytes["params"] == offloaded.per_gpu_bytes["optim"] == 0
+    assert offloaded.host_bytes == zero3.per_gpu_bytes["params"] + zero3.per_gpu_bytes["optim"]

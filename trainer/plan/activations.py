@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.config import model_node, rows_carry_positions
+from trainer.config import StrategyName, model_node, rows_carry_positions
 from trainer.losses.objectives import NextToken
 from trainer.memory import DTYPE_BYTES
 from trainer.models import build_model, sequence
@@ -35,7 +35,7 @@ from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.checks import attends_packed_rows
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.lora import output_layer
-from trainer.plan.tensor import hold_local_shares, hold_sequence_shares
+from trainer.plan.tensor import AUTOTP, hold_local_shares, hold_sequence_shares, sequence_parallel_norms
 from trainer.saved_bytes import SavedBytes
 
 
@@ -324,20 +324,21 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     block, with train.fused_loss the output layer that gives each token's loss
     (models/fused_loss.py), at strategy.sp=`sp` the rank's share of each row through Ulysses
     attention (the all-to-alls exchanged for a copy of the same shape, their bytes counted), at
-    strategy.tp=`tp` as a rank of the tensor group (each split layer holding its share of the weights:
+    strategy.tp=`tp` as a rank of the tensor group of cfg's strategy (each split layer holding its share of the weights:
     its heads, its features, its logits; what the group sums is whole, as the blocks' inputs, or with
     strategy.tp_sequence_parallel and the model's `_tp_sequence_plan` its 1 / tp of the sequence), on rows
     of packed documents where the data packs them (`rows_carry_positions`)."""
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
     packed = rows_carry_positions(cfg)
-    sequence_parallel = tp > 1 and cfg.strategy.tp_sequence_parallel is not False  # fsdp's, where the plan declares it
+    strategy = StrategyName(cfg.strategy.name)  # on zero1/2/3 (AutoTP) the embeddings stay whole, the norms too
+    sequence_parallel = tp > 1 and sequence_parallel_norms(cfg.strategy)  # where the plan declares it
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
-                      sp, packed, tp, sequence_parallel], default=str)
+                      sp, packed, tp, sequence_parallel, strategy in AUTOTP], default=str)
     if key not in _COUNTS:
         attended = packed and attends_packed_rows(cfg.model)  # else transformers' own, with its packed mask
         model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, attended).to(dtype)
         if tp > 1:
-            hold_local_shares(model, tp)
+            hold_local_shares(model, tp, strategy)
         exchanges = hold_sequence_shares(model, tp) if sequence_parallel else []
         if fused_loss:
             fuse_output_layer(model, cfg.model.vocab_size)

@@ -6,7 +6,7 @@ import dataclasses
 
 from trainer.config import Config, StrategyName
 from trainer.oom import format_bytes
-from trainer.plan.cost import GB, OFFLOADED, Option, Plan, make_plan, memory_budget, sequence_parallel_sizes
+from trainer.plan.cost import GB, Option, Plan, make_plan, memory_budget, offload_settings, sequence_parallel_sizes
 from trainer.plan.report import format_plan
 
 
@@ -31,7 +31,7 @@ def resolve_auto(cfg, world_size: int) -> None:
         raise ConfigError(f"strategy=auto: no strategy fits {plan.gpu_memory_bytes / GB:.3g} GB per device "
                           f"({plan.memory_source})")
     chosen = {("train", "activation_checkpointing"): plan.choice.activation_checkpointing,
-              **{("strategy", key): on for key, on in offload_settings(plan.choice).items()},
+              **{("strategy", key): on for key, on in offload_settings(StrategyName(plan.choice.name), plan.choice.offload).items()},
               ("strategy", "ep"): plan.choice.ep, ("strategy", "tp"): plan.choice.tp, **long_context}
     replaced = []
     for (group, key), value in chosen.items():
@@ -48,15 +48,9 @@ def resolve_auto(cfg, world_size: int) -> None:
              f"{' + CPU offload' if plan.choice.offload else ''}" + (f"; {'; '.join(replaced)}" if replaced else ""))
 
 
-def offload_settings(option: Option) -> dict[str, bool]:
-    """strategy.offload_optimizer and strategy.offload_params of an option (OFFLOADED: what it moves)."""
-    return {"offload_optimizer": option.offload,
-            "offload_params": option.offload and "params" in OFFLOADED[StrategyName(option.name)]}
-
-
 def own_option(plan: Plan, cfg: Config) -> Option | None:
     """The option of `plan` that cfg runs: its strategy, strategy.ep and strategy.tp, activation
-    checkpointing and offload; None where the planner has none (strategy.tp on zero1/2/3 or with LoRA)."""
+    checkpointing and offload; None where the planner has none (strategy.tp with LoRA)."""
     s = cfg.strategy
     return next((o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep and o.tp == s.tp
                  and o.activation_checkpointing == cfg.train.activation_checkpointing
@@ -85,7 +79,7 @@ def strategy_fallbacks(cfg: Config, world_size: int, missing: int | None) -> lis
         if sp > s.sp:
             trial = dataclasses.replace(cfg, strategy=dataclasses.replace(s, sp=sp))
             candidates.append(({**settings, "sp": sp}, own_option(make_plan(trial, world_size, *budget), trial)))
-    candidates += [({**settings, "name": o.name, **offload_settings(o)}, o)
+    candidates += [({**settings, "name": o.name, **offload_settings(StrategyName(o.name), o.offload)}, o)
                    for o in here.options[here.options.index(own) + 1:]
                    if o.activation_checkpointing and o.ep == s.ep and o.tp == s.tp]
     # the run's own strategy with activation checkpointing (a set-up out of memory comes before that

@@ -1,7 +1,7 @@
 """The planner's cost model: what each memory strategy holds per GPU and moves per step, and the
 fastest option that fits (options in the decision order DDP -> activation checkpointing ->
-ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties; then FSDP2 at each strategy.tp, chosen
-only where nothing without it fits), and the longest seq_len per sequence-parallel degree.
+ZeRO-1/2 -> FSDP2 / ZeRO-3 -> CPU offload, which breaks ties; then the same order at each strategy.tp,
+chosen only where nothing without it fits), and the longest seq_len per sequence-parallel degree.
 
 The parameter count comes from the real model built on the meta device. Bytes per parameter
 follow trainer/memory.py (what our backends keep; `plan.master_weights=false` for pure bf16).
@@ -33,8 +33,14 @@ STAGES = (StrategyName.ddp, StrategyName.zero1, StrategyName.zero2, StrategyName
 # What CPU offload moves to host memory, per strategy (DDP cannot offload).
 OFFLOADED = {StrategyName.zero1: ("optim",), StrategyName.zero2: ("optim",),
              StrategyName.fsdp: ("params", "grads", "optim"), StrategyName.zero3: ("params", "optim")}
-# The strategies that take strategy.ep > 1 (models/experts.py: ddp refuses it)
-EXPERT_PARALLEL = (StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
+def offload_settings(stage: StrategyName, offload: bool) -> dict[str, bool]:
+    """strategy.offload_optimizer and strategy.offload_params of `stage` with or without offload (OFFLOADED:
+    what it moves)."""
+    return {"offload_optimizer": offload, "offload_params": offload and "params" in OFFLOADED[stage]}
+
+
+# The strategies that take strategy.ep > 1 (models/experts.py: ddp refuses it), and strategy.tp > 1
+EXPERT_PARALLEL = TENSOR_PARALLEL = (StrategyName.zero1, StrategyName.zero2, StrategyName.fsdp, StrategyName.zero3)
 
 
 @dataclass
@@ -273,11 +279,15 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
 
         model = meta_model(m, cfg.peft)
         blocks = find_blocks(model, cfg.strategy.wrap)
-        for tp in tensor_parallel_sizes(cfg, world_size):
-            split = tensor_split(model, blocks, tp, precision, cfg.strategy.tp_sequence_parallel is not False)
-            for checkpointing in (False, True):
-                plan.options.append(tensor_parallel_option(cfg, facts, split, world_size, checkpointing, save_copy,
-                                                           gpu_memory_bytes))
+        sizes = {stage: tensor_parallel_sizes(cfg, world_size, stage) for stage in TENSOR_PARALLEL}
+        for tp in sorted(set().union(*sizes.values())):
+            for offload, stage, _, checkpointing in decision_order([]):
+                if tp not in sizes.get(stage, ()) or offload and stage is StrategyName.fsdp:  # fsdp's tp: no offload
+                    continue
+                strategy = dataclasses.replace(cfg.strategy, name=stage, tp=tp, **offload_settings(stage, offload))
+                split = tensor_split(model, blocks, strategy, precision)
+                plan.options.append(tensor_parallel_option(dataclasses.replace(cfg, strategy=strategy), facts, split,
+                                                           world_size, checkpointing, save_copy, gpu_memory_bytes))
     # The fastest that fits, per row the world trains; within 1 % of it, the decision order (the options'
     # order) decides. strategy.tp only where nothing without it fits: its tensor group reads the same
     # rows, so a step trains tp times fewer of them than the run asked for.
@@ -292,21 +302,28 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
 
 def tensor_parallel_option(cfg: Config, facts: ModelFacts, split: TensorSplit, world_size: int, checkpointing: bool,
                            save_copy: int, gpu_memory_bytes: int) -> Option:
-    """FSDP2 at strategy.tp=`split.tp`: a rank holds 1 / tp of each split parameter and the others whole,
-    FSDP2 shards them over the world / tp data-parallel ranks (trainer/memory.py's bytes per parameter
-    there), the activations as a rank of the tensor group keeps them (counted on meta); per step, FSDP2's
-    gathers and reduce-scatters of those parameters among the data-parallel ranks, and the tensor group's
-    all-reduces (`TensorSplit.traffic`) among its tp ranks. A rank computes 1 / tp of the split layers'
-    and of attention's FLOPs (its heads), the rest whole."""
+    """cfg's strategy (fsdp, or zero1/2/3 through AutoTP, with its offload) at strategy.tp=`split.tp`: a rank
+    holds 1 / tp of each parameter the strategy splits and the others whole, which the strategy then
+    shards or partitions over the world / tp data-parallel ranks as it does over the world without tp
+    (trainer/memory.py's bytes per parameter there), the activations as a rank of the tensor group keeps
+    them (counted on meta); per step, the strategy's own collectives (and offload's copies) of those
+    parameters among the data-parallel ranks, and the tensor group's all-reduces (`TensorSplit.traffic`)
+    among its tp ranks. A rank computes 1 / tp of the split layers' and of attention's FLOPs (its heads),
+    the rest whole."""
     t, tp, precision = cfg.train, split.tp, Precision(cfg.train.precision)
+    stage, offload = StrategyName(cfg.strategy.name), cfg.strategy.offload_optimizer
     dp = world_size // tp
     local = facts.params - split.split_params + split.split_params // tp
-    gpu = held_bytes(StrategyName.fsdp, local, dp, cfg)
+    held = held_bytes(stage, local, dp, cfg)
+    moved = OFFLOADED[stage] if offload else ()
+    gpu = {k: 0 if k in moved else v for k, v in held.items()}
     need = activation_need(cfg, checkpointing, t.fused_loss, 1, tp)
     gpu["activations"] = need.bytes(cfg.model.seq_len, t.micro_batch_size)
     gpu["total"] = sum(gpu.values())
-    data_parallel = step_traffic(StrategyName.fsdp, local, 0, dp, precision, t.grad_accum_steps,
-                                 cfg.strategy.grad_reduce, False, cfg.strategy.reduce_dtype)
+    # ZeRO-3's parameters below its persistence threshold, counted at their whole sizes (a split one is smaller)
+    whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), local)
+    data_parallel = step_traffic(stage, local, whole, dp, precision, t.grad_accum_steps,
+                                 cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype)
     reductions = t.grad_accum_steps if GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step else 1
     tensor = {"tensor_all_reduce": split.traffic(t.micro_batch_size * cfg.model.seq_len, t.grad_accum_steps,
                                                  reductions, checkpointing)}
@@ -314,7 +331,8 @@ def tensor_parallel_option(cfg: Config, facts: ModelFacts, split: TensorSplit, w
     flops_per_token = facts.flops_per_token - (1 - 1 / tp) * (6 * split.split_matmul_params + attention_flops)
     flops = flops_per_token * t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len * (
         8 / 6 if checkpointing else 1)
-    option = Option(StrategyName.fsdp.value, checkpointing, False, gpu, save_copy, {**data_parallel, **tensor},
+    option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved) + save_copy,
+                    {**data_parallel, **tensor},
                     step_seconds([(data_parallel, dp), (tensor, tp)], flops, cfg), tp=tp)
     option.fits = gpu["total"] <= gpu_memory_bytes
     option.longest_seq_len = need.longest(gpu_memory_bytes - gpu["total"] + gpu["activations"], t.micro_batch_size)
@@ -351,6 +369,8 @@ def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequenc
     rest = base.per_gpu_bytes["total"] - base.per_gpu_bytes["activations"]
     plan.room_for = f"{base.name}{f' tp={base.tp}' if base.tp > 1 else ''}{' + CPU offload' if base.offload else ''}"
     t = cfg.train
+    # the activations as the base's strategy keeps them (zero's AutoTP: no sequence-parallel norms)
+    cfg = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, name=StrategyName(base.name)))
     # strategy.tp crosses neither with strategy.sp nor with the fused loss
     for sp in sequence_parallel_sizes(cfg, world_size) if base.tp == 1 else [1]:
         for fused in (False, True) if base.tp == 1 else (False,):

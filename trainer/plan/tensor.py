@@ -12,13 +12,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from trainer.config import Config, PeftName, Precision, StrategyName
+from trainer.config import Config, PeftName, Precision, StrategyConfig, StrategyName
 from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES
 from trainer.models.tensor_plan import planned_modules, style_and_parts
 
 # the styles whose layer's output features (rows of the weight) a rank keeps 1 / tp of
 SPLIT_ROWS = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
+# the strategies that split with DeepSpeed's AutoTP, which leaves embeddings whole (strategies/ds_tp.py's SPECS)
+AUTOTP = (StrategyName.zero1, StrategyName.zero2, StrategyName.zero3)
 # torch's loss_parallel all-reduces, per token, the logits' max, the sum of their exponentials and the
 # target's logit, in fp32 (the loss casts the logits to fp32)
 LOSS_PARALLEL_BYTES_PER_TOKEN = 3 * 4
@@ -39,24 +41,38 @@ class TensorSplit:
 
     def traffic(self, tokens: int, micro_steps: int, reductions: int, checkpointing: bool) -> int:
         """All-reduce payload per optimizer step of `micro_steps` micro-batches of `tokens` tokens each,
-        on one rank of the group; the replicated parameters' fp32 gradients summed where FSDP2 reduces
+        on one rank of the group; the replicated parameters' fp32 gradients summed where the strategy reduces
         gradients (`reductions` times a step)."""
         per_token = self.forward_per_token + self.backward_per_token + self.loss_per_token \
             + (self.recomputed_per_token if checkpointing else 0)
         return per_token * tokens * micro_steps + 4 * self.replicated_gradients * reductions
 
 
-def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: Precision,
-                 sequence_parallel: bool = False) -> TensorSplit:
-    """`model`'s plan at strategy.tp=`tp` (on meta); `blocks` its blocks (what checkpointing recomputes);
-    `sequence_parallel`: with its `_tp_sequence_plan`, whose reduce-scatters and all-gathers move, as a
-    ring, what the all-reduces they replace do (each rowwise sum a reduce-scatter and its gradient's
-    all-gather, each colwise input an all-gather and its gradient's reduce-scatter): counted as those."""
+def split_modules(model: nn.Module, strategy: StrategyName) -> list[tuple[str, nn.Module, str]]:
+    """`planned_modules` as `strategy` splits them: on zero1/2/3 (AutoTP) the embeddings stay whole."""
+    modules = planned_modules(model)
+    if strategy not in AUTOTP:
+        return modules
+    return [planned for planned in modules if style_and_parts(planned[2])[0] != "embedding_rowwise"]
+
+
+def sequence_parallel_norms(strategy: StrategyConfig) -> bool:
+    """The norms counted sequence-parallel at strategy.tp > 1 (where the model declares `_tp_sequence_plan`):
+    fsdp's, unless strategy.tp_sequence_parallel is false; AutoTP keeps the residual stream whole."""
+    return StrategyName(strategy.name) not in AUTOTP and strategy.tp_sequence_parallel is not False
+
+
+def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyConfig, precision: Precision) -> TensorSplit:
+    """`model`'s plan at `strategy`'s tp (on meta), as its strategy splits it (`split_modules`); `blocks`
+    its blocks (what checkpointing recomputes). With sequence-parallel norms (`sequence_parallel_norms`),
+    the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
+    replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
+    all-gather and its gradient's reduce-scatter): counted as those."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
     split = matmul = forward = recomputed = backward = replicated = loss = 0
-    sequence_plan = planned_modules(model, "_tp_sequence_plan") if sequence_parallel else []
-    for _, module, value in planned_modules(model) + sequence_plan:
+    sequence_plan = planned_modules(model, "_tp_sequence_plan") if sequence_parallel_norms(strategy) else []
+    for _, module, value in split_modules(model, StrategyName(strategy.name)) + sequence_plan:
         style, _ = style_and_parts(value)
         # a rowwise layer's bias is added once the outputs are summed: whole on every rank
         count = sum(p.numel() for name, p in module.named_parameters(recurse=False)
@@ -76,14 +92,14 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], tp: int, precision: 
             backward += module.weight.shape[1] * element
         if style == "colwise_gather_output":  # its logits stay split: the loss is computed where they are
             loss = LOSS_PARALLEL_BYTES_PER_TOKEN
-    return TensorSplit(tp, split, matmul, forward, recomputed, backward, loss, replicated)
+    return TensorSplit(strategy.tp, split, matmul, forward, recomputed, backward, loss, replicated)
 
 
-def hold_local_shares(model: nn.Module, tp: int) -> None:
-    """On meta: each layer the plan splits holds one rank's share of its weights (rows for the colwise
-    styles, columns for rowwise; a rowwise bias whole), so that a forward makes and keeps what a rank
+def hold_local_shares(model: nn.Module, tp: int, strategy: StrategyName) -> None:
+    """On meta: each layer `strategy` splits (`split_modules`) holds one rank's share of its weights (rows
+    for the colwise styles, columns for rowwise; a rowwise bias whole), so that a forward makes and keeps what a rank
     of the tensor group does (its heads, its features; the split logits)."""
-    for _, module, value in planned_modules(model):
+    for _, module, value in split_modules(model, strategy):
         style, _ = style_and_parts(value)
         if style not in SPLIT_ROWS and style != "rowwise":
             continue
@@ -115,11 +131,12 @@ def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
     return exchanges
 
 
-def tensor_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
-    """strategy.tp values above 1 that this run may take on fsdp: every size dividing the world that the
-    trainer's checks accept (the model's plan, its split dimensions, heads and key-value heads; the
-    settings tensor parallelism crosses with), without offload; none where they refuse every size, and
-    none for peft=lora (`tensor_parallel_option` counts every parameter trainable, not LoRA's frozen base)."""
+def tensor_parallel_sizes(cfg: Config, world_size: int, strategy: StrategyName) -> list[int]:
+    """strategy.tp values above 1 that this run may take on `strategy`: every size dividing the world that
+    the trainer's checks accept (the model's plan, its split dimensions, heads and key-value heads; the
+    settings tensor parallelism crosses with), without offload (zero's offload crosses with every size); none
+    where they refuse every size, and none for peft=lora (`tensor_parallel_option` counts every parameter
+    trainable, not LoRA's frozen base)."""
     from trainer.checks import check_tensor_parallel
     from trainer.models import meta_model
 
@@ -127,14 +144,13 @@ def tensor_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
         return []
 
     model = meta_model(cfg.model, cfg.peft)
-    strategy = dataclasses.replace(cfg.strategy, name=StrategyName.fsdp, offload_params=False,
-                                   offload_optimizer=False)
+    settings = dataclasses.replace(cfg.strategy, name=strategy, offload_params=False, offload_optimizer=False)
     sizes = []
     for tp in range(2, world_size + 1):
         if world_size % tp:
             continue
         try:
-            check_tensor_parallel(dataclasses.replace(cfg, strategy=dataclasses.replace(strategy, tp=tp)), world_size,
+            check_tensor_parallel(dataclasses.replace(cfg, strategy=dataclasses.replace(settings, tp=tp)), world_size,
                                   model)
         except ConfigError:
             continue
