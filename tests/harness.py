@@ -199,6 +199,24 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def auto_resolved(overrides: list[str], world_size: int, caplog) -> tuple:
+    """strategy=auto's settings for the CLI `overrides` at `world_size` ranks (trainer.__main__'s
+    resolve_settings, before any rank starts), and the line it said of its choice."""
+    import logging
+
+    from hydra import compose, initialize_config_module
+
+    from trainer.__main__ import resolve_settings
+    from trainer.config import CONFIG_MODULE
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        resolved = resolve_settings(cfg, world_size)
+    said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
+    return cfg, resolved, said
+
+
 def refused_by(check, *args) -> str | None:
     """The one line a check before work refuses `args` with (its ConfigError), or None: it accepts
     them. So a test of what a check accepts asserts `is None` beside the case it refuses."""

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.harness import CollectiveBytes, case, on_ranks, records, run_cli, train_cases
+from tests.harness import CollectiveBytes, auto_resolved, case, on_ranks, records, run_cli, train_cases
 from trainer.config import GradReduce, Precision, StrategyName, to_config
 from trainer.demo import VOCAB, make_model_dir
 from trainer.plan import count_params, make_plan
@@ -174,23 +174,12 @@ def test_an_explicit_gpu_memory_budget_wins_over_the_local_gpu_and_the_plan_says
 
 
 def test_strategy_auto_says_each_setting_it_replaced_and_a_world_size_it_planned_for_instead_of_the_runs(caplog):
-    import logging
-
-    from hydra import compose, initialize_config_module
-
-    from trainer.__main__ import resolve_settings
-    from trainer.config import CONFIG_MODULE
-
     overrides = ["strategy=auto", "plan.gpu_memory_gb=0.005", "plan.world_size=4", "train.activation_checkpointing=false",
                  "strategy.offload_optimizer=true"]
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    with caplog.at_level(logging.INFO, logger="trainer"):
-        resolved = resolve_settings(cfg, 2)
+    _, resolved, said = auto_resolved(overrides, 2, caplog)
     # tiny in 5 MB at 4 ranks: full sharding with activation checkpointing, no offload
     assert (resolved.strategy.name.value, resolved.train.activation_checkpointing,
             resolved.strategy.offload_optimizer) == ("zero3", True, False)
-    said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
     assert said == ("strategy=auto chose zero3 + activation checkpointing; train.activation_checkpointing=true "
                     "(was false); strategy.offload_optimizer=false (was true); planned for plan.world_size=4, "
                     "this run has 2 ranks"), said
@@ -233,26 +222,15 @@ def test_runtime_bytes_agree_with_the_plan_at_ep2(expert_parallel_bytes, strateg
 
 
 def test_strategy_auto_chooses_expert_parallelism_where_it_is_the_fastest_fit(tmp_path, caplog):
-    import logging
-
-    from hydra import compose, initialize_config_module
-
-    from trainer.__main__ import resolve_settings
-    from trainer.config import CONFIG_MODULE
-
     # 16 experts, 83 % of the parameters: at 4 ranks in 9 MB, fsdp and zero3 fit without checkpointing, and at
     # ep=4 the tokens' all-to-alls move less than gathering every expert twice a step; zero3, which gathers
     # these small parameters once a step, the least
     folder = make_model_dir(tmp_path / "moe", "qwen3_moe", weights=False, num_experts=16, moe_intermediate_size=64)
     overrides = ["strategy=auto", "model=hf", f"model.path={folder}", "data=synthetic", "plan.gpu_memory_gb=0.009",
                  "plan.world_size=4", "train.micro_batch_size=4"]
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    with caplog.at_level(logging.INFO, logger="trainer"):
-        resolved = resolve_settings(cfg, 4)
+    cfg, resolved, said = auto_resolved(overrides, 4, caplog)
     assert (resolved.strategy.name.value, resolved.strategy.ep, resolved.train.activation_checkpointing) == (
         "zero3", 4, False)
-    said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
     assert said == "strategy=auto chose zero3 ep=4; strategy.ep=4 (was 1)", said
     plan = make_plan(to_config(cfg), 4, int(0.009 * GB))
     # the table offers every ep the world and the 16 experts allow, on fsdp, zero1, zero2 and zero3 alone

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import CollectiveBytes, case, on_ranks, records, train_cases
+from tests.harness import CollectiveBytes, auto_resolved, case, on_ranks, records, train_cases
 from tests.test_plan import RUNTIME_MODEL
 from trainer.config import to_config
 from trainer.plan import make_plan
@@ -139,22 +139,11 @@ def test_the_plan_chooses_tensor_parallelism_only_where_nothing_without_it_fits(
 
 
 def test_strategy_auto_takes_strategy_tp_and_tries_the_fused_loss_and_sequence_parallelism_before_it(caplog):
-    import logging
-
-    from hydra import compose, initialize_config_module
-
-    from trainer.__main__ import resolve_settings
-    from trainer.config import CONFIG_MODULE
-
     overrides = ["strategy=auto", "strategy.tp=2", "train.micro_batch_size=64", "plan.gpu_memory_gb=0.02",
                  "plan.world_size=2"]
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    with caplog.at_level(logging.INFO, logger="trainer"):
-        resolved = resolve_settings(cfg, 2)
+    _, resolved, said = auto_resolved(overrides, 2, caplog)
     # the plan above: only tp=2 fits; the fused loss alone does not, sp=2 (every activation halved) does, on ddp
     assert (resolved.strategy.name.value, resolved.strategy.tp, resolved.strategy.sp) == ("ddp", 1, 2)
-    said = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy=auto chose"))
     assert said == ("strategy=auto chose ddp + activation checkpointing; train.activation_checkpointing=true (was "
                     "false); strategy.tp=1 (was 2); strategy.sp=2 (was 1)"), said
 
