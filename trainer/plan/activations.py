@@ -35,7 +35,8 @@ from trainer.models.blocks import apply_checkpointing, find_blocks
 from trainer.models.checks import attends_packed_rows
 from trainer.models.fused_loss import fuse_output_layer
 from trainer.models.lora import output_layer
-from trainer.plan.tensor import AUTOTP, hold_local_shares, hold_sequence_shares, sequence_parallel_norms
+from trainer.models.tensor_plan import uses_sequence_parallel
+from trainer.plan.tensor import hold_local_shares, hold_sequence_shares
 from trainer.saved_bytes import SavedBytes
 
 
@@ -331,12 +332,13 @@ def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int 
     dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[cfg.train.precision]]
     packed = rows_carry_positions(cfg)
     strategy = StrategyName(cfg.strategy.name)  # on zero1/2/3 (AutoTP) the embeddings stay whole, the norms too
-    sequence_parallel = tp > 1 and sequence_parallel_norms(cfg.strategy)  # where the plan declares it
     key = json.dumps([model_node(cfg.model), str(cfg.peft), cfg.strategy.wrap, str(dtype), checkpointing, fused_loss,
-                      sp, packed, tp, sequence_parallel, strategy in AUTOTP], default=str)
+                      sp, packed, tp, cfg.strategy.tp_sequence_parallel, strategy.value], default=str)
     if key not in _COUNTS:
         attended = packed and attends_packed_rows(cfg.model)  # else transformers' own, with its packed mask
         model = build_model(cfg.model, torch.device("meta"), cfg.peft, sp, attended).to(dtype)
+        # the norms sequence-parallel as the run takes them (fsdp's, where the plan declares it)
+        sequence_parallel = uses_sequence_parallel(dataclasses.replace(cfg.strategy, tp=tp), model)
         if tp > 1:
             hold_local_shares(model, tp, strategy)
         exchanges = hold_sequence_shares(model, tp) if sequence_parallel else []

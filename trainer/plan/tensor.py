@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from trainer.config import Config, PeftName, Precision, StrategyConfig, StrategyName
 from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES
-from trainer.models.tensor_plan import planned_modules, style_and_parts
+from trainer.models.tensor_plan import planned_modules, style_and_parts, uses_sequence_parallel
 
 # the styles whose layer's output features (rows of the weight) a rank keeps 1 / tp of
 SPLIT_ROWS = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
@@ -56,22 +56,16 @@ def split_modules(model: nn.Module, strategy: StrategyName) -> list[tuple[str, n
     return [planned for planned in modules if style_and_parts(planned[2])[0] != "embedding_rowwise"]
 
 
-def sequence_parallel_norms(strategy: StrategyConfig) -> bool:
-    """The norms counted sequence-parallel at strategy.tp > 1 (where the model declares `_tp_sequence_plan`):
-    fsdp's, unless strategy.tp_sequence_parallel is false; AutoTP keeps the residual stream whole."""
-    return StrategyName(strategy.name) not in AUTOTP and strategy.tp_sequence_parallel is not False
-
-
 def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyConfig, precision: Precision) -> TensorSplit:
     """`model`'s plan at `strategy`'s tp (on meta), as its strategy splits it (`split_modules`); `blocks`
-    its blocks (what checkpointing recomputes). With sequence-parallel norms (`sequence_parallel_norms`),
+    its blocks (what checkpointing recomputes). With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
     the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
     replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
     all-gather and its gradient's reduce-scatter): counted as those."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
     split = matmul = forward = recomputed = backward = replicated = loss = 0
-    sequence_plan = planned_modules(model, "_tp_sequence_plan") if sequence_parallel_norms(strategy) else []
+    sequence_plan = planned_modules(model, "_tp_sequence_plan") if uses_sequence_parallel(strategy, model) else []
     for _, module, value in split_modules(model, StrategyName(strategy.name)) + sequence_plan:
         style, _ = style_and_parts(value)
         # a rowwise layer's bias is added once the outputs are summed: whole on every rank
@@ -119,8 +113,6 @@ def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
     layer's inputs are whole again (an all-gather's copy), so that a forward keeps what a rank of the
     tensor group does. Returns the hooks that do it."""
     sequence_plan = planned_modules(model, "_tp_sequence_plan")
-    if not sequence_plan:  # a model that declares none keeps its stream whole
-        return []
     exchanges = []
     for _, module, value in planned_modules(model) + sequence_plan:
         style, _ = style_and_parts(value)
