@@ -511,7 +511,7 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
         tally.wall_s = time.monotonic() - tally.began
         if args.json:  # after every start: a stopped chaos run leaves its counts so far
             Path(args.json).write_text(json.dumps(tally.as_dict(), indent=1) + "\n")
-        ended = ended or any(e["event"] == "end" for e in start.events)
+        ended = ended or run_ended(start, ckpt, args.steps)
         if ended and start.process.returncode == 0:  # (a kill after the run's end: one more start says so)
             break
         if fired is None and a is not None and start.process.returncode != 0:
@@ -519,7 +519,7 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
                                        f" (see {start.run_dir.with_suffix('.out')})")
             if index > 8:
                 break
-        resumed_at = max([resumed_at] + [int(p.name.split("_")[1]) for p in ckpt.glob("step_*")])
+        resumed_at = max([resumed_at, newest_step(ckpt)])
         index += 1
         if index > 4 * (args.steps + kills_left):
             tally.loss_failures.append(f"run {run}: no end after {index} starts")
@@ -531,6 +531,18 @@ def chaos_run(run: int, mode: str, data: dict[str, Path], root: Path, reference:
     if not args.keep:
         shutil.rmtree(run_root, ignore_errors=True)
     return made
+
+
+def newest_step(ckpt: Path) -> int:
+    return max([0] + [int(p.name.split("_")[1]) for p in ckpt.glob("step_*")])
+
+
+def run_ended(start: Start, ckpt: Path, steps: int) -> bool:
+    """The run is over: this start recorded its end, or it left with exit 0 from a checkpoint at the
+    last step. The trainer then says "nothing to do" and records no end: the kill before it landed
+    after the last save was published and before the end's record."""
+    return (any(e["event"] == "end" for e in start.events)
+            or start.process.returncode == 0 and newest_step(ckpt) >= steps)
 
 
 def compare(run: int, rows: list[dict], reference: dict[int, dict], tally: Tally, args) -> None:

@@ -81,3 +81,24 @@ print(f'{timed():.2f} {writer[0]:.2f}')
     assert out.returncode == 0, out.stderr[-2000:]
     training_s, writer_s = map(float, out.stdout.split())
     assert training_s < 0.4 and writer_s >= 0.5, out.stdout
+
+
+def test_a_start_that_finds_the_last_step_saved_ends_the_run(tmp_path):
+    """A kill after the last save was published and before the end's record: the next start says
+    "nothing to do" and leaves with exit 0, recording no end. That is the run's end (bench/chaos.py:
+    run_ended); before, the chaos run started it again and again (CI: "no end after 121 starts")."""
+    import types
+
+    import chaos
+
+    (tmp_path / "step_00000008").mkdir()
+
+    def start(returncode, events=()):
+        return chaos.Start(0, "fsdp", 2, None, tmp_path, types.SimpleNamespace(returncode=returncode), 0.0,
+                           events=list(events))
+
+    assert chaos.run_ended(start(1, [{"event": "end"}]), tmp_path, 10)
+    assert not chaos.run_ended(start(0), tmp_path, 10)  # exit 0 at step 8 of 10: not the end
+    (tmp_path / "step_00000010").mkdir()
+    assert chaos.run_ended(start(0), tmp_path, 10)
+    assert not chaos.run_ended(start(137), tmp_path, 10)  # killed: one more start says so
