@@ -23,8 +23,9 @@ each run gives one table row:
   DeepSpeed's and AutoTP's; a tensor's full size per all-reduce, all-gather or reduce-scatter) and
   DTensor's functional collectives (`_c10d_functional.*`: fsdp tp's activations and their gradients,
   the vocabulary-parallel loss) at the same sizes; of which on the tensor group (its ranks: tp
-  consecutive ones), where the group is not the world. Measured only: the planner does not count
-  strategy.tp yet.
+  consecutive ones), where the group is not the world. A sequence-parallel layer's all-gather and
+  reduce-scatter count a full tensor each, where the all-reduce they replace counts one (the same
+  bytes on a ring; docs/planning.md counts the pair as the all-reduce).
 A run that is refused or fails prints its last error line in the row instead of numbers.
 """
 from __future__ import annotations
