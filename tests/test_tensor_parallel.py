@@ -7,7 +7,7 @@ with accumulation and activation checkpointing, and with SHARD_GRAD_OP, too; bf1
 rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query attention, and at
 dp=2 x tp=2 on 4 ranks, the built-in transformer's norms sequence-parallel (strategy.tp_sequence_parallel, on
 by default: the residual stream split over the sequence, so a rank keeps fewer activation bytes than without it;
-the built-in model has no dropout); checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
+also on chat rows packed several conversations a row; the built-in model has no dropout); checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
 with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. LoRA's
 adapters split as their layers (peft=lora, on fsdp): a Qwen3 at tp=2 (also with accumulation and activation
 checkpointing) and dp=2 x tp=2, and the built-in model at tp=2, give one rank's losses and norms, and
@@ -147,10 +147,17 @@ def fours(runs):
     return out
 
 
+# the built-in model's packed rows: three times as long as the conversations' ~85 tokens, so most rows hold several,
+# some across the middle of the row, where a sequence-parallel rank's share of the tokens starts
+PACKED_SEQ_LEN = 256
+
+
 @pytest.fixture(scope="module")
 def packed(runs):
     """make test-all's: chat conversations packed into rows (a row's documents kept apart by their position
-    ids), the tiny Qwen3 on one rank, on fsdp at tp=2 and on zero2 at tp=2."""
+    ids), the tiny Qwen3 on one rank, on fsdp at tp=2 and on zero2 at tp=2; the built-in model on one rank and
+    on fsdp at tp=2 with its sequence-parallel norms (each rank's positions looked up from its share of the packed
+    rows' position ids, attention over the whole rows' documents) and without them."""
     from trainer.demo import conversations, documents, train_chat_tokenizer, write_rows
 
     out = runs["out"]
@@ -164,10 +171,16 @@ def packed(runs):
         cfg = tp_case(strategy, 8, runs["qwen"], **chat, **overrides)
         return {**cfg, "model": {**cfg["model"], "seq_len": 128}}
 
-    on_ranks(1, train_cases, {"one_packed": packed_case("fsdp")}, str(out))
+    def builtin_case(**overrides) -> dict:
+        return tp_case("fsdp", 8, **chat, model__vocab_size=VOCAB, model__seq_len=PACKED_SEQ_LEN, **overrides)
+
+    on_ranks(1, train_cases, {"one_packed": packed_case("fsdp"), "one_packed_builtin": builtin_case()}, str(out))
     on_ranks(2, train_cases, {"tp2_packed": packed_case("fsdp", strategy__tp=2),
-                              "zero2_tp2_packed": packed_case("zero2", strategy__tp=2)}, str(out))
-    return out
+                              "zero2_tp2_packed": packed_case("zero2", strategy__tp=2),
+                              "tp2_packed_builtin": builtin_case(strategy__tp=2),
+                              "tp2_packed_builtin_without_sequence_parallel": builtin_case(
+                                  strategy__tp=2, strategy__tp_sequence_parallel=False)}, str(out))
+    return {"out": out, "config": builtin_case(strategy__tp=2)}
 
 
 def assert_same_run(runs, name: str, baseline: str) -> None:
@@ -219,11 +232,43 @@ def test_tp2_crossed_gives_one_ranks_losses_and_norms(crossed, name, baseline):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2_packed", "zero2_tp2_packed"])
-def test_packed_chat_rows_at_tp2_give_one_ranks_losses_and_norms(packed, name):
+@pytest.mark.parametrize("name, baseline", [("tp2_packed", "one_packed"), ("zero2_tp2_packed", "one_packed"),
+                                            ("tp2_packed_builtin", "one_packed_builtin"),
+                                            ("tp2_packed_builtin_without_sequence_parallel", "one_packed_builtin")])
+def test_packed_chat_rows_at_tp2_give_one_ranks_losses_and_norms(packed, name, baseline):
     """Chat SFT with packing crosses tensor parallelism: each rank attends within a row's documents with
-    its heads, and the losses, validation losses and norms are one rank's."""
-    assert_same_run(packed, name, "one_packed")
+    its heads, and the losses, validation losses and norms are one rank's; with the built-in model's
+    sequence-parallel norms too (a rank's share of a packed row looks up its own positions, which restart
+    at each document, and attention keeps the whole rows' documents apart)."""
+    assert_same_run(packed["out"], name, baseline)
+
+
+@pytest.mark.slow
+def test_packed_rows_hold_several_documents_and_sequence_parallel_norms_are_on(packed):
+    """The packed runs' rows hold several conversations, some across the middle of the row (where the second
+    rank's share of the tokens starts) and some starting in its second half; and the built-in model at tp=2
+    runs its norms sequence-parallel: each keeps its input (and its mean and deviation) for half of the tokens,
+    5 norms x (64 + 2) fp32 values x 8 rows x 256 tokens / 2 = 1,351,680 bytes fewer than without (measured:
+    12,967,940 against 14,319,620)."""
+    from trainer.config import to_config
+    from trainer.data import load_data
+    from trainer.data.sources import IGNORE_INDEX
+
+    rows, _ = load_data(to_config(packed["config"]), 0)
+    _, targets, positions = (torch.stack(column) for column in zip(*rows))
+    document = (positions == 0).cumsum(dim=1)  # each token's document in its row (the padded tail one of its own)
+    trained = [set(row[kept].tolist()) for row, kept in zip(document, targets != IGNORE_INDEX)]  # conversations
+    assert min(map(len, trained)) >= 2, [len(t) for t in trained]  # several a row, in every row
+    half = PACKED_SEQ_LEN // 2
+    assert any(d in t and p > 0 for d, p, t in zip(document[:, half].tolist(), positions[:, half].tolist(), trained)), \
+        "a conversation across the middle: the second share starts inside it"
+    assert any(set(row[half + 1:][(p[half + 1:] == 0)].tolist()) & t for row, p, t in zip(document, positions, trained)), \
+        "a conversation starting in the second share"
+    held = {name: activations_held(packed["out"], name)
+            for name in ("tp2_packed_builtin", "tp2_packed_builtin_without_sequence_parallel")}
+    assert held["tp2_packed_builtin"] and held["tp2_packed_builtin_without_sequence_parallel"], held
+    assert {a - b for a, b in zip(held["tp2_packed_builtin_without_sequence_parallel"], held["tp2_packed_builtin"])} \
+        == {5 * 66 * 4 * 8 * PACKED_SEQ_LEN // 2}, held
 
 
 @pytest.mark.slow
