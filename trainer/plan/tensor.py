@@ -15,7 +15,13 @@ from torch.utils.hooks import RemovableHandle
 from trainer.config import Config, PeftName, Precision, StrategyConfig, StrategyName
 from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES
-from trainer.models.tensor_plan import planned_modules, style_and_parts, uses_sequence_parallel
+from trainer.models.tensor_plan import (
+    on_first_input,
+    planned_modules,
+    splits_at_embeddings,
+    style_and_parts,
+    uses_sequence_parallel,
+)
 
 # the styles whose layer's output features (rows of the weight) a rank keeps 1 / tp of
 SPLIT_ROWS = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
@@ -76,6 +82,8 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
             continue
         if style == "sequence_gathered":  # its gather and the colwise layers' gradients: counted as theirs
             continue
+        if style == "sequence_split":  # a slice; its gradient's all-gather, the whole embeddings': counted as theirs
+            continue
         split += count
         matmul += count if style != "embedding_rowwise" else 0
         if style in ("rowwise", "embedding_rowwise"):
@@ -109,17 +117,21 @@ def hold_local_shares(model: nn.Module, tp: int, strategy: StrategyName) -> None
 def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
     """On meta, with the model's `_tp_sequence_plan` (strategy.tp_sequence_parallel): what runs between the
     split layers holds a rank's 1 / tp of the sequence (the rowwise layers', embeddings' and positions'
-    outputs keep their first 1 / tp, a reduce-scatter's share) and attention's, the MLP's and the output
+    outputs keep their first 1 / tp, a reduce-scatter's share; where the embeddings stay whole, the input of
+    the module that splits it) and attention's, the MLP's and the output
     layer's inputs are whole again (an all-gather's copy), so that a forward keeps what a rank of the
     tensor group does. Returns the hooks that do it."""
     sequence_plan = planned_modules(model, "_tp_sequence_plan")
+    scattered = ("rowwise", "sequence_positions") + (("embedding_rowwise",) if splits_at_embeddings(sequence_plan) else ())
     exchanges = []
     for _, module, value in planned_modules(model) + sequence_plan:
         style, _ = style_and_parts(value)
-        if style in ("rowwise", "embedding_rowwise", "sequence_positions"):
+        if style in scattered:
             exchanges.append(module.register_forward_hook(lambda _, args, y: y[:, :y.shape[1] // tp].clone()))
+        elif style == "sequence_split":
+            exchanges.append(on_first_input(module, lambda x: x[:, :x.shape[1] // tp].clone()))
         elif style in ("sequence_gathered", "colwise_gather_output"):
-            exchanges.append(module.register_forward_pre_hook(lambda _, args: (args[0].repeat(1, tp, 1), *args[1:])))
+            exchanges.append(on_first_input(module, lambda x: x.repeat(1, tp, 1)))
     return exchanges
 
 
