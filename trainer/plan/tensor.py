@@ -67,11 +67,17 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
     its blocks (what checkpointing recomputes). With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
     the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
     replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
-    all-gather and its gradient's reduce-scatter): counted as those."""
+    all-gather and its gradient's reduce-scatter, once for a gathered module's colwise layers): counted as
+    those; a Hugging Face family's embeddings, whose
+    sum stays an all-reduce, add their split's (`sequence_split`) gradient all-gather."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
     split = matmul = forward = recomputed = backward = replicated = loss = 0
     sequence_plan = planned_modules(model, "_tp_sequence_plan") if uses_sequence_parallel(strategy, model) else []
+    # a gathered module's input gradient, its colwise layers' summed (q, k and v's of one input): one reduce-scatter
+    gathered_by = {id(layer): id(gathered) for _, gathered, value in sequence_plan if value == "sequence_gathered"
+                   for layer in gathered.modules()}
+    gathered_counted: set[int] = set()
     for _, module, value in split_modules(model, StrategyName(strategy.name)) + sequence_plan:
         style, _ = style_and_parts(value)
         # a rowwise layer's bias is added once the outputs are summed: whole on every rank
@@ -82,7 +88,9 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
             continue
         if style == "sequence_gathered":  # its gather and the colwise layers' gradients: counted as theirs
             continue
-        if style == "sequence_split":  # a slice; its gradient's all-gather, the whole embeddings': counted as theirs
+        if style == "sequence_split":  # a slice, its gradient all-gathered (half an all-reduce's payload of the
+            # embeddings' width: a Hugging Face model's, whose sum stays an all-reduce)
+            backward += model.get_input_embeddings().embedding_dim * element // 2
             continue
         split += count
         matmul += count if style != "embedding_rowwise" else 0
@@ -90,8 +98,9 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
             out = module.weight.shape[1] if style == "embedding_rowwise" else module.weight.shape[0]
             forward += out * element
             recomputed += out * element if id(module) in inside else 0
-        else:
+        elif gathered_by.get(id(module)) not in gathered_counted:
             backward += module.weight.shape[1] * element
+            gathered_counted.add(gathered_by.get(id(module), id(module)))
         if style == "colwise_gather_output":  # its logits stay split: the loss is computed where they are
             loss = LOSS_PARALLEL_BYTES_PER_TOKEN
     return TensorSplit(strategy.tp, split, matmul, forward, recomputed, backward, loss, replicated)
