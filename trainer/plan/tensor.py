@@ -68,8 +68,8 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
     the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
     replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
     all-gather and its gradient's reduce-scatter, once for a gathered module's colwise layers): counted as
-    those; a Hugging Face family's embeddings, whose
-    sum stays an all-reduce, add their split's (`sequence_split`) gradient all-gather."""
+    those; a Hugging Face family's embeddings, whose sum stays an all-reduce, add their split's
+    (`sequence_split`) gradient all-gather."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
     split = matmul = forward = recomputed = backward = replicated = loss = 0
@@ -127,9 +127,9 @@ def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
     """On meta, with the model's `_tp_sequence_plan` (strategy.tp_sequence_parallel): what runs between the
     split layers holds a rank's 1 / tp of the sequence (the rowwise layers', embeddings' and positions'
     outputs keep their first 1 / tp, a reduce-scatter's share; where the embeddings stay whole, the input of
-    the module that splits it) and attention's, the MLP's and the output
-    layer's inputs are whole again (an all-gather's copy), so that a forward keeps what a rank of the
-    tensor group does. Returns the hooks that do it."""
+    the module that splits it) and attention's, the MLP's and the output layer's inputs are whole again (an
+    all-gather's copy), so that a forward keeps what a rank of the tensor group does. Returns the hooks that
+    do it."""
     sequence_plan = planned_modules(model, "_tp_sequence_plan")
     scattered = ("rowwise", "sequence_positions") + (("embedding_rowwise",) if splits_at_embeddings(sequence_plan) else ())
     exchanges = []
