@@ -5,9 +5,10 @@ losses and gradient norms within 1e-6). On fsdp the output layer's logits are sp
 (loss_parallel), at tp=2 on 2 ranks for the built-in transformer (its packed qkv and SwiGLU projections;
 with accumulation and activation checkpointing, and with SHARD_GRAD_OP, too; bf16 within 2e-3 of one
 rank's bf16), a Qwen3 (its per-head q_norm/k_norm) and a Llama with grouped-query attention, and at
-dp=2 x tp=2 on 4 ranks, the built-in transformer's norms sequence-parallel (strategy.tp_sequence_parallel, on
-by default: the residual stream split over the sequence, so a rank keeps fewer activation bytes than without it;
-also on chat rows packed several conversations a row; the built-in model has no dropout); checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
+dp=2 x tp=2 on 4 ranks, the norms sequence-parallel (strategy.tp_sequence_parallel, on by default for the
+built-in transformer and the Hugging Face families of Llama's layout, Qwen3 and Llama here: the residual stream
+split over the sequence, so a rank keeps fewer activation bytes than without it, as the planner counts; also
+on chat rows packed several conversations a row; the models have no dropout); checkpoints move between tp=2 and one rank (fsdp, ddp, zero3) and dp=2 x tp=2,
 with Adam's state, and a tp=2 checkpoint verifies (`trainer.verify`) and holds one rank's tensors. LoRA's
 adapters split as their layers (peft=lora, on fsdp): a Qwen3 at tp=2 (also with accumulation and activation
 checkpointing) and dp=2 x tp=2, and the built-in model at tp=2, give one rank's losses and norms, and
@@ -101,6 +102,8 @@ def runs(tmp_path_factory):
                               "tp2_without_sequence_parallel": tp_case("fsdp", 8, strategy__tp=2,
                                                                        strategy__tp_sequence_parallel=False),
                               "tp2_qwen3": tp_case("fsdp", 8, qwen, strategy__tp=2),
+                              "tp2_qwen3_without_sequence_parallel": tp_case("fsdp", 8, qwen, strategy__tp=2,
+                                                                             strategy__tp_sequence_parallel=False),
                               "tp2_from_one": resuming(tp_case("fsdp", 8, strategy__tp=2), ckpt["one"], 2),
                               "tp2_lora": saving(tp_case("fsdp", 8, qwen_weights, strategy__tp=2, **LORA),
                                                  ckpt["tp2_lora"], 2)}, str(out))
@@ -196,7 +199,8 @@ def assert_same_run(runs, name: str, baseline: str) -> None:
 
 
 @pytest.mark.parametrize("name, baseline", [("tp2", "one"), ("tp2_without_sequence_parallel", "one"),
-                                            ("tp2_qwen3", "one_qwen3")])
+                                            ("tp2_qwen3", "one_qwen3"),
+                                            ("tp2_qwen3_without_sequence_parallel", "one_qwen3")])
 def test_tp2_gives_one_ranks_losses_and_norms(runs, name, baseline):
     assert_same_run(runs["out"], name, baseline)
 
@@ -214,14 +218,26 @@ def test_tp2_holds_fewer_activation_bytes_than_one_rank(runs):
     assert max(held["tp2"]) < 0.8 * min(held["one"]), held
 
 
-def test_sequence_parallel_norms_keep_half_their_activation_bytes_at_tp2(runs):
-    """With the norms sequence-parallel a rank keeps each norm's input (and its mean and deviation) for
-    its own half of the tokens: 5 norms x (64 + 2) fp32 values x 512 tokens / 2 = 337,920 bytes fewer
-    than at tp=2 without it (measured: 2,845,188 against 3,183,108); the rest (each block's gathered input,
-    its heads' and features' share) as without."""
-    held = {name: activations_held(runs["out"], name) for name in ("tp2", "tp2_without_sequence_parallel")}
-    assert held["tp2"] and held["tp2_without_sequence_parallel"], held
-    assert {a - b for a, b in zip(held["tp2_without_sequence_parallel"], held["tp2"])} == {5 * 66 * 4 * 512 // 2}, held
+@pytest.mark.parametrize("name, fewer", [("tp2", 5 * 66 * 4 * 512 // 2), ("tp2_qwen3", 5 * 65 * 4 * 256 // 2)])
+def test_sequence_parallel_norms_keep_half_their_activation_bytes_at_tp2(runs, name, fewer):
+    """With the norms sequence-parallel a rank keeps each norm's input (and what it derives) for its own half
+    of the tokens, fewer bytes than at tp=2 without it, as the planner counts: the built-in's 5 norms x (64 + 2)
+    fp32 values x 512 tokens / 2 = 337,920 (measured: 2,845,188 against 3,183,108); Qwen3's (null turns it on
+    for a family of Llama's layout) 5 RMSNorms x (32 + 32 + 1) x 256 tokens / 2 = 166,400 (measured: 1,067,524
+    against 1,233,924). The rest (each block's gathered input, its heads' and features' share) as without."""
+    from trainer.config import to_config
+    from trainer.plan.activations import planned
+
+    without = f"{name}_without_sequence_parallel"
+    held = {which: activations_held(runs["out"], which) for which in (name, without)}
+    assert held[name] and held[without], held
+    assert {a - b for a, b in zip(held[without], held[name])} == {fewer}, held
+    model = runs["qwen"] if name == "tp2_qwen3" else None
+    counted = {setting: to_config(tp_case("fsdp", 8, model, strategy__tp=2, strategy__tp_sequence_parallel=setting))
+               for setting in (None, False)}
+    kept = {setting: planned(cfg, False, False, tp=2).bytes(cfg.model.seq_len, cfg.train.micro_batch_size)
+            for setting, cfg in counted.items()}
+    assert kept[False] - kept[None] == fewer, kept
 
 
 @pytest.mark.slow
@@ -727,23 +743,31 @@ def test_a_family_without_a_plan_or_whose_heads_do_not_divide_is_refused_and_qwe
 
 
 def test_sequence_parallel_is_refused_where_the_plan_does_not_declare_it_and_left_off_by_default(tmp_path):
-    """A Hugging Face family declares no `_tp_sequence_plan`: strategy.tp_sequence_parallel=true is refused in
-    one line, null (the default) splits it as without."""
+    """A Hugging Face family of Llama's layout (Qwen3, Llama) is given a `_tp_sequence_plan`: null (the default)
+    and true take it, false leaves it off, and a model.seq_len that strategy.tp does not divide is refused.
+    Gemma2 (norms after attention and the MLP too) declares none: true is refused in one line, null splits it as
+    without."""
     from trainer.checks import check_tensor_parallel
     from trainer.config import to_config
     from trainer.models import meta_model
     from trainer.models.tensor_plan import uses_sequence_parallel
 
-    for setting, said in ((True, "strategy.tp_sequence_parallel: true needs"), (None, None)):
-        cfg = to_config(tp_case("fsdp", 8, model_dir(tmp_path, "qwen3"), strategy__tp=2,
-                                strategy__tp_sequence_parallel=setting))
+    def checked(family: str, setting: bool | None, seq_len: int = 32) -> tuple[str | None, bool]:
+        cfg = with_overrides(tp_case("fsdp", 8, model_dir(tmp_path, family), strategy__tp=2,
+                                     strategy__tp_sequence_parallel=setting), model__seq_len=seq_len)
+        cfg = to_config(cfg)
         model = meta_model(cfg.model, cfg.peft)
-        refused = refused_by(check_tensor_parallel, cfg, 2, model)
-        if said is None:
-            assert refused is None, refused
-        else:
-            assert refused.startswith(said) and "\n" not in refused, refused
-        assert not uses_sequence_parallel(cfg.strategy, model)
+        return refused_by(check_tensor_parallel, cfg, 2, model), uses_sequence_parallel(cfg.strategy, model)
+
+    for family in ("qwen3", "llama"):
+        assert checked(family, None) == checked(family, True) == (None, True)
+        assert checked(family, False) == (None, False)
+    refused, _ = checked("qwen3", None, seq_len=31)
+    assert refused.startswith("strategy.tp_sequence_parallel: model.seq_len=31 must be a multiple of strategy.tp=2"), \
+        refused
+    assert checked("gemma2", None) == (None, False)
+    refused, _ = checked("gemma2", True)
+    assert refused.startswith("strategy.tp_sequence_parallel: true needs") and "\n" not in refused, refused
 
 
 def test_a_custom_model_without_a_plan_is_refused():

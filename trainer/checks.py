@@ -202,8 +202,8 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
     _require(tp >= 1, "strategy.tp", f"must be >= 1 (1: every rank holds every weight whole), got {tp}")
     _require(not s.tp_sequence_parallel or uses_sequence_parallel(s, model), "strategy.tp_sequence_parallel",
              f"true needs strategy=fsdp, strategy.tp > 1 (got {StrategyName(s.name).value}, tp={tp}), no peft=lora and a "
-             "model whose plan declares it (`_tp_sequence_plan`: the built-in transformer's; Hugging Face families "
-             "declare none); use null (where the plan declares it) or false")
+             "model whose plan declares it (`_tp_sequence_plan`: the built-in transformer's, a Hugging Face family's "
+             "of Llama's layout); use null (where the plan declares it) or false")
     if tp == 1:
         return
     _require(world_size % tp == 0, "strategy.tp", f"the world size {world_size} must be a multiple of strategy.tp={tp}: "
@@ -236,6 +236,9 @@ def check_tensor_parallel(cfg: Config, world_size: int, model: Any) -> None:
     if refused:
         raise ConfigError(f"strategy.tp={tp} {refused}")
     check_model_tensor_parallel(tp, model, uses_sequence_parallel(s, model))
+    _require(not uses_sequence_parallel(s, model) or cfg.model.seq_len % tp == 0, "strategy.tp_sequence_parallel",
+             f"model.seq_len={cfg.model.seq_len} must be a multiple of strategy.tp={tp} (each rank of the tensor group "
+             "holds 1/tp of the sequence between the split layers); set strategy.tp_sequence_parallel=false")
 
 
 def check_validation_rows(cfg: Config, rows: int) -> None:

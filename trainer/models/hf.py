@@ -17,6 +17,7 @@ from trainer.config import ModelConfig
 from trainer.errors import ConfigError
 from trainer.extras import require_hf
 from trainer.models.converted import Conversions
+from trainer.models.tensor_plan import llama_sequence_plan
 from trainer.models.weights import SafetensorsWeights, persistent_buffers, safetensors_files, save_safetensors
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -153,7 +154,16 @@ def builder(cfg: ModelConfig, sp: int = 1, packed: bool = False) -> Callable[[],
     cls = model_class(config)
     if sp > 1:
         return lambda: hf_sequence.whole_row_rotary(without_transformers_aux(cls(config)))
-    return lambda: without_transformers_aux(cls(config))  # fp32 parameters, whatever dtype config.json names: the masters
+    return lambda: with_sequence_plan(without_transformers_aux(cls(config)))  # fp32 parameters: the masters
+
+
+def with_sequence_plan(model: nn.Module) -> nn.Module:
+    """The model, given the `_tp_sequence_plan` of its layout where it has Llama's (strategy.tp_sequence_parallel,
+    models/tensor_plan.py's `llama_sequence_plan`); any other keeps its norms whole."""
+    plan = llama_sequence_plan(model)
+    if plan:
+        model._tp_sequence_plan = plan
+    return model
 
 
 def without_transformers_aux(model: nn.Module) -> nn.Module:

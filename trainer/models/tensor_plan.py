@@ -26,9 +26,14 @@ input; its own styles, each whole on every rank of the group, its gradient summe
 
 - sequence_parallel: a norm, computing on its rank's tokens;
 - sequence_positions: an Embedding of positions (the built-in's), looking up its rank's share of them;
-- sequence_gathered: a module (attention, the MLP) whose first input, its rank's tokens, is gathered whole.
+- sequence_gathered: a module (attention, the MLP) whose first input, its rank's tokens, is gathered whole;
+- sequence_split: a module (a Hugging Face family's first decoder layer) whose first input, whole on every rank,
+  it takes its rank's tokens of (a local slice; its gradient all-gathered back). A model that declares it keeps
+  its embeddings' sums whole (an all-reduce, as without), for a forward that reads the whole sequence from them
+  (transformers' causal mask and rotary positions are built from the embeddings' shape).
 
-Only the built-in transformer declares one.
+The built-in transformer declares one; a Hugging Face family of Llama's layout (Llama, Qwen2/3, Mistral, ...:
+`llama_sequence_plan`) is given one, read from its own plan's names.
 
 LoRA's adapters (peft=lora: `lora_A`, `lora_B` beside a planned layer's `base_layer`) follow their layer's
 split, as Megatron's and NeMo's do: the adapter on the split side takes the layer's style (a colwise or
@@ -40,9 +45,13 @@ index it sees, which on a rank holding other rows is another token's.
 """
 from __future__ import annotations
 
+import inspect
 from fnmatch import fnmatchcase
+from typing import Callable
 
+import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from trainer.config import StrategyConfig, StrategyName
 from trainer.errors import ConfigError
@@ -51,7 +60,7 @@ from trainer.models.weights import canonical_name
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise",
           "replicated_with_grad_allreduce")
-SEQUENCE_STYLES = ("sequence_parallel", "sequence_positions", "sequence_gathered")
+SEQUENCE_STYLES = ("sequence_parallel", "sequence_positions", "sequence_gathered", "sequence_split")
 
 
 def style_and_parts(value: str) -> tuple[str, int]:
@@ -104,7 +113,7 @@ def planned_modules(model: nn.Module, plan_name: str = "_tp_plan") -> list[tuple
 
 # the layer each style splits (torch's parallel styles take Linear and Embedding layers); the others: a Linear
 LAYERS = {"embedding_rowwise": nn.Embedding, "replicated_with_grad_allreduce": nn.Module, "sequence_parallel": nn.Module,
-          "sequence_positions": nn.Embedding, "sequence_gathered": nn.Module}
+          "sequence_positions": nn.Embedding, "sequence_gathered": nn.Module, "sequence_split": nn.Module}
 
 
 def split_dims(module: nn.Module, style: str, parts: int) -> list[tuple[str, int, int]]:
@@ -127,6 +136,54 @@ def attention_heads(model: nn.Module) -> dict[str, int | None]:
     text = model.config.get_text_config() if getattr(model, "config", None) is not None else None
     return {"attention heads": getattr(text, "num_attention_heads", None),
             "key-value heads": getattr(text, "num_key_value_heads", None)}
+
+
+# a Hugging Face decoder layer of Llama's layout: a norm before attention and one before the MLP, each added to the
+# residual stream, nothing else on it
+LLAMA_LAYER = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+
+
+def llama_sequence_plan(model: nn.Module) -> dict[str, str]:
+    """The `_tp_sequence_plan` of a Hugging Face family of Llama's layout, read from its `_tp_plan`'s names
+    (`<base>.layers.*.self_attn.o_proj` and `.mlp.down_proj` rowwise, an untied lm_head colwise_gather_output),
+    every decoder layer of LLAMA_LAYER's modules and a final `<base>.norm`: the first layer's input split over the
+    sequence, the norms on their rank's tokens, attention's and the MLP's inputs gathered (torchtitan's Llama
+    plan). Empty for any other model: it keeps its norms whole."""
+    plan = getattr(model, "_tp_plan", None) or {}
+    layers = next((k.removesuffix(".self_attn.o_proj") for k, v in plan.items()
+                   if k.endswith(".layers.*.self_attn.o_proj") and v == "rowwise"), None)
+    if layers is None or plan.get(f"{layers}.mlp.down_proj") != "rowwise":
+        return {}
+    base = layers.removesuffix(".layers.*")
+    modules = dict(model.named_modules())
+    decoder = [module for name, module in modules.items() if matches(layers, name)]
+    output_split = any(name == "lm_head" and value == "colwise_gather_output" for name, _, value in planned_modules(model))
+    if not (decoder and output_split and isinstance(modules.get(f"{base}.norm"), nn.Module)
+            and all({name for name, _ in layer.named_children()} == LLAMA_LAYER for layer in decoder)):
+        return {}
+    return {f"{base}.layers.0": "sequence_split", f"{layers}.input_layernorm": "sequence_parallel",
+            f"{layers}.self_attn": "sequence_gathered", f"{layers}.post_attention_layernorm": "sequence_parallel",
+            f"{layers}.mlp": "sequence_gathered", f"{base}.norm": "sequence_parallel"}
+
+
+def splits_at_embeddings(sequence_plan: list[tuple[str, nn.Module, str]]) -> bool:
+    """With sequence parallelism: the embeddings' sums scattered over the sequence (the built-in's), or, where a
+    module of the plan splits its input (`sequence_split`), whole, as without."""
+    return not any(style_and_parts(value)[0] == "sequence_split" for _, _, value in sequence_plan)
+
+
+def on_first_input(module: nn.Module, change: Callable[[torch.Tensor], torch.Tensor]) -> RemovableHandle:
+    """A forward pre-hook passing the module's first input through `change`, the others as they are: the first
+    positional one, or, called by name (transformers' decoder layers call attention with hidden_states=...),
+    its forward's first parameter."""
+    first = next(iter(inspect.signature(module.forward).parameters))
+
+    def hook(_, args, kwargs):
+        if args:
+            return (change(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, first: change(kwargs[first])}
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def uses_sequence_parallel(strategy: StrategyConfig, model: nn.Module) -> bool:

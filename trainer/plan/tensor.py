@@ -15,7 +15,13 @@ from torch.utils.hooks import RemovableHandle
 from trainer.config import Config, PeftName, Precision, StrategyConfig, StrategyName
 from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES
-from trainer.models.tensor_plan import planned_modules, style_and_parts, uses_sequence_parallel
+from trainer.models.tensor_plan import (
+    on_first_input,
+    planned_modules,
+    splits_at_embeddings,
+    style_and_parts,
+    uses_sequence_parallel,
+)
 
 # the styles whose layer's output features (rows of the weight) a rank keeps 1 / tp of
 SPLIT_ROWS = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
@@ -61,11 +67,17 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
     its blocks (what checkpointing recomputes). With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
     the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
     replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
-    all-gather and its gradient's reduce-scatter): counted as those."""
+    all-gather and its gradient's reduce-scatter, once for a gathered module's colwise layers): counted as
+    those; a Hugging Face family's embeddings, whose sum stays an all-reduce, add their split's
+    (`sequence_split`) gradient all-gather."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
     split = matmul = forward = recomputed = backward = replicated = loss = 0
     sequence_plan = planned_modules(model, "_tp_sequence_plan") if uses_sequence_parallel(strategy, model) else []
+    # a gathered module's input gradient, its colwise layers' summed (q, k and v's of one input): one reduce-scatter
+    gathered_by = {id(layer): id(gathered) for _, gathered, value in sequence_plan if value == "sequence_gathered"
+                   for layer in gathered.modules()}
+    gathered_counted: set[int] = set()
     for _, module, value in split_modules(model, StrategyName(strategy.name)) + sequence_plan:
         style, _ = style_and_parts(value)
         # a rowwise layer's bias is added once the outputs are summed: whole on every rank
@@ -76,14 +88,19 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
             continue
         if style == "sequence_gathered":  # its gather and the colwise layers' gradients: counted as theirs
             continue
+        if style == "sequence_split":  # a slice, its gradient all-gathered (half an all-reduce's payload of the
+            # embeddings' width: a Hugging Face model's, whose sum stays an all-reduce)
+            backward += model.get_input_embeddings().embedding_dim * element // 2
+            continue
         split += count
         matmul += count if style != "embedding_rowwise" else 0
         if style in ("rowwise", "embedding_rowwise"):
             out = module.weight.shape[1] if style == "embedding_rowwise" else module.weight.shape[0]
             forward += out * element
             recomputed += out * element if id(module) in inside else 0
-        else:
+        elif gathered_by.get(id(module)) not in gathered_counted:
             backward += module.weight.shape[1] * element
+            gathered_counted.add(gathered_by.get(id(module), id(module)))
         if style == "colwise_gather_output":  # its logits stay split: the loss is computed where they are
             loss = LOSS_PARALLEL_BYTES_PER_TOKEN
     return TensorSplit(strategy.tp, split, matmul, forward, recomputed, backward, loss, replicated)
@@ -109,17 +126,21 @@ def hold_local_shares(model: nn.Module, tp: int, strategy: StrategyName) -> None
 def hold_sequence_shares(model: nn.Module, tp: int) -> list[RemovableHandle]:
     """On meta, with the model's `_tp_sequence_plan` (strategy.tp_sequence_parallel): what runs between the
     split layers holds a rank's 1 / tp of the sequence (the rowwise layers', embeddings' and positions'
-    outputs keep their first 1 / tp, a reduce-scatter's share) and attention's, the MLP's and the output
-    layer's inputs are whole again (an all-gather's copy), so that a forward keeps what a rank of the
-    tensor group does. Returns the hooks that do it."""
+    outputs keep their first 1 / tp, a reduce-scatter's share; where the embeddings stay whole, the input of
+    the module that splits it) and attention's, the MLP's and the output layer's inputs are whole again (an
+    all-gather's copy), so that a forward keeps what a rank of the tensor group does. Returns the hooks that
+    do it."""
     sequence_plan = planned_modules(model, "_tp_sequence_plan")
+    scattered = ("rowwise", "sequence_positions") + (("embedding_rowwise",) if splits_at_embeddings(sequence_plan) else ())
     exchanges = []
     for _, module, value in planned_modules(model) + sequence_plan:
         style, _ = style_and_parts(value)
-        if style in ("rowwise", "embedding_rowwise", "sequence_positions"):
+        if style in scattered:
             exchanges.append(module.register_forward_hook(lambda _, args, y: y[:, :y.shape[1] // tp].clone()))
+        elif style == "sequence_split":
+            exchanges.append(on_first_input(module, lambda x: x[:, :x.shape[1] // tp].clone()))
         elif style in ("sequence_gathered", "colwise_gather_output"):
-            exchanges.append(module.register_forward_pre_hook(lambda _, args: (args[0].repeat(1, tp, 1), *args[1:])))
+            exchanges.append(on_first_input(module, lambda x: x.repeat(1, tp, 1)))
     return exchanges
 
 

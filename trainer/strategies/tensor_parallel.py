@@ -10,7 +10,8 @@ With sequence parallelism (`strategy.tp_sequence_parallel`, the model's `_tp_seq
 apply_tp) the tensors between the split layers are each rank's 1/tp of the sequence (dim 1): the
 embeddings' and rowwise layers' sums reduce-scattered over it, the norms computing on their rank's tokens,
 attention's and the MLP's inputs all-gathered whole, and their input gradients reduce-scattered back
-(Megatron's g and its conjugate).
+(Megatron's g and its conjugate). A Hugging Face family's embeddings stay whole (its forward builds the mask
+and positions from them): its first decoder layer takes its rank's tokens of them (`sequence_split`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from trainer.models.tensor_plan import planned_modules, style_and_parts
+from trainer.models.tensor_plan import on_first_input, planned_modules, splits_at_embeddings, style_and_parts
 from trainer.models.weights import Block
 
 
@@ -106,43 +107,61 @@ class SequencePositions(ReplicatedGradientSummed):
 
 class SequenceGathered(ParallelStyle):
     """sequence_gathered: the module's first input, its rank's tokens, all-gathered whole as a Replicate
-    DTensor (its split layers take it as their whole input; their gradients reduce-scattered back)."""
+    DTensor (its split layers take it as their whole input; their gradients reduce-scattered back); its
+    other inputs (a Hugging Face attention's positions and mask) as they are."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(_, args):
-            tokens = DTensor.from_local(args[0], device_mesh, [Shard(1)], run_check=False)
-            return tokens.redistribute(device_mesh, [Replicate()]), *args[1:]
+        def gather(x):
+            tokens = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return tokens.redistribute(device_mesh, [Replicate()])
 
-        module.register_forward_pre_hook(gather)
+        on_first_input(module, gather)
         return module
 
 
-def parallel_style(value: str, sequence_parallel: bool = False) -> ParallelStyle:
+class SequenceSplit(ParallelStyle):
+    """sequence_split: the module's first input, whole on every rank of the group, as its rank's tokens (a
+    local slice, no exchange; its gradient, each rank's tokens', all-gathered whole in backward)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def split(x):
+            whole = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return whole.redistribute(device_mesh, [Shard(1)]).to_local()
+
+        on_first_input(module, split)
+        return module
+
+
+def parallel_style(value: str, sequence_parallel: bool = False, embeddings_split: bool | None = None) -> ParallelStyle:
     """torch's style for a plan's style name (models/tensor_plan.py lists them); `sequence_parallel`: the
-    tensors between the split layers are split over the sequence, not whole."""
+    tensors between the split layers are split over the sequence, not whole; the embeddings' sums with them
+    unless `embeddings_split` is False (`splits_at_embeddings`)."""
     style, parts = style_and_parts(value)
     between = Shard(1) if sequence_parallel else Replicate()
+    embedded = between if embeddings_split is not False else Replicate()
     return {"colwise": lambda: ColwiseParallel(),
             "rowwise": lambda: RowwiseParallel(output_layouts=between),
             # the output layer: its logits stay split over the vocabulary, a DTensor for the loss (fsdp.py's
             # loss_parallel), never gathered
             "colwise_gather_output": lambda: ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
                                                              use_local_output=False),
-            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=embedded),
             "packed_colwise": lambda: PackedColwise(parts),
             "replicated_with_grad_allreduce": lambda: ReplicatedGradientSummed(),
             # a norm on its rank's tokens: its gradient is theirs, summed over the group as a replicated weight's
             "sequence_parallel": lambda: ReplicatedGradientSummed(),
             "sequence_positions": lambda: SequencePositions(),
-            "sequence_gathered": lambda: SequenceGathered()}[style]()
+            "sequence_gathered": lambda: SequenceGathered(),
+            "sequence_split": lambda: SequenceSplit()}[style]()
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Split the modules of the model's plan over `mesh` (the "tp" dimension), on the meta model; with
     `sequence_parallel`, those of its `_tp_sequence_plan` too."""
     sequence_plan = planned_modules(model, "_tp_sequence_plan") if sequence_parallel else []
+    embeddings_split = splits_at_embeddings(sequence_plan)
     for _, module, value in planned_modules(model) + sequence_plan:
-        parallelize_module(module, mesh, parallel_style(value, sequence_parallel))
+        parallelize_module(module, mesh, parallel_style(value, sequence_parallel, embeddings_split))
 
 
 class Part(NamedTuple):
