@@ -132,13 +132,13 @@ class SequenceSplit(ParallelStyle):
         return module
 
 
-def parallel_style(value: str, sequence_parallel: bool = False, embeddings_split: bool | None = None) -> ParallelStyle:
+def parallel_style(value: str, sequence_parallel: bool = False, embeddings_split: bool = True) -> ParallelStyle:
     """torch's style for a plan's style name (models/tensor_plan.py lists them); `sequence_parallel`: the
     tensors between the split layers are split over the sequence, not whole; the embeddings' sums with them
-    unless `embeddings_split` is False (`splits_at_embeddings`)."""
+    where `embeddings_split` (`splits_at_embeddings`)."""
     style, parts = style_and_parts(value)
     between = Shard(1) if sequence_parallel else Replicate()
-    embedded = between if embeddings_split is not False else Replicate()
+    embedded = between if embeddings_split else Replicate()
     return {"colwise": lambda: ColwiseParallel(),
             "rowwise": lambda: RowwiseParallel(output_layouts=between),
             # the output layer: its logits stay split over the vocabulary, a DTensor for the loss (fsdp.py's
