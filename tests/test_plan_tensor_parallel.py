@@ -17,29 +17,39 @@ GB = 1e9
 TP_WORLD = 4  # dp=2 x tp=2: split by the tensor group, then sharded by FSDP2 over the data-parallel ranks
 
 
-def tensor_parallel_case(tp: int) -> dict:
-    return case("fsdp", steps=2, train__micro_batch_size=2, strategy__tp=tp, **RUNTIME_MODEL)
+# peft=lora on the built-in model's blocks: qkv packed (its lora_B split by rows), proj and down rowwise (their
+# lora_A by columns), up colwise (its lora_B by rows); the output layer frozen, split by rows as without LoRA
+LORA = {"peft__name": "lora", "peft__r": 4, "peft__target_modules": ["qkv", "proj", "up", "down"]}
+TP_CASES = {"tp2": {}, "tp2_lora": LORA}
+
+
+def tensor_parallel_case(tp: int, name: str = "tp2") -> dict:
+    return case("fsdp", steps=2, train__micro_batch_size=2, strategy__tp=tp, **RUNTIME_MODEL, **TP_CASES[name])
 
 
 @pytest.fixture(scope="module")
 def tensor_parallel_bytes(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan_tp")
-    on_ranks(TP_WORLD, train_cases, {"tp2": tensor_parallel_case(2)}, str(out))
-    return records(out / "tp2")[-1]["mem"]
+    on_ranks(TP_WORLD, train_cases, {name: tensor_parallel_case(2, name) for name in TP_CASES}, str(out))
+    return {name: records(out / name)[-1]["mem"] for name in TP_CASES}
 
 
 @pytest.mark.slow
-def test_runtime_bytes_agree_with_the_plan_at_tp2(tensor_parallel_bytes):
-    plan = make_plan(to_config(tensor_parallel_case(2)), TP_WORLD, gpu_memory_bytes=int(80 * GB))
+@pytest.mark.parametrize("name", TP_CASES)
+def test_runtime_bytes_agree_with_the_plan_at_tp2(tensor_parallel_bytes, name):
+    """tp2_lora: the frozen base split as its layers, then sharded over the data-parallel ranks, with no
+    gradients or optimizer state; the adapters split as with_adapters splits them; the norms whole (no
+    sequence-parallel norms with LoRA)."""
+    cfg = to_config(tensor_parallel_case(2, name))
+    plan = make_plan(cfg, TP_WORLD, gpu_memory_bytes=int(80 * GB))
     options = {o.tp: o.per_gpu_bytes for o in plan.options
                if o.name == "fsdp" and not o.activation_checkpointing and not o.offload}
-    cfg = to_config(tensor_parallel_case(2))
     # mem.activations is what autograd keeps (the plan's column adds the output layer's backward beside it)
     kept = {tp: planned(cfg, False, False, tp=tp).bytes(cfg.model.seq_len, cfg.train.micro_batch_size) for tp in (1, 2)}
-    expected, got = {**options[2], "activations": kept[2]}, tensor_parallel_bytes
+    expected, got = {**options[2], "activations": kept[2]}, tensor_parallel_bytes[name]
     for key in ("params", "grads", "optim", "activations"):
+        print(f"fsdp {name}@{TP_WORLD} {key}: runtime {got[key]} plan {expected[key]} = {got[key] / expected[key]:.4f}")
         assert got[key] == pytest.approx(expected[key], rel=0.10), (key, got[key], expected[key])
-        print(f"fsdp tp=2@{TP_WORLD} {key}: runtime {got[key]} plan {expected[key]} = {got[key] / expected[key]:.4f}")
     # what tp changes, seen in the run: fewer activation bytes than one rank holding every head
     assert got["activations"] < kept[1]
 
