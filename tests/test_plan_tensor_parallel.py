@@ -158,6 +158,24 @@ def test_strategy_auto_takes_strategy_tp_and_tries_the_fused_loss_and_sequence_p
                     "false); strategy.tp=1 (was 2); strategy.sp=2 (was 1)"), said
 
 
+def test_strategy_auto_takes_tensor_parallelism_for_lora_only_where_nothing_without_it_fits(caplog):
+    """peft=lora on the tiny model, 64 rows of 63 tokens at 2 ranks (63: no strategy.sp=2): the plan's tp options
+    are fsdp's alone (zero1/2/3 refuse LoRA at tp); at 18 MB only fsdp tp=2 with checkpointing fits (16.8 MB;
+    without tp 24.4 MB at the least, 21.4 with the fused loss), at 30 MB an option without tp is chosen."""
+    cfg = to_config({"peft": {"name": "lora"}, "model": {"seq_len": 63}, "train": {"micro_batch_size": 64}})
+    roomy = make_plan(cfg, 2, int(0.03 * GB))
+    assert {(o.name, o.activation_checkpointing, o.offload) for o in roomy.options if o.tp > 1} == {
+        ("fsdp", False, False), ("fsdp", True, False)}
+    assert roomy.choice.tp == 1 and any(o.fits for o in roomy.options if o.tp == 2)
+    overrides = ["strategy=auto", "peft=lora", "model.seq_len=63", "train.micro_batch_size=64",
+                 "plan.gpu_memory_gb=0.018", "plan.world_size=2"]
+    _, resolved, said = auto_resolved(overrides, 2, caplog)
+    assert (resolved.strategy.name.value, resolved.strategy.tp, resolved.strategy.sp, resolved.train.fused_loss) == (
+        "fsdp", 2, 1, False)
+    assert said == ("strategy=auto chose fsdp tp=2 + activation checkpointing; train.activation_checkpointing=true "
+                    "(was false); strategy.tp=2 (was 1)"), said
+
+
 @pytest.mark.slow
 def test_a_70b_model_at_32k_tokens_on_8_gpus_does_not_fit_by_tensor_parallelism():
     # Llama-2-70B's shape on the built-in transformer (no grouped key-value heads: 78.6 B parameters),
@@ -186,6 +204,7 @@ def test_a_70b_model_at_32k_tokens_on_8_gpus_does_not_fit_by_tensor_parallelism(
 
 def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree():
     from trainer.plan import strategy_fallbacks
+    from trainer.plan.auto import own_option
 
     # at tp=2 on 2 ranks: the later options at tp=2, each with checkpointing (the run's own strategy with it is no
     # change of strategy); sequence parallelism, which does not cross with tp, is not offered
@@ -198,8 +217,11 @@ def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree
     assert fallbacks({"name": "fsdp"}) == later
     # zero at tp=2 is planned too: FSDP2 after ZeRO-2, as without tp
     assert fallbacks({"name": "zero2"}) == [("fsdp", False, False, 1), *later]
-    # LoRA at tp=2, which the planner does not count yet, has none, rather than a crash
+    # LoRA at tp=2: its own option is planned (fsdp's), and none after it at tp=2 is another strategy (zero1/2/3
+    # refuse LoRA at tp, fsdp does not offload at tp; fsdp with checkpointing is the run's own strategy)
     lora = to_config({"strategy": {"name": "fsdp", "tp": 2}, "peft": {"name": "lora"}, "train": {"micro_batch_size": 64}})
+    own = own_option(make_plan(lora, 2, int(80 * GB)), lora)
+    assert (own.name, own.tp, own.activation_checkpointing, own.offload) == ("fsdp", 2, False, False)
     assert strategy_fallbacks(lora, 2, missing=1) == []
 
 
