@@ -83,17 +83,18 @@ def test_runtime_bytes_agree_with_the_plan_at_zero_tp2(zero_tensor_parallel_byte
         assert got[key] == pytest.approx(expected[key], rel=0.10), (key, got[key], expected[key])
 
 
-def traffic_case(strategy: str, sequence_parallel: bool) -> dict:
-    """tiny, 64 tokens a row, fp32, with or without strategy.tp_sequence_parallel (fsdp's)"""
-    return case(strategy, strategy__tp=2, train__micro_batch_size=2, strategy__tp_sequence_parallel=sequence_parallel)
+def traffic_case(strategy: str, sequence_parallel: bool, lora: bool = False) -> dict:
+    """tiny, 64 tokens a row, fp32, with or without strategy.tp_sequence_parallel (fsdp's); `lora`: LORA"""
+    return case(strategy, strategy__tp=2, train__micro_batch_size=2, strategy__tp_sequence_parallel=sequence_parallel,
+                **(LORA if lora else {}))
 
 
-def tensor_traffic_per_step(env, strategy_name: str, sequence_parallel: bool) -> dict:
+def tensor_traffic_per_step(env, strategy_name: str, sequence_parallel: bool, lora: bool = False) -> dict:
     """The collectives' payload of a tp=2 run's second step (the first sets things up), at 2 ranks (dp=1:
     only the tensor group's)."""
     from tests.test_core_behaviour import build, loss_of
 
-    strategy, model, _ = build(env, traffic_case(strategy_name, sequence_parallel))
+    strategy, model, _ = build(env, traffic_case(strategy_name, sequence_parallel, lora))
     x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         counter = CollectiveBytes()
@@ -108,13 +109,16 @@ def tensor_traffic_per_step(env, strategy_name: str, sequence_parallel: bool) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,sequence_parallel", [("fsdp", False), ("fsdp", True), ("zero2", False)])
-def test_the_planned_tensor_traffic_is_what_the_collectives_carry(strategy, sequence_parallel):
+@pytest.mark.parametrize("strategy,sequence_parallel,lora", [("fsdp", False, False), ("fsdp", True, False),
+                                                              ("zero2", False, False), ("fsdp", False, True)])
+def test_the_planned_tensor_traffic_is_what_the_collectives_carry(strategy, sequence_parallel, lora):
     """With sequence parallelism a reduce-scatter and an all-gather of a tensor move, as rings, what one
     all-reduce of it does: the plan counts them as all-reduces. zero2 (AutoTP): its embedding whole, its
-    lookups not all-reduced."""
-    measured = on_ranks(2, tensor_traffic_per_step, strategy, sequence_parallel)[0]
-    plan = make_plan(to_config(traffic_case(strategy, sequence_parallel)), 2, gpu_memory_bytes=int(80 * GB))
+    lookups not all-reduced. LoRA: the adapters' own (a rowwise layer's lora_A output, a colwise or packed
+    layer's lora_B input gradient: 4 elements a token each) beside their layers', less the first block's qkv
+    input gradient, which autograd never computes (its input, from the frozen embedding, needs none)."""
+    measured = on_ranks(2, tensor_traffic_per_step, strategy, sequence_parallel, lora)[0]
+    plan = make_plan(to_config(traffic_case(strategy, sequence_parallel, lora)), 2, gpu_memory_bytes=int(80 * GB))
     option = next(o for o in plan.options if (o.name, o.tp, o.activation_checkpointing, o.offload) == (
         strategy, 2, False, False))
     # dp=1: neither FSDP2 nor ZeRO moves anything among data-parallel ranks
@@ -123,7 +127,7 @@ def test_the_planned_tensor_traffic_is_what_the_collectives_carry(strategy, sequ
     # group, here of one rank: a payload the counter sees that moves nothing
     alone = option.per_gpu_bytes["params"] if strategy == "zero2" else 0
     carried = measured["all_reduce"] - alone + (measured["reduce_scatter"] + measured["all_gather"]) / 2
-    print(f"{strategy} tp=2@2 sequence_parallel={sequence_parallel}: measured {measured} planned "
+    print(f"{strategy} tp=2@2 sequence_parallel={sequence_parallel} lora={lora}: measured {measured} planned "
           f"{option.comm_bytes['tensor_all_reduce']}")
     # the counter, a dispatch mode, does not see the collectives DTensor issues inside its own dispatch:
     # loss_parallel's exchange (planned: 12 bytes a token, 1,536 here) and the gradient norm's

@@ -21,7 +21,8 @@ import torch
 
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
 from trainer.memory import DTYPE_BYTES, SHARDED, async_save_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
-from trainer.plan.activations import ActivationCount, planned
+from trainer.models.tensor_plan import planned_modules
+from trainer.plan.activations import ActivationCount, inputs_without_gradient, planned
 from trainer.plan.tensor import TensorSplit, tensor_parallel_sizes, tensor_split
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
@@ -286,12 +287,15 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         model = meta_model(m, cfg.peft)
         blocks = find_blocks(model, cfg.strategy.wrap)
         sizes = {stage: tensor_parallel_sizes(cfg, world_size, stage) for stage in TENSOR_PARALLEL}
+        # peft=lora: the split layers before the first adapter take inputs autograd computes no gradient for
+        quiet = inputs_without_gradient(model, blocks, [m for _, m, _ in planned_modules(model)]) \
+            if frozen and any(sizes.values()) else set()
         for tp in sorted(set().union(*sizes.values())):
             for offload, stage, _, checkpointing in decision_order([]):
                 if tp not in sizes.get(stage, ()) or offload and stage is StrategyName.fsdp:  # fsdp's tp: no offload
                     continue
                 strategy = dataclasses.replace(cfg.strategy, name=stage, tp=tp, **offload_settings(stage, offload))
-                split = tensor_split(model, blocks, strategy, precision)
+                split = tensor_split(model, blocks, strategy, precision, quiet)
                 plan.options.append(tensor_parallel_option(dataclasses.replace(cfg, strategy=strategy), facts, split,
                                                            world_size, checkpointing, save_copy, gpu_memory_bytes))
     # The fastest that fits, per row the world trains; within 1 % of it, the decision order (the options'

@@ -58,9 +58,11 @@ def split_modules(model: nn.Module, strategy: StrategyName) -> list[tuple[str, n
     return [planned for planned in modules if style_and_parts(planned[2])[0] != "embedding_rowwise"]
 
 
-def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyConfig, precision: Precision) -> TensorSplit:
+def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyConfig, precision: Precision,
+                 quiet: set[int] | frozenset = frozenset()) -> TensorSplit:
     """`model`'s plan at `strategy`'s tp (on meta), as its strategy splits it (`split_modules`); `blocks`
-    its blocks (what checkpointing recomputes). With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
+    its blocks (what checkpointing recomputes); `quiet` the ids of the split layers whose input needs no
+    gradient (with LoRA, those before the first adapter: activations.py's `inputs_without_gradient`). With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
     the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
     replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
     all-gather and its gradient's reduce-scatter): counted as those."""
@@ -88,7 +90,7 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
             out = module.weight.shape[1] if style == "embedding_rowwise" else module.weight.shape[0]
             forward += out * element
             recomputed += out * element if id(module) in inside else 0
-        else:
+        elif id(module) not in quiet:
             backward += module.weight.shape[1] * element
         if style == "colwise_gather_output":  # its logits stay split: the loss is computed where they are
             loss = LOSS_PARALLEL_BYTES_PER_TOKEN
