@@ -62,7 +62,8 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
                  quiet: set[int] | frozenset = frozenset()) -> TensorSplit:
     """`model`'s plan at `strategy`'s tp (on meta), as its strategy splits it (`split_modules`); `blocks`
     its blocks (what checkpointing recomputes); `quiet` the ids of the split layers whose input needs no
-    gradient (with LoRA, those before the first adapter: activations.py's `inputs_without_gradient`). With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
+    gradient (with LoRA, those before the first adapter: activations.py's `inputs_without_gradient`): no
+    input gradient of theirs is all-reduced. With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
     the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
     replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
     all-gather and its gradient's reduce-scatter): counted as those."""
