@@ -18,29 +18,39 @@ GB = 1e9
 TP_WORLD = 4  # dp=2 x tp=2: split by the tensor group, then sharded by FSDP2 over the data-parallel ranks
 
 
-def tensor_parallel_case(tp: int) -> dict:
-    return case("fsdp", steps=2, train__micro_batch_size=2, strategy__tp=tp, **RUNTIME_MODEL)
+# peft=lora on the built-in model's blocks: qkv packed (its lora_B split by rows), proj and down rowwise (their
+# lora_A by columns), up colwise (its lora_B by rows); the output layer frozen, split by rows as without LoRA
+LORA = {"peft__name": "lora", "peft__r": 4, "peft__target_modules": ["qkv", "proj", "up", "down"]}
+TP_CASES = {"tp2": {}, "tp2_lora": LORA}
+
+
+def tensor_parallel_case(tp: int, name: str = "tp2") -> dict:
+    return case("fsdp", steps=2, train__micro_batch_size=2, strategy__tp=tp, **RUNTIME_MODEL, **TP_CASES[name])
 
 
 @pytest.fixture(scope="module")
 def tensor_parallel_bytes(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan_tp")
-    on_ranks(TP_WORLD, train_cases, {"tp2": tensor_parallel_case(2)}, str(out))
-    return records(out / "tp2")[-1]["mem"]
+    on_ranks(TP_WORLD, train_cases, {name: tensor_parallel_case(2, name) for name in TP_CASES}, str(out))
+    return {name: records(out / name)[-1]["mem"] for name in TP_CASES}
 
 
 @pytest.mark.slow
-def test_runtime_bytes_agree_with_the_plan_at_tp2(tensor_parallel_bytes):
-    plan = make_plan(to_config(tensor_parallel_case(2)), TP_WORLD, gpu_memory_bytes=int(80 * GB))
+@pytest.mark.parametrize("name", TP_CASES)
+def test_runtime_bytes_agree_with_the_plan_at_tp2(tensor_parallel_bytes, name):
+    """tp2_lora: the frozen base split as its layers, then sharded over the data-parallel ranks, with no
+    gradients or optimizer state; the adapters split as with_adapters splits them; the norms whole (no
+    sequence-parallel norms with LoRA)."""
+    cfg = to_config(tensor_parallel_case(2, name))
+    plan = make_plan(cfg, TP_WORLD, gpu_memory_bytes=int(80 * GB))
     options = {o.tp: o.per_gpu_bytes for o in plan.options
                if o.name == "fsdp" and not o.activation_checkpointing and not o.offload}
-    cfg = to_config(tensor_parallel_case(2))
     # mem.activations is what autograd keeps (the plan's column adds the output layer's backward beside it)
     kept = {tp: planned(cfg, False, False, tp=tp).bytes(cfg.model.seq_len, cfg.train.micro_batch_size) for tp in (1, 2)}
-    expected, got = {**options[2], "activations": kept[2]}, tensor_parallel_bytes
+    expected, got = {**options[2], "activations": kept[2]}, tensor_parallel_bytes[name]
     for key in ("params", "grads", "optim", "activations"):
+        print(f"fsdp {name}@{TP_WORLD} {key}: runtime {got[key]} plan {expected[key]} = {got[key] / expected[key]:.4f}")
         assert got[key] == pytest.approx(expected[key], rel=0.10), (key, got[key], expected[key])
-        print(f"fsdp tp=2@{TP_WORLD} {key}: runtime {got[key]} plan {expected[key]} = {got[key] / expected[key]:.4f}")
     # what tp changes, seen in the run: fewer activation bytes than one rank holding every head
     assert got["activations"] < kept[1]
 
@@ -74,21 +84,23 @@ def test_runtime_bytes_agree_with_the_plan_at_zero_tp2(zero_tensor_parallel_byte
         assert got[key] == pytest.approx(expected[key], rel=0.10), (key, got[key], expected[key])
 
 
-def traffic_case(strategy: str, sequence_parallel: bool, family: str | None = None) -> dict:
+def traffic_case(strategy: str, sequence_parallel: bool, family: str | None = None, lora: bool = False) -> dict:
     """tiny (or the tiny Llama of `family`'s folder), 64 tokens a row, fp32, with or without
-    strategy.tp_sequence_parallel (fsdp's)"""
-    cfg = case(strategy, strategy__tp=2, train__micro_batch_size=2, strategy__tp_sequence_parallel=sequence_parallel)
+    strategy.tp_sequence_parallel (fsdp's); `lora`: LORA"""
+    cfg = case(strategy, strategy__tp=2, train__micro_batch_size=2, strategy__tp_sequence_parallel=sequence_parallel,
+               **(LORA if lora else {}))
     if family is None:
         return cfg
     return {**cfg, "model": {"name": "hf", "kind": "hf", "path": family, "seq_len": 64, "vocab_size": VOCAB}}
 
 
-def tensor_traffic_per_step(env, strategy_name: str, sequence_parallel: bool, family: str | None = None) -> dict:
+def tensor_traffic_per_step(env, strategy_name: str, sequence_parallel: bool, family: str | None = None,
+                            lora: bool = False) -> dict:
     """The collectives' payload of a tp=2 run's second step (the first sets things up), at 2 ranks (dp=1:
     only the tensor group's)."""
     from tests.test_core_behaviour import build, loss_of
 
-    strategy, model, _ = build(env, traffic_case(strategy_name, sequence_parallel, family))
+    strategy, model, _ = build(env, traffic_case(strategy_name, sequence_parallel, family, lora))
     x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         counter = CollectiveBytes()
@@ -103,20 +115,23 @@ def tensor_traffic_per_step(env, strategy_name: str, sequence_parallel: bool, fa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,sequence_parallel,family",
-                         [("fsdp", False, None), ("fsdp", True, None), ("zero2", False, None), ("fsdp", True, "llama")])
-def test_the_planned_tensor_traffic_is_what_the_collectives_carry(strategy, sequence_parallel, family, tmp_path):
+@pytest.mark.parametrize("strategy,sequence_parallel,family,lora",
+                         [("fsdp", False, None, False), ("fsdp", True, None, False), ("zero2", False, None, False),
+                          ("fsdp", True, "llama", False), ("fsdp", False, None, True)])
+def test_the_planned_tensor_traffic_is_what_the_collectives_carry(strategy, sequence_parallel, family, lora, tmp_path):
     """With sequence parallelism a reduce-scatter and an all-gather of a tensor move, as rings, what one
     all-reduce of it does: the plan counts them as all-reduces. zero2 (AutoTP): its embedding whole, its
     lookups not all-reduced. A Llama's (separate q, k and v, gate and up) sequence-parallel: one reduce-scatter
     of attention's input gradient and one of the MLP's, its embeddings' sum an all-reduce and their split's
-    gradient all-gathered."""
+    gradient all-gathered. LoRA: the adapters' own (a rowwise layer's lora_A output, a colwise or packed
+    layer's lora_B input gradient: 4 elements a token each) beside their layers', less the first block's qkv
+    input gradient, which autograd never computes (its input, from the frozen embedding, needs none)."""
     if family is not None:
         from tests.test_tensor_parallel import model_dir
 
         family = model_dir(tmp_path, family)
-    measured = on_ranks(2, tensor_traffic_per_step, strategy, sequence_parallel, family)[0]
-    plan = make_plan(to_config(traffic_case(strategy, sequence_parallel, family)), 2, gpu_memory_bytes=int(80 * GB))
+    measured = on_ranks(2, tensor_traffic_per_step, strategy, sequence_parallel, family, lora)[0]
+    plan = make_plan(to_config(traffic_case(strategy, sequence_parallel, family, lora)), 2, gpu_memory_bytes=int(80 * GB))
     option = next(o for o in plan.options if (o.name, o.tp, o.activation_checkpointing, o.offload) == (
         strategy, 2, False, False))
     # dp=1: neither FSDP2 nor ZeRO moves anything among data-parallel ranks
@@ -125,7 +140,7 @@ def test_the_planned_tensor_traffic_is_what_the_collectives_carry(strategy, sequ
     # group, here of one rank: a payload the counter sees that moves nothing
     alone = option.per_gpu_bytes["params"] if strategy == "zero2" else 0
     carried = measured["all_reduce"] - alone + (measured["reduce_scatter"] + measured["all_gather"]) / 2
-    print(f"{strategy} {family} tp=2@2 sequence_parallel={sequence_parallel}: measured {measured} planned "
+    print(f"{strategy} {family} tp=2@2 sequence_parallel={sequence_parallel} lora={lora}: measured {measured} planned "
           f"{option.comm_bytes['tensor_all_reduce']}")
     # the counter, a dispatch mode, does not see the collectives DTensor issues inside its own dispatch:
     # loss_parallel's exchange (planned: 12 bytes a token, 1,536 here) and the gradient norm's
@@ -160,6 +175,24 @@ def test_strategy_auto_takes_strategy_tp_and_tries_the_fused_loss_and_sequence_p
                     "false); strategy.tp=1 (was 2); strategy.sp=2 (was 1)"), said
 
 
+def test_strategy_auto_takes_tensor_parallelism_for_lora_only_where_nothing_without_it_fits(caplog):
+    """peft=lora on the tiny model, 64 rows of 63 tokens at 2 ranks (63: no strategy.sp=2): the plan's tp options
+    are fsdp's alone (zero1/2/3 refuse LoRA at tp); at 18 MB only fsdp tp=2 with checkpointing fits (16.8 MB;
+    without tp 24.4 MB at the least, 21.4 with the fused loss), at 30 MB an option without tp is chosen."""
+    cfg = to_config({"peft": {"name": "lora"}, "model": {"seq_len": 63}, "train": {"micro_batch_size": 64}})
+    roomy = make_plan(cfg, 2, int(0.03 * GB))
+    assert {(o.name, o.activation_checkpointing, o.offload) for o in roomy.options if o.tp > 1} == {
+        ("fsdp", False, False), ("fsdp", True, False)}
+    assert roomy.choice.tp == 1 and any(o.fits for o in roomy.options if o.tp == 2)
+    overrides = ["strategy=auto", "peft=lora", "model.seq_len=63", "train.micro_batch_size=64",
+                 "plan.gpu_memory_gb=0.018", "plan.world_size=2"]
+    _, resolved, said = auto_resolved(overrides, 2, caplog)
+    assert (resolved.strategy.name.value, resolved.strategy.tp, resolved.strategy.sp, resolved.train.fused_loss) == (
+        "fsdp", 2, 1, False)
+    assert said == ("strategy=auto chose fsdp tp=2 + activation checkpointing; train.activation_checkpointing=true "
+                    "(was false); strategy.tp=2 (was 1)"), said
+
+
 @pytest.mark.slow
 def test_a_70b_model_at_32k_tokens_on_8_gpus_does_not_fit_by_tensor_parallelism():
     # Llama-2-70B's shape on the built-in transformer (no grouped key-value heads: 78.6 B parameters),
@@ -188,6 +221,7 @@ def test_a_70b_model_at_32k_tokens_on_8_gpus_does_not_fit_by_tensor_parallelism(
 
 def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree():
     from trainer.plan import strategy_fallbacks
+    from trainer.plan.auto import own_option
 
     # at tp=2 on 2 ranks: the later options at tp=2, each with checkpointing (the run's own strategy with it is no
     # change of strategy); sequence parallelism, which does not cross with tp, is not offered
@@ -200,8 +234,11 @@ def test_out_of_memory_fallbacks_of_a_tensor_parallel_run_keep_its_tensor_degree
     assert fallbacks({"name": "fsdp"}) == later
     # zero at tp=2 is planned too: FSDP2 after ZeRO-2, as without tp
     assert fallbacks({"name": "zero2"}) == [("fsdp", False, False, 1), *later]
-    # LoRA at tp=2, which the planner does not count yet, has none, rather than a crash
+    # LoRA at tp=2: its own option is planned (fsdp's), and none after it at tp=2 is another strategy (zero1/2/3
+    # refuse LoRA at tp, fsdp does not offload at tp; fsdp with checkpointing is the run's own strategy)
     lora = to_config({"strategy": {"name": "fsdp", "tp": 2}, "peft": {"name": "lora"}, "train": {"micro_batch_size": 64}})
+    own = own_option(make_plan(lora, 2, int(80 * GB)), lora)
+    assert (own.name, own.tp, own.activation_checkpointing, own.offload) == ("fsdp", 2, False, False)
     assert strategy_fallbacks(lora, 2, missing=1) == []
 
 

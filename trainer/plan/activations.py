@@ -319,6 +319,30 @@ def first_blocks(stack: nn.ModuleList, n: int):
 _COUNTS: dict[str, ActivationCount] = {}
 
 
+def inputs_without_gradient(model: nn.Module, blocks: list[nn.Module], modules: list[nn.Module]) -> set[int]:
+    """ids of `modules` whose input needs no gradient in a forward and loss of `model` on the meta device: with
+    frozen parameters (LoRA's base), those before any that trains (the first block's attention's input
+    projections, reading the frozen embedding's output), whose input's gradient autograd never computes (nor a
+    tensor group all-reduces). Of a model whose blocks are all alike, the first two traced (a later one's input
+    needs a gradient wherever the first two's adapters train)."""
+    quiet: set[int] = set()
+
+    def note(module, args):
+        if args and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
+            quiet.add(id(module))
+
+    hooks = [m.register_forward_pre_hook(note) for m in modules]
+    objective = NextToken(fused=False)
+    stack = alike_stack(model, blocks)
+    try:
+        with first_blocks(stack, 2) if stack else nullcontext():
+            trace(model, [], lambda m, ids, positions: objective.loss_sum(m, [ids, ids.clone()])[0], 8)
+    finally:
+        for h in hooks:
+            h.remove()
+    return quiet
+
+
 def planned(cfg, checkpointing: bool, fused_loss: bool, sp: int = 1, short: int = 64, tp: int = 1) -> ActivationCount:
     """The activations of `cfg`'s model (a Config) per micro-batch and rank, counted on the meta
     device in the training dtype, built as the trainer builds it: activation checkpointing per

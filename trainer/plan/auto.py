@@ -50,7 +50,8 @@ def resolve_auto(cfg, world_size: int) -> None:
 
 def own_option(plan: Plan, cfg: Config) -> Option | None:
     """The option of `plan` that cfg runs: its strategy, strategy.ep and strategy.tp, activation
-    checkpointing and offload; None where the planner has none (strategy.tp with LoRA)."""
+    checkpointing and offload; None where the planner has none (a setting the trainer refuses: strategy.ep with
+    LoRA, fsdp's offload at strategy.tp, ...)."""
     s = cfg.strategy
     return next((o for o in plan.options if o.name == StrategyName(s.name).value and o.ep == s.ep and o.tp == s.tp
                  and o.activation_checkpointing == cfg.train.activation_checkpointing

@@ -21,7 +21,8 @@ import torch
 
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
 from trainer.memory import DTYPE_BYTES, SHARDED, async_save_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
-from trainer.plan.activations import ActivationCount, planned
+from trainer.models.tensor_plan import planned_modules
+from trainer.plan.activations import ActivationCount, inputs_without_gradient, planned
 from trainer.plan.tensor import TensorSplit, tensor_parallel_sizes, tensor_split
 from trainer.strategies.ds_config import ZERO3_PERSISTENCE_THRESHOLD
 
@@ -188,6 +189,14 @@ def held_bytes(stage: StrategyName, n_params: int, ranks: int, cfg: Config) -> d
     return held
 
 
+def frozen_bytes(stage: StrategyName, frozen: int, ranks: int, precision: Precision, reference: int = 0) -> int:
+    """Bytes per rank of `frozen` parameters (LoRA's base), held in the training dtype with no gradients and
+    no optimizer state, and of objective=dpo's `reference` copy (ddp's fp32, as the policy's parameters:
+    Strategy._frozen_dtype), sharded over `ranks` where `stage` shards parameters."""
+    copy_bytes = 4 if stage is StrategyName.ddp else DTYPE_BYTES[precision]
+    return (DTYPE_BYTES[precision] * frozen + copy_bytes * reference) // (ranks if "params" in SHARDED[stage] else 1)
+
+
 def decision_order(expert_sizes: list[int]):
     """(offload, strategy, strategy.ep, activation checkpointing) of each option in the decision order:
     cheaper in speed first, each ep size after the same strategy without it; offload last of all
@@ -239,10 +248,8 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         held = held_bytes(stage, trainable - experts, world_size, cfg)
         if experts:
             held = {k: v + held_bytes(stage, experts // ep, world_size // ep, cfg)[k] for k, v in held.items()}
-        # ddp's copy is fp32, as the policy's parameters (Strategy._frozen_dtype)
-        copy_bytes = 4 if stage is StrategyName.ddp else DTYPE_BYTES[precision]
-        held["params"] += (DTYPE_BYTES[precision] * frozen + copy_bytes * reference) // (
-            world_size if "params" in SHARDED[stage] else 1) + DTYPE_BYTES[precision] * starting_adapter
+        held["params"] += frozen_bytes(stage, frozen, world_size, precision, reference) \
+            + DTYPE_BYTES[precision] * starting_adapter
         moved = OFFLOADED[stage] if offload else ()
         gpu = {k: 0 if k in moved else v for k, v in held.items()}
         need = activation_need(cfg, checkpointing, t.fused_loss, cfg.strategy.sp)
@@ -280,12 +287,15 @@ def make_plan(cfg: Config, world_size: int, gpu_memory_bytes: int, memory_source
         model = meta_model(m, cfg.peft)
         blocks = find_blocks(model, cfg.strategy.wrap)
         sizes = {stage: tensor_parallel_sizes(cfg, world_size, stage) for stage in TENSOR_PARALLEL}
+        # peft=lora: the split layers before the first adapter take inputs autograd computes no gradient for
+        quiet = inputs_without_gradient(model, blocks, [m for _, m, _ in planned_modules(model)]) \
+            if frozen and any(sizes.values()) else set()
         for tp in sorted(set().union(*sizes.values())):
             for offload, stage, _, checkpointing in decision_order([]):
                 if tp not in sizes.get(stage, ()) or offload and stage is StrategyName.fsdp:  # fsdp's tp: no offload
                     continue
                 strategy = dataclasses.replace(cfg.strategy, name=stage, tp=tp, **offload_settings(stage, offload))
-                split = tensor_split(model, blocks, strategy, precision)
+                split = tensor_split(model, blocks, strategy, precision, quiet)
                 plan.options.append(tensor_parallel_option(dataclasses.replace(cfg, strategy=strategy), facts, split,
                                                            world_size, checkpointing, save_copy, gpu_memory_bytes))
     # The fastest that fits, per row the world trains; within 1 % of it, the decision order (the options'
@@ -309,12 +319,16 @@ def tensor_parallel_option(cfg: Config, facts: ModelFacts, split: TensorSplit, w
     them (counted on meta); per step, the strategy's own collectives (and offload's copies) of those
     parameters among the data-parallel ranks, and the tensor group's all-reduces (`TensorSplit.traffic`)
     among its tp ranks. A rank computes 1 / tp of the split layers' and of attention's FLOPs (its heads),
-    the rest whole."""
+    the rest whole. peft=lora (fsdp): the frozen base, split as its layers and sharded over the data-parallel
+    ranks, in the training dtype with no gradients or optimizer state (`frozen_bytes`); the adapters, split as
+    their layers (models/tensor_plan.py's `with_adapters`), at trainer/memory.py's bytes per parameter."""
     t, tp, precision = cfg.train, split.tp, Precision(cfg.train.precision)
     stage, offload = StrategyName(cfg.strategy.name), cfg.strategy.offload_optimizer
     dp = world_size // tp
     local = facts.params - split.split_params + split.split_params // tp
-    held = held_bytes(stage, local, dp, cfg)
+    frozen = facts.params - facts.trainable - split.split_frozen + split.split_frozen // tp
+    held = held_bytes(stage, local - frozen, dp, cfg)
+    held["params"] += frozen_bytes(stage, frozen, dp, precision)
     moved = OFFLOADED[stage] if offload else ()
     gpu = {k: 0 if k in moved else v for k, v in held.items()}
     need = activation_need(cfg, checkpointing, t.fused_loss, 1, tp)
@@ -322,13 +336,15 @@ def tensor_parallel_option(cfg: Config, facts: ModelFacts, split: TensorSplit, w
     gpu["total"] = sum(gpu.values())
     # ZeRO-3's parameters below its persistence threshold, counted at their whole sizes (a split one is smaller)
     whole = min(facts.elements_below(ZERO3_PERSISTENCE_THRESHOLD), local)
-    data_parallel = step_traffic(stage, local, whole, dp, precision, t.grad_accum_steps,
-                                 cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype)
+    data_parallel = step_traffic(stage, local - frozen, whole, dp, precision, t.grad_accum_steps,
+                                 cfg.strategy.grad_reduce, offload, cfg.strategy.reduce_dtype, frozen)
     reductions = t.grad_accum_steps if GradReduce(cfg.strategy.grad_reduce) is GradReduce.micro_step else 1
     tensor = {"tensor_all_reduce": split.traffic(t.micro_batch_size * cfg.model.seq_len, t.grad_accum_steps,
                                                  reductions, checkpointing)}
     attention_flops = 12 * facts.n_layers * facts.d_model * cfg.model.seq_len
-    flops_per_token = facts.flops_per_token - (1 - 1 / tp) * (6 * split.split_matmul_params + attention_flops)
+    # model_facts' FLOPs: 6 an element that trains, 4 a frozen one (no gradient of its own)
+    split_flops = 6 * split.split_matmul_params - 2 * split.split_frozen_matmul
+    flops_per_token = facts.flops_per_token - (1 - 1 / tp) * (split_flops + attention_flops)
     flops = flops_per_token * t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len * (
         8 / 6 if checkpointing else 1)
     option = Option(stage.value, checkpointing, offload, gpu, sum(held[k] for k in moved) + save_copy,

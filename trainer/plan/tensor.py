@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from trainer.config import Config, PeftName, Precision, StrategyConfig, StrategyName
+from trainer.config import Config, Precision, StrategyConfig, StrategyName
 from trainer.errors import ConfigError
 from trainer.memory import DTYPE_BYTES
 from trainer.models.tensor_plan import (
@@ -44,6 +44,8 @@ class TensorSplit:
     backward_per_token: int  # the colwise layers' inputs' gradients, summed over the group
     loss_per_token: int  # loss_parallel's exchange (the output layer's logits stay split)
     replicated_gradients: int  # elements of replicated_with_grad_allreduce parameters, their gradients summed
+    split_frozen: int = 0  # of split_params, those that do not train (LoRA's base layers)
+    split_frozen_matmul: int = 0  # of split_frozen, those that multiply
 
     def traffic(self, tokens: int, micro_steps: int, reductions: int, checkpointing: bool) -> int:
         """All-reduce payload per optimizer step of `micro_steps` micro-batches of `tokens` tokens each,
@@ -62,9 +64,12 @@ def split_modules(model: nn.Module, strategy: StrategyName) -> list[tuple[str, n
     return [planned for planned in modules if style_and_parts(planned[2])[0] != "embedding_rowwise"]
 
 
-def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyConfig, precision: Precision) -> TensorSplit:
+def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyConfig, precision: Precision,
+                 quiet: set[int] | frozenset = frozenset()) -> TensorSplit:
     """`model`'s plan at `strategy`'s tp (on meta), as its strategy splits it (`split_modules`); `blocks`
-    its blocks (what checkpointing recomputes). With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
+    its blocks (what checkpointing recomputes); `quiet` the ids of the split layers whose input needs no
+    gradient (with LoRA, those before the first adapter: activations.py's `inputs_without_gradient`): no
+    input gradient of theirs is all-reduced. With sequence-parallel norms (`uses_sequence_parallel`: fsdp's),
     the `_tp_sequence_plan`'s reduce-scatters and all-gathers move, as a ring, what the all-reduces they
     replace do (each rowwise sum a reduce-scatter and its gradient's all-gather, each colwise input an
     all-gather and its gradient's reduce-scatter, once for a gathered module's colwise layers): counted as
@@ -72,7 +77,7 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
     (`sequence_split`) gradient all-gather."""
     element = DTYPE_BYTES[precision]
     inside = {id(m) for block in blocks for m in block.modules()}
-    split = matmul = forward = recomputed = backward = replicated = loss = 0
+    split = matmul = forward = recomputed = backward = replicated = loss = frozen = frozen_matmul = 0
     sequence_plan = planned_modules(model, "_tp_sequence_plan") if uses_sequence_parallel(strategy, model) else []
     # a gathered module's input gradient, its colwise layers' summed (q, k and v's of one input): one reduce-scatter
     gathered_by = {id(layer): id(gathered) for _, gathered, value in sequence_plan if value == "sequence_gathered"
@@ -81,10 +86,12 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
     for _, module, value in split_modules(model, StrategyName(strategy.name)) + sequence_plan:
         style, _ = style_and_parts(value)
         # a rowwise layer's bias is added once the outputs are summed: whole on every rank
-        count = sum(p.numel() for name, p in module.named_parameters(recurse=False)
-                    if not (style == "rowwise" and name == "bias"))
+        counted = [p for name, p in module.named_parameters(recurse=False) if not (style == "rowwise" and name == "bias")]
+        count = sum(p.numel() for p in counted)
+        # peft=lora: the base layers are frozen (no gradient to sum, nothing to update), the adapters train
+        stays = sum(p.numel() for p in counted if not p.requires_grad)
         if style in ("replicated_with_grad_allreduce", "sequence_parallel", "sequence_positions"):
-            replicated += count
+            replicated += count - stays
             continue
         if style == "sequence_gathered":  # its gather and the colwise layers' gradients: counted as theirs
             continue
@@ -93,17 +100,19 @@ def tensor_split(model: nn.Module, blocks: list[nn.Module], strategy: StrategyCo
             backward += model.get_input_embeddings().embedding_dim * element // 2
             continue
         split += count
+        frozen += stays
         matmul += count if style != "embedding_rowwise" else 0
+        frozen_matmul += stays if style != "embedding_rowwise" else 0
         if style in ("rowwise", "embedding_rowwise"):
             out = module.weight.shape[1] if style == "embedding_rowwise" else module.weight.shape[0]
             forward += out * element
             recomputed += out * element if id(module) in inside else 0
-        elif gathered_by.get(id(module)) not in gathered_counted:
+        elif id(module) not in quiet and gathered_by.get(id(module)) not in gathered_counted:
             backward += module.weight.shape[1] * element
             gathered_counted.add(gathered_by.get(id(module), id(module)))
         if style == "colwise_gather_output":  # its logits stay split: the loss is computed where they are
             loss = LOSS_PARALLEL_BYTES_PER_TOKEN
-    return TensorSplit(strategy.tp, split, matmul, forward, recomputed, backward, loss, replicated)
+    return TensorSplit(strategy.tp, split, matmul, forward, recomputed, backward, loss, replicated, frozen, frozen_matmul)
 
 
 def hold_local_shares(model: nn.Module, tp: int, strategy: StrategyName) -> None:
@@ -148,13 +157,9 @@ def tensor_parallel_sizes(cfg: Config, world_size: int, strategy: StrategyName) 
     """strategy.tp values above 1 that this run may take on `strategy`: every size dividing the world that
     the trainer's checks accept (the model's plan, its split dimensions, heads and key-value heads; the
     settings tensor parallelism crosses with), without offload (zero's offload crosses with every size); none
-    where they refuse every size, and none for peft=lora (`tensor_parallel_option` counts every parameter
-    trainable, not LoRA's frozen base)."""
+    where they refuse every size (peft=lora: zero1/2/3 refuse it, fsdp takes it)."""
     from trainer.checks import check_tensor_parallel
     from trainer.models import meta_model
-
-    if PeftName(cfg.peft.name) is PeftName.lora:
-        return []
 
     model = meta_model(cfg.model, cfg.peft)
     settings = dataclasses.replace(cfg.strategy, name=strategy, offload_params=False, offload_optimizer=False)
