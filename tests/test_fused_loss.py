@@ -302,6 +302,10 @@ def test_an_output_layer_with_lora_or_a_scale_after_it_is_refused(hf_assets, tmp
     error = refusal(tmp_path / "run", "train.fused_loss=true", "model=hf", f"model.path={path}", "peft=lora",
                     "peft.target_modules=[lm_head,q_proj]")
     assert error.startswith("train.fused_loss: ") and "peft.target_modules" in error, error
+    # the built-in model's output layer, found by its width: peft's layer, not the base_layer inside it (once
+    # fused, whose tokens' losses LoRA's logits were added to: a traceback in the first forward)
+    error = refusal(tmp_path / "run", "train.fused_loss=true", "peft=lora", "peft.target_modules=[qkv,lm_head]")
+    assert error.startswith("train.fused_loss: ") and "peft.target_modules" in error, error
     from transformers import AutoConfig
 
     cohere = tmp_path / "cohere"
@@ -309,6 +313,20 @@ def test_an_output_layer_with_lora_or_a_scale_after_it_is_refused(hf_assets, tmp
                          num_attention_heads=4, num_key_value_heads=2, logit_scale=0.5).save_pretrained(str(cohere))
     error = refusal(tmp_path / "run", "train.fused_loss=true", "model=hf", f"model.path={cohere}")
     assert "CohereForCausalLM's logits are not its output layer's output unchanged" in error, error
+
+
+def test_the_planner_counts_the_fused_loss_only_where_the_run_takes_it():
+    """python -m trainer.plan's longest seq_len per fused loss, and strategy=auto's trial of it: only for an
+    output layer the fused loss takes (not one with LoRA on it, which a run refuses; the plan failed on it)."""
+    from trainer.config import to_config
+    from trainer.plan import make_plan
+
+    def fused_rows(targets: list[str]) -> set[bool]:
+        cfg = to_config({"peft": {"name": "lora", "r": 4, "target_modules": targets}})
+        return {fused for _, fused, _, _ in make_plan(cfg, 2, gpu_memory_bytes=80 * 2**30).long_context}
+
+    assert fused_rows(["qkv", "proj"]) == {False, True}
+    assert fused_rows(["qkv", "lm_head"]) == {False}
 
 
 def test_the_start_line_says_when_the_fused_loss_is_on():

@@ -15,6 +15,7 @@ from tests.harness import FULL_MATRIX, records, run_cli
 from trainer.config import to_config
 from trainer.errors import RunError
 from trainer.metrics import read_metrics
+from trainer.models.checks import fusable
 from trainer.oom import (
     TEST_SWITCH,
     Adaptation,
@@ -22,7 +23,6 @@ from trainer.oom import (
     OutOfMemory,
     append,
     asked_bytes,
-    fusable,
     next_plan,
     read_oom_records,
 )

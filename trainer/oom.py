@@ -27,9 +27,7 @@ from typing import Callable
 import torch
 
 from trainer.config import Config, OnOom, StrategyName
-from trainer.errors import ConfigError
-from trainer.models import build_model
-from trainer.models.checks import check_output_layer
+from trainer.models.checks import fusable
 
 RECORDS = "oom.jsonl"
 # For tests only: "rank=R,rows=N[,bytes=B][,where=forward|backward|evaluation][,from_step=S]" makes
@@ -295,11 +293,3 @@ def append(run_dir: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def fusable(cfg: Config) -> bool:
-    """Whether train.fused_loss can take the run's output layer: a model whose logits are its output
-    layer's (models/checks.py)."""
-    try:
-        check_output_layer(cfg.model, build_model(cfg.model, torch.device("meta"), cfg.peft, cfg.strategy.sp))
-    except ConfigError:
-        return False
-    return True

@@ -89,6 +89,16 @@ def check_packing(cfg: ModelConfig) -> None:
                           "its attention crosses from one to the next; set data.packing=false (a padded row each)")
 
 
+def fusable(cfg: Config) -> bool:
+    """Whether train.fused_loss can take the run's output layer: a model whose logits are its output
+    layer's (`check_output_layer`)."""
+    try:
+        check_output_layer(cfg.model, build_model(cfg.model, torch.device("meta"), cfg.peft, cfg.strategy.sp))
+    except ConfigError:
+        return False
+    return True
+
+
 def check_output_layer(cfg: ModelConfig, model: nn.Module) -> None:
     """Before any work: the run's model (`model`, built on the meta device, with its adapters; left
     as it is) has a torch Linear output layer, and its logits are that layer's output unchanged (no

@@ -49,13 +49,15 @@ def output_layer(model: nn.Module, vocab_size: int) -> nn.Module | None:
     """The layer that makes the logits. peft's `all-linear` leaves out a Hugging Face model's
     `get_output_embeddings()` and nothing on other models; here it is left out on every kind: the
     reference and custom models have no such method, so theirs is the last linear layer whose
-    outputs are the vocabulary (the logits come last; a layer before it may be as wide)."""
+    outputs are the vocabulary (the logits come last; a layer before it may be as wide), the outermost:
+    with LoRA on it, peft's layer, not its base_layer or lora_B inside."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if output is not None:
         return output
     widths = {name: getattr(m, "out_features", getattr(m, "nf", None)) for name, m in linear_layers(model).items()}
     heads = [name for name, width in widths.items() if width == vocab_size]
-    return model.get_submodule(heads[-1]) if heads else None
+    outermost = [name for name in heads if not any(name.startswith(f"{head}.") for head in heads)]
+    return model.get_submodule(outermost[-1]) if outermost else None
 
 
 def matches(name: str, target: str) -> bool:

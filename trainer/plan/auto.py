@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainer.config import Config, StrategyName
+from trainer.models.checks import fusable
 from trainer.oom import format_bytes
 from trainer.plan.cost import GB, Option, Plan, make_plan, memory_budget, offload_settings, sequence_parallel_sizes
 from trainer.plan.report import format_plan
@@ -96,7 +97,7 @@ def plan_for_the_sequence(typed: Config, world_size: int, plan: Plan) -> tuple[P
     """strategy=auto when nothing fits: the first of train.fused_loss=true, then strategy.sp=2, 3, 4, ...
     (each with and without the fused loss) whose plan has a choice; the settings it takes."""
     for sp in sequence_parallel_sizes(typed, world_size):
-        for fused in (False, True):
+        for fused in (False, True) if fusable(typed) else (False,):
             if (sp, fused) == (typed.strategy.sp, typed.train.fused_loss) or sp < typed.strategy.sp or (
                     typed.train.fused_loss and not fused):
                 continue

@@ -21,6 +21,7 @@ import torch
 
 from trainer.config import Config, GradReduce, ObjectiveName, PeftName, Precision, ReduceDtype, StrategyName
 from trainer.memory import DTYPE_BYTES, SHARDED, async_save_bytes, peak_gradient_bytes, per_rank_bytes, reduce_bytes
+from trainer.models.checks import fusable
 from trainer.models.tensor_plan import planned_modules
 from trainer.plan.activations import ActivationCount, inputs_without_gradient, planned
 from trainer.plan.tensor import TensorSplit, tensor_parallel_sizes, tensor_split
@@ -387,9 +388,11 @@ def plan_long_context(plan: Plan, cfg: Config, world_size: int, rows_per_sequenc
     t = cfg.train
     # the activations as the base's strategy keeps them (zero's AutoTP: no sequence-parallel norms)
     cfg = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, name=StrategyName(base.name)))
-    # strategy.tp crosses neither with strategy.sp nor with the fused loss
+    # strategy.tp crosses neither with strategy.sp nor with the fused loss, which takes only an output layer
+    # whose logits are the model's (models/checks.py; not one with LoRA on it)
+    fused_options = (False, True) if base.tp == 1 and fusable(cfg) else (False,)
     for sp in sequence_parallel_sizes(cfg, world_size) if base.tp == 1 else [1]:
-        for fused in (False, True) if base.tp == 1 else (False,):
+        for fused in fused_options:
             for checkpointing in (False, True):
                 need = activation_need(cfg, checkpointing, fused, sp, base.tp)
                 longest = need.longest(plan.gpu_memory_bytes - rest, t.micro_batch_size) // rows_per_sequence
