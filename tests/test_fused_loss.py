@@ -319,14 +319,16 @@ def test_the_planner_counts_the_fused_loss_only_where_the_run_takes_it():
     """python -m trainer.plan's longest seq_len per fused loss, and strategy=auto's trial of it: only for an
     output layer the fused loss takes (not one with LoRA on it, which a run refuses; the plan failed on it)."""
     from trainer.config import to_config
+    from trainer.models.checks import fusable
     from trainer.plan import make_plan
 
-    def fused_rows(targets: list[str]) -> set[bool]:
-        cfg = to_config({"peft": {"name": "lora", "r": 4, "target_modules": targets}})
-        return {fused for _, fused, _, _ in make_plan(cfg, 2, gpu_memory_bytes=80 * 2**30).long_context}
+    def lora(targets: list[str]):
+        return to_config({"peft": {"name": "lora", "r": 4, "target_modules": targets}})
 
-    assert fused_rows(["qkv", "proj"]) == {False, True}
-    assert fused_rows(["qkv", "lm_head"]) == {False}
+    assert fusable(lora(["qkv", "proj"])) and not fusable(lora(["qkv", "lm_head"]))
+    # (tests/test_activations.py: the rows with the fused loss where it is taken)
+    plan = make_plan(lora(["qkv", "lm_head"]), 2, gpu_memory_bytes=80 * 2**30)
+    assert {fused for _, fused, _, _ in plan.long_context} == {False}, plan.long_context
 
 
 def test_the_start_line_says_when_the_fused_loss_is_on():
